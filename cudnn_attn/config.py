@@ -1,0 +1,261 @@
+"""The one static description of an attention call.
+
+:class:`AttentionConfig` is frozen and hashable.  It is built once at the public boundary (see
+:func:`cudnn_attn.validation.prepare`) and then crosses every layer unchanged: it is the graph-cache
+key (with device and cuDNN version), the only static argument of the JAX primitives, and the input of
+the support table, the reference, the graph builder and the batching/sharding rules.
+
+Runtime values are *not* part of it: the arrays (in :class:`AttentionOperands`), the dropout seed,
+the FP8 scale values and the ``score_mod`` argument values.
+
+Naming: ``B`` batch, ``T`` query length, ``S`` key/value length, ``N`` query heads, ``K`` key/value
+heads, ``H`` query/key head dim, ``Hv`` value head dim.  The cuDNN graph always sees logical
+``(B, N, T, H)`` tensors; the layout only changes the strides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .types import AttentionLayout
+
+
+class DiagonalAlignment(enum.Enum):
+    """Where the causal diagonal starts: query ``i`` faces key ``i`` (TOP_LEFT) or key ``i + S - T``
+    (BOTTOM_RIGHT, per sequence when lengths are given)."""
+
+    TOP_LEFT = "top_left"
+    BOTTOM_RIGHT = "bottom_right"
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """Orthogonal mask fields; each maps one-to-one onto a cuDNN SDPA knob.
+
+    With ``d = j - i - delta`` for query ``i`` and key ``j`` (``delta = 0`` for TOP_LEFT,
+    ``S_b - T_b`` for BOTTOM_RIGHT), key ``j`` is kept iff
+
+    * ``right_bound is None or d <= right_bound``  (``right_bound == 0`` is causal), and
+    * ``left_bound is None or -d < left_bound``     (a window of ``left_bound`` keys ending at the
+      diagonal; the seed's ``sliding_window_length``), and
+    * with ``padding``: ``i < q_seqlen[b]`` and ``j < kv_seqlen[b]``.
+
+    ``alibi`` adds cuDNN's ALiBi bias ``m_h * (j - i)`` (requires causal).
+    """
+
+    right_bound: int | None = None
+    left_bound: int | None = None
+    alignment: DiagonalAlignment = DiagonalAlignment.TOP_LEFT
+    padding: bool = False
+    alibi: bool = False
+
+    @property
+    def causal(self) -> bool:
+        return self.right_bound == 0
+
+    def describe(self) -> str:
+        parts = []
+        if self.causal:
+            parts.append("causal" + ("(bottom-right)" if self.alignment is DiagonalAlignment.BOTTOM_RIGHT else ""))
+        elif self.right_bound is not None:
+            parts.append(f"right_bound={self.right_bound}")
+        if self.left_bound is not None:
+            parts.append(f"window={self.left_bound}")
+        if self.padding:
+            parts.append("padding")
+        if self.alibi:
+            parts.append("alibi")
+        return "+".join(parts) or "none"
+
+
+@dataclass(frozen=True)
+class BiasSpec:
+    """Additive bias of shape ``(1 or B, 1 or N, T, S)`` in the io dtype (a boolean mask is folded in).
+
+    ``differentiable`` is False when the bias came only from a boolean mask: nobody can ask for its
+    gradient, so the backward skips dbias.
+    """
+
+    shape: tuple[int, int, int, int]
+    differentiable: bool
+
+
+@dataclass(frozen=True)
+class PackingSpec:
+    """Packed segments (seed ``q_offsets``/``kv_offsets``): each batch row holds up to ``max_segments``
+    segments; attention stays inside a segment.  cuDNN sees ``B * max_segments`` ragged sequences."""
+
+    max_segments: int
+
+
+@dataclass(frozen=True)
+class PagingSpec:
+    """Paged K/V: caches of ``num_blocks`` blocks of ``block_size`` tokens; page tables of shape
+    ``(B, 1, blocks_per_seq, 1)`` map logical to physical blocks."""
+
+    num_blocks_k: int
+    num_blocks_v: int
+    block_size: int
+    blocks_per_seq: int
+
+
+@dataclass(frozen=True)
+class ScoreModSpec:
+    """A user ``score_mod(score, *args)`` on the float32 ``(B, N, T, S)`` scores.
+
+    Identity is the function object itself plus the static shapes/dtypes of its arguments (their
+    values are runtime).
+    """
+
+    fn: Callable[..., Any] = field(compare=True)
+    arg_shapes: tuple[tuple[tuple[int, ...], str], ...] = ()
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__name__", type(self.fn).__name__)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Everything static about one attention call (forward and its backward)."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    qk_dim: int
+    v_dim: int
+    dtype: str                       # numpy dtype name of Q/K/V: float16, bfloat16, float8_e4m3fn, float8_e5m2
+    layout: AttentionLayout = AttentionLayout.BTNH
+    scale: float = 1.0
+    mask: MaskSpec = MaskSpec()
+    bias: BiasSpec | None = None
+    dropout_rate: float = 0.0
+    packing: PackingSpec | None = None
+    paging: PagingSpec | None = None
+    fp8: bool = False
+    score_mod: ScoreModSpec | None = None
+    sink: bool = False
+    training: bool = False           # forward also produces the logsumexp needed by the backward
+    deterministic: bool = False      # backward: deterministic dQ accumulation
+
+    # -- derived facts -------------------------------------------------------------------------
+    @property
+    def is_gqa(self) -> bool:
+        return self.kv_heads != self.q_heads
+
+    @property
+    def is_mla(self) -> bool:
+        return self.v_dim != self.qk_dim
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.dropout_rate > 0.0
+
+    @property
+    def has_dbias(self) -> bool:
+        return self.bias is not None and self.bias.differentiable
+
+    @property
+    def segments(self) -> int:
+        """Sequences cuDNN sees: ``B`` or ``B * M`` when packed."""
+        return self.batch * (self.packing.max_segments if self.packing else 1)
+
+    def replace(self, **changes: Any) -> "AttentionConfig":
+        return dataclasses.replace(self, **changes)
+
+    # -- physical shapes (in the config's layout) ------------------------------------------------
+    def _shape(self, heads: int, length: int, dim: int) -> tuple[int, int, int, int]:
+        if self.layout is AttentionLayout.BTNH:
+            return (self.batch, length, heads, dim)
+        return (self.batch, heads, length, dim)
+
+    @property
+    def q_shape(self) -> tuple[int, int, int, int]:
+        return self._shape(self.q_heads, self.q_len, self.qk_dim)
+
+    @property
+    def k_shape(self) -> tuple[int, int, int, int]:
+        if self.paging:
+            return self._paged_shape(self.paging.num_blocks_k, self.qk_dim)
+        return self._shape(self.kv_heads, self.kv_len, self.qk_dim)
+
+    @property
+    def v_shape(self) -> tuple[int, int, int, int]:
+        if self.paging:
+            return self._paged_shape(self.paging.num_blocks_v, self.v_dim)
+        return self._shape(self.kv_heads, self.kv_len, self.v_dim)
+
+    def _paged_shape(self, blocks: int, dim: int) -> tuple[int, int, int, int]:
+        bs = self.paging.block_size
+        if self.layout is AttentionLayout.BTNH:
+            return (blocks, bs, self.kv_heads, dim)
+        return (blocks, self.kv_heads, bs, dim)
+
+    @property
+    def o_shape(self) -> tuple[int, int, int, int]:
+        return self._shape(self.q_heads, self.q_len, self.v_dim)
+
+    @property
+    def lse_shape(self) -> tuple[int, int, int]:
+        return (self.segments, self.q_heads, self.q_len)
+
+    def describe(self) -> str:
+        """One line for logs, errors and the cache listing."""
+        kv = f"{self.kv_heads}kv" if self.is_gqa else ""
+        dims = f"d={self.qk_dim}" + (f"/{self.v_dim}" if self.is_mla else "")
+        parts = [
+            f"{self.dtype} {self.layout.name} B={self.batch} N={self.q_heads}{'/' + kv if kv else ''} "
+            f"T={self.q_len} S={self.kv_len} {dims}",
+            f"mask={self.mask.describe()}",
+        ]
+        if self.bias:
+            parts.append(f"bias{list(self.bias.shape)}{'+dbias' if self.bias.differentiable else ''}")
+        if self.has_dropout:
+            parts.append(f"dropout={self.dropout_rate:g}")
+        if self.packing:
+            parts.append(f"packed(M={self.packing.max_segments})")
+        if self.paging:
+            parts.append(f"paged(bs={self.paging.block_size})")
+        if self.fp8:
+            parts.append("fp8")
+        if self.score_mod:
+            parts.append(f"score_mod={self.score_mod.name}")
+        if self.sink:
+            parts.append("sink")
+        if self.deterministic:
+            parts.append("deterministic")
+        parts.append("train" if self.training else "infer")
+        return " ".join(parts)
+
+
+@dataclass
+class AttentionOperands:
+    """The arrays of one call, by name.  Absent members are ``None`` (never placeholder arrays).
+
+    ``bias`` is the combined additive bias (explicit bias plus a boolean mask turned into a large
+    negative number), 4-D.  ``q_seqlen``/``kv_seqlen`` are int32 ``(B,)`` or ``(B, M)`` when packed;
+    ``q_offsets``/``kv_offsets`` int32 ``(B, M + 1)``.  ``fp8_scales`` maps FP8Params keys to float32
+    scalars.  ``sink`` is float32 ``(N,)``.
+    """
+
+    query: Any
+    key: Any
+    value: Any
+    bias: Any = None
+    q_seqlen: Any = None
+    kv_seqlen: Any = None
+    q_offsets: Any = None
+    kv_offsets: Any = None
+    page_table_k: Any = None
+    page_table_v: Any = None
+    sink: Any = None
+    score_mod_args: tuple = ()
+    fp8_scales: dict | None = None
+
+    def replace(self, **changes: Any) -> "AttentionOperands":
+        return dataclasses.replace(self, **changes)

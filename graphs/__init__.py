@@ -1,0 +1,1 @@
+"""cuDNN frontend graph builders (installed as ``cudnn_attn.graphs``)."""

@@ -1,0 +1,1 @@
+"""JAX integration (installed as ``cudnn_attn.jax_bridge``)."""
