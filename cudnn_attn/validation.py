@@ -1,0 +1,413 @@
+"""The public boundary: check one attention call and describe it as an :class:`AttentionConfig`.
+
+:func:`prepare` is the only place that looks at user arguments.  It reads nothing but ``.shape`` and
+``.dtype`` (so NumPy, CuPy and JAX arrays, tracers and ``jax.ShapeDtypeStruct`` all work and no value
+ever leaves the device), translates the seed's ``MaskType`` into the orthogonal
+:class:`~cudnn_attn.config.MaskSpec` fields and folds a ``mask`` into the additive bias.
+
+Every rule here is about *validity*: a violation raises :class:`ValueError` naming the argument,
+showing the shapes/dtypes of the call and stating the rule.  Whether a valid call can run on this
+GPU / cuDNN is decided by :mod:`cudnn_attn.support`.
+
+Deliberate differences from the seed:
+
+* Paged K/V caches may hold more blocks than the page tables use, in any order: the seed requires
+  ``num_blocks == B * blocks_per_seq``; here any ``num_blocks >= 1`` is valid.
+* ``q_seqlen``/``kv_seqlen`` are ignored (left out of the operands, as the seed does) unless a padding
+  mask type, packing or paging makes them meaningful.
+* A ``bias``/``mask`` dimension of size 1 broadcasts; the combined bias is materialised with full
+  ``T`` and ``S`` dimensions, because cuDNN reads the bias with dense ``(T, S)`` strides.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from .config import (
+    AttentionConfig, AttentionOperands, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec,
+    ScoreModSpec,
+)
+from .types import FP8_PARAM_KEYS, AttentionLayout, MaskType
+
+IO_DTYPES = ("float16", "bfloat16")
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+
+# The seed's stand-in for -inf in a boolean mask: cuDNN mishandles the difference of two -inf-like
+# values, so a large finite negative number of the io dtype is used instead.
+LARGE_NEGATIVE = {"bfloat16": -2 << 40, "float16": -2 << 14}
+
+_PADDING_MASKS = (MaskType.PADDING, MaskType.PADDING_CAUSAL)
+
+
+# -- small helpers -----------------------------------------------------------------------------------
+
+def dtype_name(x: Any) -> str:
+    """NumPy name of ``x.dtype`` (``float16``, ``bfloat16``, ``float8_e4m3fn``, ``int32``, ``bool``)."""
+    return np.dtype(x.dtype).name
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in x.shape)
+
+
+def _describe(x: Any) -> str:
+    return f"{dtype_name(x)}{list(_shape(x))}"
+
+
+def _describe_inputs(**arrays: Any) -> str:
+    """``query=float16[2, 128, 8, 64], key=...`` for the arrays that are present."""
+    return ", ".join(f"{name}={_describe(a)}" for name, a in arrays.items() if a is not None)
+
+
+class _Call:
+    """Builds the ValueErrors of one call: every message carries the Q/K/V description."""
+
+    def __init__(self, query: Any, key: Any, value: Any, layout: str):
+        self._inputs = (query, key, value)
+        self._layout = layout
+
+    def error(self, argument: str, rule: str, hint: str | None = None) -> ValueError:
+        query, key, value = self._inputs
+        lines = [f"{argument}: {rule}",
+                 f"  inputs ({self._layout}): {_describe_inputs(query=query, key=key, value=value)}"]
+        if hint:
+            lines.append(f"  hint: {hint}")
+        return ValueError("\n".join(lines))
+
+
+class _Dims(NamedTuple):
+    """A Q/K/V shape read in the call's layout."""
+
+    batch: int
+    length: int
+    heads: int
+    dim: int
+
+    @classmethod
+    def of(cls, x: Any, layout: AttentionLayout) -> "_Dims":
+        b, d1, d2, h = _shape(x)
+        return cls(b, d1, d2, h) if layout is AttentionLayout.BTNH else cls(b, d2, d1, h)
+
+
+def _array_namespace(x: Any) -> Any:
+    """``numpy``, ``cupy`` or ``jax.numpy`` by the type of ``x`` (JAX tracers and ShapeDtypeStructs
+    count as JAX)."""
+    root = type(x).__module__.partition(".")[0]
+    if root in ("jax", "jaxlib"):
+        import jax.numpy as jnp
+        return jnp
+    if root == "cupy":
+        import cupy
+        return cupy
+    return np
+
+
+def _is_abstract(x: Any) -> bool:
+    """A shape/dtype description without data (``jax.ShapeDtypeStruct``)."""
+    return x is not None and not hasattr(x, "reshape")
+
+
+# -- argument groups --------------------------------------------------------------------------------
+
+def _check_qkv(call: _Call, query: Any, key: Any, value: Any, use_fp8: bool) -> str:
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise call.error(name, f"expected an array with .shape and .dtype, got {type(x).__name__}")
+        if len(x.shape) != 4:
+            raise call.error(name, f"must have rank 4, got rank {len(x.shape)}",
+                             hint="Q is (B, T, N, H) for BTNH or (B, N, T, H) for BNTH; K/V likewise.")
+        if 0 in _shape(x):
+            raise call.error(name, f"every dimension must be >= 1, got shape {_shape(x)}")
+    names = {dtype_name(x) for x in (query, key, value)}
+    if len(names) != 1:
+        raise call.error("query/key/value", "must have the same dtype")
+    dtype = names.pop()
+    allowed = FP8_DTYPES if use_fp8 else IO_DTYPES
+    if dtype not in allowed:
+        hint = ("use_fp8=True takes FP8 inputs (quantise Q/K/V and pass their descales in fp8_params)"
+                if use_fp8 else
+                "FP8 inputs need use_fp8=True and fp8_params" if dtype in FP8_DTYPES else
+                "cast Q/K/V to float16 or bfloat16")
+        raise call.error("query", f"dtype must be one of {', '.join(allowed)}"
+                         f"{' (use_fp8=True)' if use_fp8 else ''}, got {dtype}", hint)
+    return dtype
+
+
+def _check_paging(call: _Call, layout: AttentionLayout, q: _Dims, k: _Dims, v: _Dims,
+                  page_table_k: Any, page_table_v: Any) -> tuple[PagingSpec | None, _Dims, _Dims]:
+    """Returns the paging spec and K/V dims with the *logical* length ``blocks_per_seq * block_size``."""
+    if page_table_k is None and page_table_v is None:
+        return None, k, v
+    if page_table_k is None or page_table_v is None:
+        raise call.error("page_table_k/page_table_v", "give both page tables or neither")
+    cache = "(num_blocks, block_size, K, H)" if layout is AttentionLayout.BTNH else "(num_blocks, K, block_size, H)"
+    for name, table in (("page_table_k", page_table_k), ("page_table_v", page_table_v)):
+        shape = _shape(table)
+        if dtype_name(table) != "int32" or len(shape) != 4 or shape[1] != 1 or shape[3] != 1:
+            raise call.error(name, f"must be int32 of shape (B, 1, blocks_per_seq, 1), got {_describe(table)}")
+        if shape[0] != q.batch:
+            raise call.error(name, f"batch {shape[0]} differs from the query batch {q.batch}")
+        if shape[2] < 1:
+            raise call.error(name, "blocks_per_seq must be >= 1")
+    if _shape(page_table_k) != _shape(page_table_v):
+        raise call.error("page_table_v", f"must have the shape of page_table_k {_shape(page_table_k)}, "
+                         f"got {_shape(page_table_v)}")
+    # Read in the layout, a cache (num_blocks, block_size, K, H) parses as batch=num_blocks, length=block_size.
+    if k.length != v.length:
+        raise call.error("key/value", f"caches {cache} must have the same block_size, got {k.length} vs {v.length}")
+    blocks_per_seq = _shape(page_table_k)[2]
+    paging = PagingSpec(num_blocks_k=k.batch, num_blocks_v=v.batch, block_size=k.length,
+                        blocks_per_seq=blocks_per_seq)
+    kv_len = blocks_per_seq * k.length
+    return paging, k._replace(batch=q.batch, length=kv_len), v._replace(batch=q.batch, length=kv_len)
+
+
+def _check_shapes(call: _Call, q: _Dims, k: _Dims, v: _Dims) -> None:
+    if not q.batch == k.batch == v.batch:
+        raise call.error("query/key/value", f"batch sizes must be equal, got {q.batch}, {k.batch}, {v.batch}")
+    if q.dim != k.dim:
+        raise call.error("key", f"head dim {k.dim} must equal the query head dim {q.dim}")
+    if k.heads != v.heads:
+        raise call.error("value", f"number of heads {v.heads} must equal the key's {k.heads}")
+    if q.heads % k.heads:
+        raise call.error("key/value", f"query heads N={q.heads} must be a multiple of key/value heads K={k.heads}",
+                         "grouped-query attention shares each K/V head among N/K query heads; choose K dividing N.")
+    if k.length != v.length:
+        raise call.error("value", f"sequence length {v.length} must equal the key's {k.length}")
+
+
+def _check_sequences(call: _Call, batch: int, q_seqlen: Any, kv_seqlen: Any, q_offsets: Any,
+                     kv_offsets: Any) -> PackingSpec | None:
+    if (q_offsets is None) != (kv_offsets is None):
+        raise call.error("q_offsets/kv_offsets", "give both offsets (packed segments) or neither")
+    packing = None
+    if q_offsets is not None:
+        if q_seqlen is None or kv_seqlen is None:
+            raise call.error("q_seqlen/kv_seqlen", "packed segments (q_offsets/kv_offsets) require both "
+                             "q_seqlen and kv_seqlen of shape (B, M)")
+        for name, offsets in (("q_offsets", q_offsets), ("kv_offsets", kv_offsets)):
+            shape = _shape(offsets)
+            if dtype_name(offsets) != "int32" or len(shape) != 2 or shape[0] != batch or shape[1] < 2:
+                raise call.error(name, f"must be int32 of shape (B, M + 1) with B={batch} and M >= 1 segments "
+                                 f"per row, got {_describe(offsets)}")
+        if _shape(q_offsets) != _shape(kv_offsets):
+            raise call.error("kv_offsets", f"must have the shape of q_offsets {_shape(q_offsets)}, "
+                             f"got {_shape(kv_offsets)}")
+        packing = PackingSpec(max_segments=_shape(q_offsets)[1] - 1)
+    expected = (batch, packing.max_segments) if packing else (batch,)
+    rule = "(B, M) with packed segments" if packing else "(B,)"
+    for name, seqlen in (("q_seqlen", q_seqlen), ("kv_seqlen", kv_seqlen)):
+        if seqlen is not None and (dtype_name(seqlen) != "int32" or _shape(seqlen) != expected):
+            raise call.error(name, f"must be int32 of shape {rule} = {expected}, got {_describe(seqlen)}")
+    return packing
+
+
+def _mask_spec(call: _Call, mask_type: MaskType, sliding_window_length: Any, diagonal_alignment: Any,
+               padding: bool) -> MaskSpec:
+    causal = mask_type in (MaskType.CAUSAL, MaskType.PADDING_CAUSAL, MaskType.ALIBI)
+    left_bound = None
+    if sliding_window_length is not None:
+        if isinstance(sliding_window_length, bool) or not isinstance(sliding_window_length, numbers.Integral) \
+                or sliding_window_length <= 0:
+            raise call.error("sliding_window_length", f"must be an int > 0 or None, got {sliding_window_length!r}",
+                             "the window (pos - w, pos] keeps w keys ending at the diagonal.")
+        left_bound = int(sliding_window_length)
+        causal = True
+    try:
+        alignment = DiagonalAlignment(diagonal_alignment)
+    except ValueError:
+        raise call.error("diagonal_alignment", f"must be 'top_left' or 'bottom_right', got {diagonal_alignment!r}") \
+            from None
+    if not causal:
+        alignment = DiagonalAlignment.TOP_LEFT   # no diagonal, nothing to align
+    return MaskSpec(right_bound=0 if causal else None, left_bound=left_bound, alignment=alignment,
+                    padding=padding, alibi=mask_type is MaskType.ALIBI)
+
+
+def _check_fp8(call: _Call, fp8_params: Any, **forbidden: Any) -> dict:
+    if fp8_params is None:
+        raise call.error("fp8_params", "use_fp8=True requires fp8_params (the scale/descale/amax entries of FP8Params)")
+    present = [name for name, x in forbidden.items() if x is not None]
+    if present:
+        raise call.error(", ".join(present), "FP8 attention takes no bias, mask, seqlens or offsets; expected None")
+    missing = [k for k in FP8_PARAM_KEYS if k not in fp8_params]
+    if missing:
+        raise call.error("fp8_params", f"missing keys: {', '.join(missing)}")
+    for name in FP8_PARAM_KEYS:
+        x = fp8_params[name]
+        if not hasattr(x, "shape") or dtype_name(x) != "float32" or math.prod(_shape(x)) != 1:
+            found = _describe(x) if hasattr(x, "shape") else type(x).__name__
+            raise call.error(f"fp8_params[{name!r}]", f"must be a float32 array with one element "
+                             f"(shape () or (1, 1, 1, 1)), got {found}")
+    return {name: fp8_params[name] for name in FP8_PARAM_KEYS}
+
+
+def _check_bias_like(call: _Call, name: str, x: Any, full: tuple[int, int, int, int],
+                     allowed_dtypes: Sequence[str]) -> tuple[int, int, int, int]:
+    shape = _shape(x)
+    if dtype_name(x) not in allowed_dtypes:
+        raise call.error(name, f"dtype must be one of {', '.join(allowed_dtypes)}, got {dtype_name(x)}")
+    four = (1,) * (4 - len(shape)) + shape
+    if len(shape) > 4 or any(d not in (1, f) for d, f in zip(four, full)):
+        raise call.error(name, f"shape {shape} does not broadcast to (B, N, T, S) = {full}: rank <= 4, "
+                         "leading dimensions are added, each dimension is 1 or the full size",
+                         "e.g. (T, S), (1, N, T, S), (B, 1, T, S), (B, 1, 1, S) or (B, N, T, S).")
+    return four
+
+
+def _fold_bias(bias: Any, mask: Any, bias_shape: tuple[int, ...], mask_shape: tuple[int, ...],
+               full_shape: tuple[int, ...], dtype: Any, xp: Any) -> Any:
+    """``bias + where(mask, 0, large negative)`` (or the additive mask), 4-D, dense in ``(T, S)``."""
+    terms = []
+    if bias is not None:
+        terms.append(xp.reshape(bias, bias_shape))
+    if mask is not None:
+        if dtype_name(mask) == "bool":
+            neg = LARGE_NEGATIVE[np.dtype(dtype).name]
+            mask = xp.where(mask, xp.asarray(0, dtype=dtype), xp.asarray(neg, dtype=dtype))
+        terms.append(xp.reshape(mask, mask_shape))
+    combined = terms[0] if len(terms) == 1 else terms[0] + terms[1]
+    if _shape(combined) != full_shape:
+        combined = xp.array(xp.broadcast_to(combined, full_shape), copy=True)
+    return combined
+
+
+def _prepare_bias(call: _Call, bias: Any, mask: Any, full: tuple[int, int, int, int], dtype: str,
+                  io_dtype: Any, xp: Any) -> tuple[Any, BiasSpec | None]:
+    if bias is None and mask is None:
+        return None, None
+    shapes = {}
+    if bias is not None:
+        shapes["bias"] = _check_bias_like(call, "bias", bias, full, (dtype,))
+    if mask is not None:
+        shapes["mask"] = _check_bias_like(call, "mask", mask, full, ("bool", dtype))
+    # Batch and heads stay broadcast (cuDNN reads them with stride 0); T and S are materialised.
+    combined = tuple(max(dims) for dims in zip(*shapes.values()))[:2] + full[2:]
+    args = (bias, mask, shapes.get("bias"), shapes.get("mask"), combined, io_dtype)
+    if _is_abstract(bias) or _is_abstract(mask):
+        import jax
+        import jax.numpy as jnp
+        folded = jax.eval_shape(lambda b, m: _fold_bias(b, m, *args[2:], jnp), bias, mask)
+    else:
+        folded = _fold_bias(*args, xp)
+    differentiable = bias is not None or dtype_name(mask) != "bool"
+    return folded, BiasSpec(shape=combined, differentiable=differentiable)
+
+
+def _check_real(call: _Call, name: str, value: Any, rule: str, accept: Callable[[float], bool]) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not accept(float(value)):
+        raise call.error(name, f"must be {rule}, got {value!r}")
+    return float(value)
+
+
+def _check_score_mod(call: _Call, score_mod: Any, score_mod_args: Sequence[Any]) -> ScoreModSpec | None:
+    if not isinstance(score_mod_args, (tuple, list)):
+        raise call.error("score_mod_args", f"must be a tuple of arrays, got {type(score_mod_args).__name__}")
+    args = tuple(score_mod_args)
+    if score_mod is None:
+        if args:
+            raise call.error("score_mod_args", "given without score_mod")
+        return None
+    if not callable(score_mod):
+        raise call.error("score_mod", f"must be callable as score_mod(score, *score_mod_args), got {score_mod!r}")
+    for i, a in enumerate(args):
+        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            raise call.error(f"score_mod_args[{i}]", f"must be an array, got {type(a).__name__}")
+    return ScoreModSpec(fn=score_mod, arg_shapes=tuple((_shape(a), dtype_name(a)) for a in args))
+
+
+# -- public -----------------------------------------------------------------------------------------
+
+def prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, q_seqlen: Any = None,
+            kv_seqlen: Any = None, q_offsets: Any = None, kv_offsets: Any = None, page_table_k: Any = None,
+            page_table_v: Any = None, fp8_params: Any = None, score_mod_args: Sequence[Any] = (),
+            sink: Any = None, *, scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK,
+            dropout_rate: float = 0.0, qkv_layout: Any = "BTNH", sliding_window_length: int | None = None,
+            score_mod: Callable[..., Any] | None = None, use_fp8: bool = False, training: bool = False,
+            diagonal_alignment: Any = "top_left", deterministic: bool = False,
+            xp: Any = None) -> tuple[AttentionConfig, AttentionOperands]:
+    """Validate one attention call and describe it.
+
+    Arguments follow the seed's ``dot_product_attention`` / ``paged_attention`` (see DESIGN.md);
+    ``training`` asks the forward for the logsumexp, ``diagonal_alignment`` places the causal diagonal
+    and ``deterministic`` selects deterministic backward accumulation.  ``xp`` is the array namespace
+    used to fold ``mask`` into the bias (detected from ``query`` when ``None``).
+
+    Returns the static :class:`AttentionConfig` and the :class:`AttentionOperands` holding the arrays
+    (``bias`` combined with ``mask``; seqlens only where a padding mask, packing or paging uses them).
+
+    Raises:
+        ValueError: the call is invalid (the message names the argument, the rule and the shapes).
+    """
+    layout = AttentionLayout.parse(qkv_layout)
+    call = _Call(query, key, value, layout.name)
+    if not isinstance(mask_type, MaskType):
+        raise call.error("mask_type", f"must be a MaskType ({', '.join(MaskType.__members__)}), got {mask_type!r}")
+    dtype = _check_qkv(call, query, key, value, use_fp8)
+    q, k, v = (_Dims.of(x, layout) for x in (query, key, value))
+    if use_fp8 and (page_table_k is not None or page_table_v is not None):
+        raise call.error("use_fp8", "paged attention does not support fp8")
+    paging, k, v = _check_paging(call, layout, q, k, v, page_table_k, page_table_v)
+    _check_shapes(call, q, k, v)
+
+    fp8_scales = None
+    if use_fp8:
+        if mask_type not in (MaskType.NO_MASK, MaskType.CAUSAL):
+            raise call.error("mask_type", f"FP8 attention supports NO_MASK or CAUSAL only, got {mask_type}")
+        fp8_scales = _check_fp8(call, fp8_params, bias=bias, mask=mask, q_seqlen=q_seqlen, kv_seqlen=kv_seqlen,
+                                q_offsets=q_offsets, kv_offsets=kv_offsets)
+    packing = _check_sequences(call, q.batch, q_seqlen, kv_seqlen, q_offsets, kv_offsets)
+    if paging and packing:
+        raise call.error("q_offsets/kv_offsets", "paged attention does not support packed segments")
+    if paging and (q_seqlen is None or kv_seqlen is None):
+        raise call.error("q_seqlen/kv_seqlen", "paged attention requires both q_seqlen and kv_seqlen of shape (B,)")
+    if mask_type in _PADDING_MASKS and (q_seqlen is None or kv_seqlen is None):
+        raise call.error("q_seqlen/kv_seqlen", f"{mask_type.name} requires both q_seqlen and kv_seqlen")
+    padding = mask_type in _PADDING_MASKS or packing is not None or paging is not None
+    mask_spec = _mask_spec(call, mask_type, sliding_window_length, diagonal_alignment, padding)
+
+    scale = _check_real(call, "scale", scale, "a finite real number", math.isfinite)
+    dropout_rate = _check_real(call, "dropout_rate", dropout_rate, "a real number in [0, 1)", lambda p: 0.0 <= p < 1.0)
+    score_mod_spec = _check_score_mod(call, score_mod, score_mod_args)
+    if sink is not None and (dtype_name(sink) != "float32" or _shape(sink) != (q.heads,)):
+        raise call.error("sink", f"must be float32 of shape (N,) = ({q.heads},), got {_describe(sink)}")
+
+    full = (q.batch, q.heads, q.length, k.length)
+    bias_array, bias_spec = _prepare_bias(call, bias, mask, full, dtype, query.dtype,
+                                          xp if xp is not None else _array_namespace(query))
+    config = AttentionConfig(
+        batch=q.batch, q_heads=q.heads, kv_heads=k.heads, q_len=q.length, kv_len=k.length, qk_dim=q.dim,
+        v_dim=v.dim, dtype=dtype, layout=layout, scale=scale, mask=mask_spec, bias=bias_spec,
+        dropout_rate=dropout_rate, packing=packing, paging=paging, fp8=bool(use_fp8), score_mod=score_mod_spec,
+        sink=sink is not None, training=bool(training), deterministic=bool(deterministic),
+    )
+    operands = AttentionOperands(
+        query=query, key=key, value=value, bias=bias_array,
+        q_seqlen=q_seqlen if padding else None, kv_seqlen=kv_seqlen if padding else None,
+        q_offsets=q_offsets, kv_offsets=kv_offsets, page_table_k=page_table_k, page_table_v=page_table_v,
+        sink=sink, score_mod_args=tuple(score_mod_args), fp8_scales=fp8_scales,
+    )
+    return config, operands
+
+
+def prepare_backward(config: AttentionConfig, output: Any, grad_output: Any, logsumexp: Any) -> None:
+    """Check the forward's residuals and the incoming gradient against ``config``.
+
+    ``output`` and ``grad_output`` must have ``config.o_shape`` and the io dtype; ``logsumexp`` must be
+    float32 of ``config.lse_shape``.  Raises :class:`ValueError` otherwise.
+    """
+    expected = {
+        "output": (config.o_shape, config.dtype),
+        "grad_output": (config.o_shape, config.dtype),
+        "logsumexp": (config.lse_shape, "float32"),
+    }
+    for name, x in (("output", output), ("grad_output", grad_output), ("logsumexp", logsumexp)):
+        shape, dtype = expected[name]
+        if x is None or not hasattr(x, "shape") or _shape(x) != shape or dtype_name(x) != dtype:
+            found = _describe(x) if hasattr(x, "shape") else repr(x)
+            raise ValueError(f"{name}: expected {dtype}{list(shape)}, got {found}\n"
+                             f"  configuration: {config.describe()}")
