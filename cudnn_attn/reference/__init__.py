@@ -1,0 +1,20 @@
+"""NumPy float64 reference of cuDNN fused attention: the test oracle and the CPU backend.
+
+* :func:`forward` / :func:`backward` take the ``(AttentionConfig, AttentionOperands)`` pair built by
+  :func:`cudnn_attn.validation.prepare` and return :class:`~cudnn_attn.types.AttentionOutput` /
+  :class:`~cudnn_attn.types.AttentionGrads` (formulas in :mod:`.core` and :mod:`.fp8`).
+* :func:`dot_product_attention`, :func:`paged_attention`, :func:`dot_product_attention_bwd` are the
+  seed-compatible entry points on NumPy arrays.
+
+Everything is computed in float64 and rounded once, at the end, to the io dtype (logsumexp: float32).
+Modules: :mod:`.tensors` (layouts, pages, dtypes), :mod:`.segments` (padding and packed sequences),
+:mod:`.masks` (admissible keys, ALiBi, dropout), :mod:`.problem` (scores and softmax shared by every
+path), :mod:`.core` (fp16/bf16), :mod:`.fp8` (FP8 emulation), :mod:`.seed_api`.
+"""
+
+from .core import backward, forward
+from .masks import alibi_slopes
+from .seed_api import dot_product_attention, dot_product_attention_bwd, paged_attention
+
+__all__ = ["alibi_slopes", "backward", "dot_product_attention", "dot_product_attention_bwd", "forward",
+           "paged_attention"]

@@ -1,0 +1,145 @@
+"""Where the sequences of one call lie in its query and key rows.
+
+Every call is reduced to a list of *segments* (the sequences cuDNN sees): segment ``g`` lives in
+batch row ``row[g]``, its queries are rows ``q_start[g] .. q_start[g] + q_len[g] - 1`` of that row
+and its keys ``kv_start[g] .. kv_start[g] + kv_len[g] - 1``.  A segment only attends to itself and
+positions (causal diagonal, window, ALiBi) are counted from its start.
+
+* no padding: one segment per row covering all ``T`` queries and ``S`` keys;
+* padding (and paging): one segment per row of ``q_seqlen[b]`` queries and ``kv_seqlen[b]`` keys;
+* packed (``q_offsets``): the valid (``>= 0``) segments of every row, rows in order, segments in
+  order.  This is the seed's ``_shift_to_left`` order, so ``g`` is also the logsumexp row.
+
+Tokens outside every segment take no part: their outputs, logsumexp and gradients are 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..config import AttentionConfig, AttentionOperands
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The segments of one call (``G`` of them) and the per-token maps derived from them."""
+
+    row: np.ndarray          # (G,) batch row of each segment
+    q_start: np.ndarray      # (G,)
+    q_len: np.ndarray        # (G,)
+    kv_start: np.ndarray     # (G,)
+    kv_len: np.ndarray       # (G,)
+    q_segment: np.ndarray    # (B, T) segment of each query token, -1 outside every segment
+    q_pos: np.ndarray        # (B, T) position of each query token inside its segment (0 outside)
+    kv_segment: np.ndarray   # (B, S)
+    kv_pos: np.ndarray       # (B, S)
+    lse_rows: int            # rows of the logsumexp: B, or B * M when packed
+
+    @property
+    def valid_q(self) -> np.ndarray:
+        """(B, T) bool: the query token belongs to a segment."""
+        return self.q_segment >= 0
+
+    @property
+    def valid_kv(self) -> np.ndarray:
+        """(B, S) bool: the key token belongs to a segment."""
+        return self.kv_segment >= 0
+
+    def pack_lse(self, lse: np.ndarray) -> np.ndarray:
+        """Per-token ``(B, N, T)`` logsumexp -> the ``(lse_rows, N, T)`` layout of the API: row ``g`` holds
+        segment ``g`` from column 0; every other entry is 0."""
+        out = np.zeros((self.lse_rows,) + lse.shape[1:], dtype=lse.dtype)
+        for g in range(len(self.row)):
+            start, length = self.q_start[g], self.q_len[g]
+            out[g, :, :length] = lse[self.row[g], :, start:start + length]
+        return out
+
+    def unpack_lse(self, lse: np.ndarray) -> np.ndarray:
+        """Inverse of :meth:`pack_lse`: ``(lse_rows, N, T)`` -> per-token ``(B, N, T)`` (0 outside)."""
+        batch, q_len = self.q_segment.shape
+        out = np.zeros((batch, lse.shape[1], q_len), dtype=lse.dtype)
+        for g in range(len(self.row)):
+            start, length = self.q_start[g], self.q_len[g]
+            out[self.row[g], :, start:start + length] = lse[g, :, :length]
+        return out
+
+
+def _ints(x: Any) -> np.ndarray:
+    return np.asarray(x).astype(np.int64)
+
+
+def _check_lengths(name: str, lengths: np.ndarray, limit: int) -> None:
+    bad = (lengths < 0) | (lengths > limit)
+    if bad.any():
+        b = int(np.argwhere(bad)[0][0])
+        raise ValueError(f"{name}: every length must lie in [0, {limit}], got {name}[{b}] = {lengths[b]} "
+                         f"(all: {lengths.tolist()})")
+
+
+def _packed_segments(q_seqlen: np.ndarray, kv_seqlen: np.ndarray, q_offsets: np.ndarray,
+                     kv_offsets: np.ndarray, q_limit: int, kv_limit: int) -> list[tuple[int, ...]]:
+    """``(row, q_start, q_len, kv_start, kv_len)`` of the valid segments, rows then segments in order."""
+    arrays = {"q_seqlen": q_seqlen, "kv_seqlen": kv_seqlen, "q_offsets": q_offsets, "kv_offsets": kv_offsets}
+    found = []
+    for b in range(q_seqlen.shape[0]):
+        count = int((q_seqlen[b] >= 0).sum())
+        for name, x in arrays.items():
+            valid = x[b] >= 0
+            if not valid[:count].all() or valid[count:].any():
+                raise ValueError(
+                    f"{name}: row {b} is {x[b].tolist()}, but q_seqlen[{b}] = {q_seqlen[b].tolist()} has {count} "
+                    f"segments; each row must list exactly its {count} segments first (start offsets, lengths) "
+                    "and pad the rest with -1")
+        for m in range(count):
+            q_start, q_len = int(q_offsets[b, m]), int(q_seqlen[b, m])
+            kv_start, kv_len = int(kv_offsets[b, m]), int(kv_seqlen[b, m])
+            if q_start + q_len > q_limit or kv_start + kv_len > kv_limit:
+                raise ValueError(
+                    f"q_offsets/kv_offsets: segment {m} of row {b} (queries [{q_start}, {q_start + q_len}), keys "
+                    f"[{kv_start}, {kv_start + kv_len})) must lie inside the row (T={q_limit}, S={kv_limit})")
+            found.append((b, q_start, q_len, kv_start, kv_len))
+    return found
+
+
+def _token_maps(found: list[tuple[int, ...]], batch: int, length: int, side: str) -> tuple[np.ndarray, np.ndarray]:
+    """(B, length) segment index and in-segment position of every token of one side ("q" or "kv")."""
+    segment = np.full((batch, length), -1, dtype=np.int64)
+    position = np.zeros((batch, length), dtype=np.int64)
+    column = 1 if side == "q" else 3
+    for g, entry in enumerate(found):
+        b, start, size = entry[0], entry[column], entry[column + 1]
+        span = slice(start, start + size)
+        if (segment[b, span] >= 0).any():
+            other = int(segment[b, span][segment[b, span] >= 0][0])
+            raise ValueError(f"{side}_offsets: segments {other} and {g} (global indices) overlap in row {b}")
+        segment[b, span] = g
+        position[b, span] = np.arange(size)
+    return segment, position
+
+
+def segments_of(config: AttentionConfig, operands: AttentionOperands) -> Segments:
+    """The segments of one call, read from its seqlens/offsets (values are read: this is NumPy).
+
+    Raises:
+        ValueError: lengths or offsets that do not describe segments inside the rows.
+    """
+    batch, q_limit, kv_limit = config.batch, config.q_len, config.kv_len
+    if config.packing:
+        found = _packed_segments(_ints(operands.q_seqlen), _ints(operands.kv_seqlen), _ints(operands.q_offsets),
+                                 _ints(operands.kv_offsets), q_limit, kv_limit)
+    elif config.mask.padding:
+        q_lengths, kv_lengths = _ints(operands.q_seqlen), _ints(operands.kv_seqlen)
+        _check_lengths("q_seqlen", q_lengths, q_limit)
+        _check_lengths("kv_seqlen", kv_lengths, kv_limit)
+        found = [(b, 0, int(q_lengths[b]), 0, int(kv_lengths[b])) for b in range(batch)]
+    else:
+        found = [(b, 0, q_limit, 0, kv_limit) for b in range(batch)]
+    q_segment, q_pos = _token_maps(found, batch, q_limit, "q")
+    kv_segment, kv_pos = _token_maps(found, batch, kv_limit, "kv")
+    table = np.array(found, dtype=np.int64).reshape(-1, 5)
+    return Segments(row=table[:, 0], q_start=table[:, 1], q_len=table[:, 2], kv_start=table[:, 3],
+                    kv_len=table[:, 4], q_segment=q_segment, q_pos=q_pos, kv_segment=kv_segment, kv_pos=kv_pos,
+                    lse_rows=config.lse_shape[0])
