@@ -99,8 +99,9 @@ class BuiltGraph:
         ``buffers`` maps every id of :attr:`uids` to a device pointer, except the ids of
         :attr:`host_scalar_ids`, which take the host address of an int64 (seed, offset) or float32
         (score_mod argument) value kept alive by the caller until the call returns.  ``workspace``
-        is a device pointer to at least :attr:`workspace_size` bytes (of the chosen plan's size with
-        ``plan_index``, an index of :attr:`plans`).
+        is a device pointer to at least :attr:`workspace_size` bytes.  ``plan_index`` runs another
+        built plan instead of the selected one: the ``index`` of an entry of :attr:`plans` (then
+        the workspace must hold that entry's ``workspace_size``).
         """
         if buffers.keys() != self.uids.keys():
             missing = sorted(t.name for t in self.uids.keys() - buffers.keys())
