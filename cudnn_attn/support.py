@@ -1,0 +1,397 @@
+"""Which *valid* attention calls this GPU and cuDNN can run, and why not.
+
+Two tables, both data:
+
+* :data:`REQUIREMENTS` — one row per feature: the minimum cuDNN version and compute capability it
+  needs (and cuDNN versions known to be broken for it).
+* :data:`RESTRICTIONS` — combinations that cannot run, each a small named check returning what was
+  found.  Every row says who enforces it: ``CUDNN`` (cuDNN 9.19 refuses the graph on sm90; verified
+  with deviceless builds, see ``shared/research/cudnn_frontend_api.md`` §6.3) or ``LIBRARY`` (this
+  library follows the JAX seed's policy, or has no path for it, although cuDNN might build it).
+
+:func:`not_supported_reasons` evaluates both against an :class:`Environment`; :func:`check_supported`
+raises :class:`~cudnn_attn.errors.UnsupportedConfigurationError` with the reasons.
+
+cuDNN versions are integers as ``cudnn.backend_version()`` returns them: ``91900`` is 9.19.0 and
+``8904`` is 8.9.4.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import AttentionConfig, DiagonalAlignment
+from .errors import UnsupportedConfigurationError
+
+CUDNN = "cudnn"
+LIBRARY = "library"
+
+
+def format_version(version: int) -> str:
+    """``91900`` -> ``'9.19.0'``; ``8904`` -> ``'8.9.4'``."""
+    if version >= 90000:
+        return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
+    return f"{version // 1000}.{version // 100 % 10}.{version % 100}"
+
+
+def _sm(capability: tuple[int, int]) -> str:
+    return f"sm{capability[0]}{capability[1]}"
+
+
+@dataclass(frozen=True)
+class Environment:
+    """The cuDNN library and GPU a configuration is checked against.
+
+    ``cudnn_version`` is ``None`` when no cuDNN library loads; ``compute_capability`` is ``None``
+    when there is no usable CUDA GPU.
+    """
+
+    cudnn_version: int | None
+    compute_capability: tuple[int, int] | None
+    device_name: str | None = None
+
+    @classmethod
+    def detect(cls) -> "Environment":
+        """The installed cuDNN and the current CuPy device (never raises: absent parts are ``None``)."""
+        return cls(_detect_cudnn_version(), *_detect_device())
+
+    @classmethod
+    def sm90(cls, cudnn_version: int = 91900) -> "Environment":
+        """The deviceless H200 target: cuDNN 9.19.0, compute capability 9.0."""
+        return cls(cudnn_version, (9, 0), "NVIDIA H200, deviceless")
+
+    def __str__(self) -> str:
+        cudnn = f"cuDNN {format_version(self.cudnn_version)}" if self.cudnn_version else "no cuDNN"
+        if self.compute_capability is None:
+            return f"{cudnn}, no CUDA GPU"
+        device = f" ({self.device_name})" if self.device_name else ""
+        return f"{cudnn}, {_sm(self.compute_capability)}{device}"
+
+
+def _detect_cudnn_version() -> int | None:
+    try:
+        import cudnn
+        return int(cudnn.backend_version())
+    except Exception:  # no frontend, no libcudnn, or a broken install: all mean "no cuDNN here"
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(device_id: int) -> tuple[tuple[int, int], str]:
+    import cupy
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    name = props["name"]
+    return (int(props["major"]), int(props["minor"])), name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _detect_device() -> tuple[tuple[int, int] | None, str | None]:
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None, None
+        return _device_facts(cupy.cuda.runtime.getDevice())
+    except Exception:  # no CuPy, no driver or no device
+        return None, None
+
+
+# -- feature requirements -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Requirement:
+    """A feature used by a configuration and what it needs."""
+
+    feature: str
+    applies: Callable[[AttentionConfig], bool]
+    min_cudnn: int
+    min_compute: tuple[int, int] = (8, 0)
+    broken_cudnn: tuple[int, ...] = ()
+    enforced_by: str = CUDNN
+
+    def unmet(self, config: AttentionConfig, env: Environment) -> list[str]:
+        if not self.applies(config):
+            return []
+        reasons = []
+        version = env.cudnn_version
+        if version is not None and version < self.min_cudnn:
+            reasons.append(f"{self.feature}: needs cuDNN >= {format_version(self.min_cudnn)}, "
+                           f"found {format_version(version)}")
+        elif version in self.broken_cudnn:
+            reasons.append(f"{self.feature}: cuDNN {format_version(version)} has known bugs here and refuses it; "
+                           "upgrade cuDNN")
+        cc = env.compute_capability
+        if cc is not None and cc < self.min_compute:
+            reasons.append(f"{self.feature}: needs compute capability >= {_sm(self.min_compute)}, found {_sm(cc)}")
+        return reasons
+
+
+def _bottom_right(c: AttentionConfig) -> bool:
+    return c.mask.alignment is DiagonalAlignment.BOTTOM_RIGHT and c.mask.right_bound is not None
+
+
+REQUIREMENTS: tuple[Requirement, ...] = (
+    # 8.9.4 is JAX's floor for fused attention; cuDNN 9.10.0/9.10.1 refuse fp16/bf16 SDPA (known bugs).
+    Requirement("fused attention (fp16/bf16)", lambda c: not c.fp8, 8904, (8, 0), broken_cudnn=(91000, 91001)),
+    Requirement("FP8 attention", lambda c: c.fp8, 90100, (9, 0), broken_cudnn=(91000,)),
+    Requirement("FP8 bottom-right causal mask", lambda c: c.fp8 and _bottom_right(c), 90700, (10, 0)),
+    Requirement("sliding window", lambda c: c.mask.left_bound is not None, 90200),
+    Requirement("sliding window with bias or dropout",
+                lambda c: c.mask.left_bound is not None and (c.bias is not None or c.has_dropout), 91002),
+    Requirement("bottom-right causal mask", _bottom_right, 90600),
+    Requirement("paged K/V cache", lambda c: c.paging is not None, 90500),
+    Requirement("paged K/V cache with head dim > 128", lambda c: c.paging is not None and max(c.qk_dim, c.v_dim) > 128,
+                91000),
+    # The seed requires Hopper for packed segments; cuDNN itself serves THD below Hopper from 9.18.1.
+    Requirement("packed segments", lambda c: c.packing is not None, 90500, (9, 0)),
+    Requirement("packed segments with GQA (backward)", lambda c: c.packing is not None and c.is_gqa and c.training,
+                90600, (9, 0)),
+    Requirement("packed segments with a sink (backward)", lambda c: c.packing is not None and c.sink and c.training,
+                92600),
+    Requirement("dbias with padding (backward)", lambda c: c.has_dbias and c.mask.padding and c.training, 90500),
+    Requirement("multi-head latent attention (v_dim != qk_dim)", lambda c: c.is_mla, 91000, (9, 0)),
+    # cuDNN serves score_mod graphs from 9.6; the seed (JAX's flex attention) requires 9.13.
+    Requirement("score_mod", lambda c: c.score_mod is not None, 91300, (9, 0), enforced_by=LIBRARY),
+    # sink_token arrived with frontend 1.14.1, "for cuDNN 9.13.0+".
+    Requirement("attention sink", lambda c: c.sink, 91300),
+)
+
+
+# -- restrictions -----------------------------------------------------------------------------------
+
+Check = Callable[[AttentionConfig, Environment], "str | None"]
+
+
+@dataclass(frozen=True)
+class Restriction:
+    """A combination that cannot run; ``check`` returns what was found, or ``None`` when it is fine."""
+
+    feature: str
+    check: Check
+    enforced_by: str
+
+    def unmet(self, config: AttentionConfig, env: Environment) -> list[str]:
+        found = self.check(config, env)
+        return [f"{self.feature}: {found}"] if found else []
+
+
+def _major(env: Environment) -> int | None:
+    return env.compute_capability[0] if env.compute_capability else None
+
+
+def _present(**flags: bool) -> str:
+    return ", ".join(name.replace("_", " ") for name, on in flags.items() if on)
+
+
+def _head_dim_multiple(c: AttentionConfig, env: Environment) -> str | None:
+    multiple = 16 if c.fp8 else 8
+    bad = [d for d in (c.qk_dim, c.v_dim) if d % multiple]
+    return f"{bad[0]} is not a multiple of {multiple}" if bad else None
+
+
+def _head_dim_backward_sm90(c: AttentionConfig, env: Environment) -> str | None:
+    # The sm90 backward refuses head dims above 256.  (The forward still builds them with a
+    # non-flash engine; the seed's flash-only policy, _head_dim_limit, does not offer that.)
+    worst = max(c.qk_dim, c.v_dim)
+    if _major(env) == 9 and c.training and not c.fp8 and worst > 256:
+        return f"{worst} > 256 in the backward (sm90 maximum)"
+    return None
+
+
+def _head_dim_backward_sm100(c: AttentionConfig, env: Environment) -> str | None:
+    if _major(env) != 10 or not c.training or c.fp8:
+        return None
+    dims = (c.qk_dim, c.v_dim)
+    served = (max(dims) <= 128 or dims == (192, 128) or all(256 < d <= 512 for d in dims)
+              or (dims == (256, 256) and (env.cudnn_version or 0) >= 92300))
+    return None if served else f"{dims} in the backward (sm100 serves <= 128, (192, 128), (256, 256) or (256, 512])"
+
+
+def _head_dim_limit(c: AttentionConfig, env: Environment) -> str | None:
+    major = _major(env)
+    if c.fp8 or major is None or (major == 9 and c.training):   # the latter: cuDNN's own refusal above
+        return None
+    limit = 256 if major >= 9 else 128
+    worst = max(c.qk_dim, c.v_dim)
+    return f"{worst} > {limit} ({_sm(env.compute_capability)} maximum)" if worst > limit else None
+
+
+def _alibi_needs_causal(c: AttentionConfig, env: Environment) -> str | None:
+    return "needs a causal mask" if c.mask.alibi and not c.mask.causal else None
+
+
+def _bottom_right_exclusions(c: AttentionConfig, env: Environment) -> str | None:
+    if not _bottom_right(c):
+        return None
+    found = _present(bias=c.bias is not None, dropout=c.has_dropout, ALiBi=c.mask.alibi)
+    return f"cannot be combined with {found}" if found else None
+
+
+def _long_queries(c: AttentionConfig) -> str | None:
+    if c.mask.padding or c.q_len <= c.kv_len:
+        return None
+    return f"needs T <= S without padding, found T={c.q_len} > S={c.kv_len}"
+
+
+def _bottom_right_lengths(c: AttentionConfig, env: Environment) -> str | None:
+    return _long_queries(c) if _bottom_right(c) else None
+
+
+def _window_lengths(c: AttentionConfig, env: Environment) -> str | None:
+    return _long_queries(c) if c.mask.left_bound is not None else None
+
+
+def _score_mod_exclusions(c: AttentionConfig, env: Environment) -> str | None:
+    if c.score_mod is None:
+        return None
+    found = _present(causal=c.mask.right_bound is not None, sliding_window=c.mask.left_bound is not None,
+                     padding=c.mask.padding, ALiBi=c.mask.alibi)
+    return (f"cannot be combined with built-in masks (found {found}; packing and paging imply padding); "
+            "express them inside score_mod") if found else None
+
+
+def _sink_needs_queries(c: AttentionConfig, env: Environment) -> str | None:
+    return "not supported with a single query (T == 1)" if c.sink and c.q_len == 1 else None
+
+
+def _backward_single_token(c: AttentionConfig, env: Environment) -> str | None:
+    return "T == S == 1 is not supported" if c.training and c.q_len == 1 and c.kv_len == 1 else None
+
+
+def _deterministic_sm100(c: AttentionConfig, env: Environment) -> str | None:
+    if not (c.deterministic and c.training and _major(env) == 10):
+        return None
+    if (env.cudnn_version or 0) < 91800:
+        return "needs cuDNN >= 9.18.0 on sm100"
+    found = _present(dbias=c.has_dbias, dropout=c.has_dropout, ALiBi=c.mask.alibi)
+    return f"not on sm100 with {found}" if found else None
+
+
+def _packed_dbias_sm100(c: AttentionConfig, env: Environment) -> str | None:
+    if c.packing and c.has_dbias and c.training and _major(env) == 10:
+        return "no dbias on sm100"
+    return None
+
+
+def _fp8_bias(c: AttentionConfig, env: Environment) -> str | None:
+    return "takes no bias" if c.fp8 and c.bias is not None else None
+
+
+def _fp8_sink(c: AttentionConfig, env: Environment) -> str | None:
+    return "no attention sink (the sm90 plan does not compile)" if c.fp8 and c.sink else None
+
+
+def _fp8_head_dim(c: AttentionConfig, env: Environment) -> str | None:
+    worst = max(c.qk_dim, c.v_dim)
+    return f"head dim {worst} > 256" if c.fp8 and worst > 256 else None
+
+
+def _fp8_backward_hopper(c: AttentionConfig, env: Environment) -> str | None:
+    if not (c.fp8 and c.training and _major(env) == 9):
+        return None
+    if (c.qk_dim, c.v_dim) != (128, 128):
+        return f"the sm90 backward needs qk_dim == v_dim == 128, found ({c.qk_dim}, {c.v_dim})"
+    return "the sm90 backward does not support packed segments" if c.packing else None
+
+
+def _fp8_training_head_dim(c: AttentionConfig, env: Environment) -> str | None:
+    # The seed trains FP8 only with H == 128; on sm90 cuDNN enforces it itself (_fp8_backward_hopper).
+    if c.fp8 and c.training and _major(env) != 9 and (c.qk_dim, c.v_dim) != (128, 128):
+        return f"training needs qk_dim == v_dim == 128, found ({c.qk_dim}, {c.v_dim})"
+    return None
+
+
+def _fp8_training_lengths(c: AttentionConfig, env: Environment) -> str | None:
+    if c.fp8 and c.training and (c.q_len % 128 or c.kv_len % 128):
+        return f"training needs T and S multiples of 128, found T={c.q_len}, S={c.kv_len}"
+    return None
+
+
+def _fp8_masks(c: AttentionConfig, env: Environment) -> str | None:
+    found = _present(padding=c.mask.padding, sliding_window=c.mask.left_bound is not None, ALiBi=c.mask.alibi)
+    return f"no mask or a causal mask only, found {found} (packing and paging imply padding)" \
+        if c.fp8 and found else None
+
+
+def _fp8_extras(c: AttentionConfig, env: Environment) -> str | None:
+    found = _present(dropout=c.has_dropout, score_mod=c.score_mod is not None)
+    return f"no {found} (the seed's FP8 path has neither)" if c.fp8 and found else None
+
+
+def _training_bias_odd_lengths(c: AttentionConfig, env: Environment) -> str | None:
+    if c.training and c.bias is not None and not c.fp8 and (c.q_len % 2 or c.kv_len % 2):
+        return f"training with a bias needs even T and S, found T={c.q_len}, S={c.kv_len}"
+    return None
+
+
+def _paged_forward_only(c: AttentionConfig, env: Environment) -> str | None:
+    if c.paging and c.training:
+        return "forward only (cuDNN has no paged backward), but training=True"
+    return None
+
+
+def _sm103_cudnn(c: AttentionConfig, env: Environment) -> str | None:
+    if env.compute_capability == (10, 3) and env.cudnn_version is not None and env.cudnn_version < 91100:
+        return f"sm103 needs cuDNN >= 9.11.0, found {format_version(env.cudnn_version)}"
+    return None
+
+
+RESTRICTIONS: tuple[Restriction, ...] = (
+    # Enforced by cuDNN: each refusal was seen in a deviceless cuDNN 9.19 sm90 build, or read from the
+    # frontend's support surface for other GPUs (sm100 rows).
+    Restriction("head dim", _head_dim_multiple, CUDNN),
+    Restriction("head dim", _head_dim_backward_sm90, CUDNN),
+    Restriction("head dim", _head_dim_backward_sm100, CUDNN),
+    Restriction("ALiBi", _alibi_needs_causal, CUDNN),
+    Restriction("bottom-right causal mask", _bottom_right_exclusions, CUDNN),
+    Restriction("bottom-right causal mask", _bottom_right_lengths, CUDNN),
+    Restriction("sliding window", _window_lengths, CUDNN),
+    Restriction("score_mod", _score_mod_exclusions, CUDNN),
+    Restriction("attention sink", _sink_needs_queries, CUDNN),
+    Restriction("backward", _backward_single_token, CUDNN),
+    Restriction("deterministic backward", _deterministic_sm100, CUDNN),
+    Restriction("packed segments with dbias", _packed_dbias_sm100, CUDNN),
+    Restriction("FP8 attention", _fp8_bias, CUDNN),
+    Restriction("FP8 attention", _fp8_sink, CUDNN),
+    Restriction("FP8 attention", _fp8_head_dim, CUDNN),
+    Restriction("FP8 attention", _fp8_backward_hopper, CUDNN),
+    # This library's policy (the seed's rules) or a path it does not have; cuDNN may build these.
+    Restriction("head dim", _head_dim_limit, LIBRARY),
+    Restriction("FP8 attention", _fp8_masks, LIBRARY),
+    Restriction("FP8 attention", _fp8_extras, LIBRARY),
+    Restriction("FP8 attention", _fp8_training_head_dim, LIBRARY),
+    Restriction("FP8 attention", _fp8_training_lengths, LIBRARY),
+    Restriction("bias", _training_bias_odd_lengths, LIBRARY),
+    Restriction("paged K/V cache", _paged_forward_only, LIBRARY),
+    Restriction("GPU", _sm103_cudnn, LIBRARY),
+)
+
+
+# -- public -----------------------------------------------------------------------------------------
+
+def not_supported_reasons(config: AttentionConfig, env: Environment | None = None, *,
+                          enforced_by: str | None = None) -> list[str]:
+    """Every reason ``config`` cannot run in ``env`` (detected when ``None``); empty when it can.
+
+    ``enforced_by`` (``CUDNN`` or ``LIBRARY``) keeps only the rules of that kind (the missing GPU or
+    cuDNN is reported by neither).
+    """
+    env = Environment.detect() if env is None else env
+    reasons = []
+    if enforced_by is None:
+        if env.cudnn_version is None:
+            reasons.append("no cuDNN library found (install nvidia-cudnn-cu13)")
+        if env.compute_capability is None:
+            reasons.append("no CUDA GPU with cuDNN found")
+    for rule in (*REQUIREMENTS, *RESTRICTIONS):
+        if enforced_by is None or rule.enforced_by == enforced_by:
+            reasons += rule.unmet(config, env)
+    return reasons
+
+
+def check_supported(config: AttentionConfig, env: Environment | None = None) -> None:
+    """Raise :class:`UnsupportedConfigurationError` listing every reason ``config`` cannot run."""
+    env = Environment.detect() if env is None else env
+    reasons = not_supported_reasons(config, env)
+    if reasons:
+        raise UnsupportedConfigurationError(reasons, config, env)
