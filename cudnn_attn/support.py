@@ -337,8 +337,8 @@ def _sm103_cudnn(c: AttentionConfig, env: Environment) -> str | None:
 
 
 RESTRICTIONS: tuple[Restriction, ...] = (
-    # Enforced by cuDNN: each refusal was seen in a deviceless cuDNN 9.19 sm90 build, or read from the
-    # frontend's support surface for other GPUs (sm100 rows).
+    # Enforced by cuDNN: each sm90 refusal was seen in a deviceless cuDNN 9.19 build; the sm100 rows are
+    # read from the frontend's support surface (sdpa_support_surface.h), not executed.
     Restriction("head dim", _head_dim_multiple, CUDNN),
     Restriction("head dim", _head_dim_backward_sm90, CUDNN),
     Restriction("head dim", _head_dim_backward_sm100, CUDNN),
@@ -355,6 +355,7 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     Restriction("FP8 attention", _fp8_sink, CUDNN),
     Restriction("FP8 attention", _fp8_head_dim, CUDNN),
     Restriction("FP8 attention", _fp8_backward_hopper, CUDNN),
+    Restriction("paged K/V cache", _paged_forward_only, CUDNN),   # sdpa_backward takes no page tables
     # This library's policy (the seed's rules) or a path it does not have; cuDNN may build these.
     Restriction("head dim", _head_dim_limit, LIBRARY),
     Restriction("FP8 attention", _fp8_masks, LIBRARY),
@@ -362,7 +363,6 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     Restriction("FP8 attention", _fp8_training_head_dim, LIBRARY),
     Restriction("FP8 attention", _fp8_training_lengths, LIBRARY),
     Restriction("bias", _training_bias_odd_lengths, LIBRARY),
-    Restriction("paged K/V cache", _paged_forward_only, LIBRARY),
     Restriction("GPU", _sm103_cudnn, LIBRARY),
 )
 

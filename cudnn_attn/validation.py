@@ -55,6 +55,8 @@ def _shape(x: Any) -> tuple[int, ...]:
 
 
 def _describe(x: Any) -> str:
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        return "None" if x is None else type(x).__name__
     return f"{dtype_name(x)}{list(_shape(x))}"
 
 
@@ -240,7 +242,7 @@ def _check_fp8(call: _Call, fp8_params: Any, **forbidden: Any) -> dict:
     for name in FP8_PARAM_KEYS:
         x = fp8_params[name]
         if not hasattr(x, "shape") or dtype_name(x) != "float32" or math.prod(_shape(x)) != 1:
-            found = _describe(x) if hasattr(x, "shape") else type(x).__name__
+            found = _describe(x)
             raise call.error(f"fp8_params[{name!r}]", f"must be a float32 array with one element "
                              f"(shape () or (1, 1, 1, 1)), got {found}")
     return {name: fp8_params[name] for name in FP8_PARAM_KEYS}
@@ -271,8 +273,8 @@ def _fold_bias(bias: Any, mask: Any, bias_shape: tuple[int, ...], mask_shape: tu
             mask = xp.where(mask, xp.asarray(0, dtype=dtype), xp.asarray(neg, dtype=dtype))
         terms.append(xp.reshape(mask, mask_shape))
     combined = terms[0] if len(terms) == 1 else terms[0] + terms[1]
-    if _shape(combined) != full_shape:
-        combined = xp.array(xp.broadcast_to(combined, full_shape), copy=True)
+    if _shape(combined) != full_shape:   # materialise broadcast T/S dims densely (a fresh C-order array)
+        combined = combined + xp.zeros(full_shape, dtype=combined.dtype)
     return combined
 
 
@@ -347,10 +349,10 @@ def prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None
     call = _Call(query, key, value, layout.name)
     if not isinstance(mask_type, MaskType):
         raise call.error("mask_type", f"must be a MaskType ({', '.join(MaskType.__members__)}), got {mask_type!r}")
-    dtype = _check_qkv(call, query, key, value, use_fp8)
-    q, k, v = (_Dims.of(x, layout) for x in (query, key, value))
     if use_fp8 and (page_table_k is not None or page_table_v is not None):
         raise call.error("use_fp8", "paged attention does not support fp8")
+    dtype = _check_qkv(call, query, key, value, use_fp8)
+    q, k, v = (_Dims.of(x, layout) for x in (query, key, value))
     paging, k, v = _check_paging(call, layout, q, k, v, page_table_k, page_table_v)
     _check_shapes(call, q, k, v)
 
@@ -408,6 +410,6 @@ def prepare_backward(config: AttentionConfig, output: Any, grad_output: Any, log
     for name, x in (("output", output), ("grad_output", grad_output), ("logsumexp", logsumexp)):
         shape, dtype = expected[name]
         if x is None or not hasattr(x, "shape") or _shape(x) != shape or dtype_name(x) != dtype:
-            found = _describe(x) if hasattr(x, "shape") else repr(x)
+            found = _describe(x)
             raise ValueError(f"{name}: expected {dtype}{list(shape)}, got {found}\n"
                              f"  configuration: {config.describe()}")
