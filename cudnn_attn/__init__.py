@@ -3,9 +3,13 @@
 from .config import AttentionConfig, AttentionOperands, DiagonalAlignment, MaskSpec
 from .errors import NoGPUError, UnsupportedConfigurationError
 from .types import AttentionGrads, AttentionLayout, AttentionOutput, FP8Params, MaskType
+from .api import dot_product_attention, dot_product_attention_bwd, paged_attention, set_autotune
+from .cache import GraphCache, graph_cache
 
 __all__ = [
     "AttentionConfig", "AttentionGrads", "AttentionLayout", "AttentionOperands", "AttentionOutput",
-    "DiagonalAlignment", "FP8Params", "MaskSpec", "MaskType", "NoGPUError", "UnsupportedConfigurationError",
+    "DiagonalAlignment", "FP8Params", "GraphCache", "MaskSpec", "MaskType", "NoGPUError",
+    "UnsupportedConfigurationError", "dot_product_attention", "dot_product_attention_bwd", "graph_cache",
+    "paged_attention", "set_autotune",
 ]
 __version__ = "0.1.0"

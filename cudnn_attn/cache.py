@@ -1,0 +1,332 @@
+"""The graph cache: built cuDNN graphs, keyed by everything that defines them.
+
+A cuDNN graph costs 0.05-1.5 s to build (NVRTC compiles the kernels of a new engine configuration),
+and executing one costs microseconds, so every graph is built once per process and reused.
+
+* :class:`GraphKey` is a frozen dataclass: the :class:`~cudnn_attn.config.AttentionConfig` (shapes,
+  dtypes, layout, mask fields, scale, ...), the graph kind (``"fwd"``/``"bwd"``), the CUDA device,
+  the cuDNN version, the plan choice (cuDNN's heuristic or autotuned) and the debug ``rng_dump``
+  output.  Strides are implied by the layout and the scale is in the config, so two calls share a
+  graph exactly when cuDNN would build the same one.
+* :class:`GraphCache` is a bounded, thread-safe LRU with statistics.  Two threads missing the same
+  key build it once (the second waits).  Failed builds are not cached.
+* ``entries()`` lists what is cached - a table in Jupyter (``_repr_html_``) and in a terminal
+  (``repr``) - and ``dump(key_or_index)`` returns one entry's cuDNN graph (JSON text).
+* Each build is logged on the ``cudnn_attn`` logger at INFO with its duration.
+
+``graph_cache`` is the process-wide instance used by :mod:`cudnn_attn.api` and the JAX bridge
+(``graph_cache.get(config, kind, device) -> BuiltGraph``).
+"""
+
+from __future__ import annotations
+
+import enum
+import html
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+from .config import AttentionConfig
+
+logger = logging.getLogger("cudnn_attn")
+
+KINDS = ("fwd", "bwd")
+
+
+class PlanChoice(enum.Enum):
+    """How the execution plan of a graph is chosen."""
+
+    HEURISTIC = "heuristic"   # cuDNN's heuristic ranking (mode A, then FALLBACK): first plan that builds
+    AUTOTUNED = "autotuned"   # every plan built and timed once on the device; the fastest is kept
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    config: AttentionConfig
+    kind: str
+    device: int
+    cudnn_version: int
+    plan: PlanChoice = PlanChoice.HEURISTIC
+    rng_dump: bool = False   # debug output of the dropout keep-mask (tests only)
+
+
+class CacheStats(NamedTuple):
+    hits: int
+    misses: int
+    evictions: int
+    build_seconds: float
+    entries: int
+    maxsize: int
+
+
+class CacheRow(NamedTuple):
+    """One cached graph, as listed by :meth:`GraphCache.entries` (oldest first)."""
+
+    index: int
+    kind: str
+    features: str
+    shapes: str
+    device: int
+    plan: str
+    workspace_bytes: int
+    build_seconds: float
+    hits: int
+
+
+class CacheListing(tuple):
+    """The rows of :meth:`GraphCache.entries`: a tuple of :class:`CacheRow` that prints as a table."""
+
+    _HEADERS = ("#", "kind", "features", "shapes (Q K V O)", "dev", "plan", "workspace", "build s", "hits")
+
+    def _cells(self) -> list[tuple[str, ...]]:
+        return [(str(r.index), r.kind, r.features, r.shapes, str(r.device), r.plan, _bytes(r.workspace_bytes),
+                 f"{r.build_seconds:.3f}", str(r.hits)) for r in self]
+
+    def __repr__(self) -> str:
+        if not self:
+            return "graph cache: empty"
+        rows = [self._HEADERS, *self._cells()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(self._HEADERS))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in self._HEADERS)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self._cells())
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _shapes(config: AttentionConfig) -> str:
+    return " ".join("x".join(map(str, s)) for s in (config.q_shape, config.k_shape, config.v_shape, config.o_shape))
+
+
+class CacheEntry:
+    """A built graph with its key and bookkeeping.  ``launcher`` is the fast execute path for it,
+    created on first use (see :mod:`cudnn_attn.launch`)."""
+
+    __slots__ = ("key", "graph", "build_seconds", "hits", "_launcher")
+
+    def __init__(self, key: GraphKey, graph: Any, build_seconds: float):
+        self.key = key
+        self.graph = graph
+        self.build_seconds = build_seconds
+        self.hits = 0
+        self._launcher = None
+
+    @property
+    def launcher(self):
+        if self._launcher is None:
+            from .launch import Launcher
+
+            self._launcher = Launcher(self.graph)
+        return self._launcher
+
+
+class _Pending:
+    """A build in progress, awaited by the threads that missed the same key meanwhile."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.entry: CacheEntry | None = None
+        self.error: BaseException | None = None
+
+
+Builder = Callable[[GraphKey], Any]
+
+
+def build_on_device(key: GraphKey) -> Any:
+    """Default builder: ``graphs.build_graph`` with this thread's handle for ``key.device``.
+
+    ``PlanChoice.AUTOTUNED`` needs real buffers to time the plans, so it is built by
+    :mod:`cudnn_attn.autotune` through the ``build=`` argument of :meth:`GraphCache.get`.
+    """
+    import cupy
+
+    from . import runtime
+    from .graphs import build_graph
+
+    if key.plan is not PlanChoice.HEURISTIC:
+        raise ValueError(f"plan: {key.plan.value} graphs are built by cudnn_attn.autotune, not by the default builder")
+    with cupy.cuda.Device(key.device):
+        return build_graph(key.config, key.kind, runtime.context(key.device).handle, rng_dump=key.rng_dump)
+
+
+class GraphCache:
+    """Bounded, thread-safe LRU of built graphs (see the module doc).
+
+    Args:
+        maxsize: the most graphs kept; the least recently used is dropped beyond it.
+        builder: ``builder(key) -> BuiltGraph``; the default builds with cuDNN on ``key.device``.
+    """
+
+    def __init__(self, maxsize: int = 128, builder: Builder | None = None):
+        if not isinstance(maxsize, int) or maxsize < 1:
+            raise ValueError(f"maxsize: must be a positive int, got {maxsize!r}")
+        self._maxsize = maxsize
+        self._builder = builder or build_on_device
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[GraphKey, CacheEntry] = OrderedDict()
+        self._pending: dict[GraphKey, _Pending] = {}
+        self._hits = self._misses = self._evictions = 0
+        self._build_seconds = 0.0
+
+    # -- lookup -----------------------------------------------------------------------------------
+    def get(self, config: AttentionConfig, kind: str, device: int | None = None, *,
+            plan: PlanChoice = PlanChoice.HEURISTIC, rng_dump: bool = False, build: Builder | None = None) -> Any:
+        """The built graph for ``(config, kind, device)``, building it on a miss.
+
+        ``device`` defaults to the current CuPy device; ``plan`` and ``rng_dump`` are the other
+        :class:`GraphKey` fields; ``build`` replaces the cache's builder for this key.
+        """
+        return self.entry(self.key(config, kind, device, plan=plan, rng_dump=rng_dump), build).graph
+
+    def key(self, config: AttentionConfig, kind: str, device: int | None = None, *,
+            plan: PlanChoice = PlanChoice.HEURISTIC, rng_dump: bool = False) -> GraphKey:
+        """The :class:`GraphKey` of a graph (``device=None``: the current CuPy device)."""
+        if kind not in KINDS:
+            raise ValueError(f"kind: must be one of {KINDS}, got {kind!r}")
+        if device is None:
+            import cupy
+
+            device = cupy.cuda.Device().id
+        return GraphKey(config, kind, device, _cudnn_version(), plan, rng_dump)
+
+    def entry(self, key: GraphKey, build: Builder | None = None) -> CacheEntry:
+        """The :class:`CacheEntry` of ``key``, built with ``build`` (default: the cache's builder) on a miss."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                entry.hits += 1
+                self._hits += 1
+                return entry
+            pending = self._pending.get(key)
+            owner = pending is None
+            if owner:
+                pending = self._pending[key] = _Pending()
+        if not owner:
+            return self._await(pending)
+        return self._build(key, pending, build or self._builder)
+
+    def _await(self, pending: _Pending) -> CacheEntry:
+        pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+        with self._lock:
+            pending.entry.hits += 1
+            self._hits += 1
+        return pending.entry
+
+    def _build(self, key: GraphKey, pending: _Pending, build: Builder) -> CacheEntry:
+        start = time.perf_counter()
+        try:
+            graph = build(key)
+        except BaseException as exc:
+            with self._lock:
+                self._misses += 1
+                del self._pending[key]
+            pending.error = exc
+            pending.done.set()
+            raise
+        seconds = time.perf_counter() - start
+        entry = CacheEntry(key, graph, seconds)
+        with self._lock:
+            self._misses += 1
+            self._build_seconds += seconds
+            self._entries[key] = entry
+            while len(self._entries) > self._maxsize:
+                self._entries.popitem(last=False)
+                self._evictions += 1
+            del self._pending[key]
+        pending.entry = entry
+        pending.done.set()
+        logger.info("built cuDNN %s graph in %.3f s (plan %s, workspace %s): %s", key.kind, seconds,
+                    _plan_label(entry), _bytes(_workspace(graph)), key.config.describe())
+        return entry
+
+    # -- inspection -------------------------------------------------------------------------------
+    @property
+    def maxsize(self) -> int:
+        return self._maxsize
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(self._hits, self._misses, self._evictions, self._build_seconds,
+                              len(self._entries), self._maxsize)
+
+    def clear(self) -> None:
+        """Drop every graph and reset the statistics."""
+        with self._lock:
+            self._entries.clear()
+            self._hits = self._misses = self._evictions = 0
+            self._build_seconds = 0.0
+
+    def entries(self) -> CacheListing:
+        """What is cached, least recently used first."""
+        with self._lock:
+            items = list(self._entries.values())
+        return CacheListing(
+            CacheRow(i, e.key.kind, e.key.config.describe() + (" rng_dump" if e.key.rng_dump else ""),
+                     _shapes(e.key.config), e.key.device, _plan_label(e), _workspace(e.graph),
+                     e.build_seconds, e.hits)
+            for i, e in enumerate(items))
+
+    def dump(self, which: GraphKey | int) -> str:
+        """The cuDNN graph (JSON text) of one entry, by :class:`GraphKey` or by its row index in
+        :meth:`entries`."""
+        with self._lock:
+            if isinstance(which, GraphKey):
+                entry = self._entries.get(which)
+                if entry is None:
+                    raise KeyError(f"no cached graph for {which.kind} {which.config.describe()}")
+            elif isinstance(which, int) and not isinstance(which, bool):
+                items = list(self._entries.values())
+                if not -len(items) <= which < len(items):
+                    raise IndexError(f"which: entry {which} out of range for {len(items)} cached graph(s)")
+                entry = items[which]
+            else:
+                raise TypeError(f"which: expected a GraphKey or an int index, got {type(which).__name__}")
+        describe = getattr(entry.graph, "describe", None)
+        return describe() if callable(describe) else repr(entry.graph.graph)
+
+
+def _workspace(graph: Any) -> int:
+    return int(getattr(graph, "workspace_size", 0))
+
+
+def _plan_label(entry: CacheEntry) -> str:
+    name = str(getattr(entry.graph, "plan_name", "?"))
+    return f"{name} (autotuned)" if entry.key.plan is PlanChoice.AUTOTUNED else name
+
+
+_CUDNN_VERSION: int | None = None
+
+
+def _cudnn_version() -> int:
+    """``cudnn.backend_version()`` (read once)."""
+    global _CUDNN_VERSION
+    if _CUDNN_VERSION is None:
+        import cudnn
+
+        _CUDNN_VERSION = int(cudnn.backend_version())
+    return _CUDNN_VERSION
+
+
+graph_cache = GraphCache()

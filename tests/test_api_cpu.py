@@ -1,0 +1,260 @@
+"""What the cuDNN path does without a GPU: clear errors, stream/array parsing, the launcher's binding
+logic (with a stand-in for the frontend graph) and the support check that precedes every build."""
+
+from __future__ import annotations
+
+import ctypes
+import types
+
+import numpy as np
+import pytest
+
+import cudnn_attn
+from cudnn_attn import MaskType, NoGPUError, UnsupportedConfigurationError, execution, launch, runtime
+from cudnn_attn.api import _seed_result
+from cudnn_attn.cache import GraphKey, PlanChoice
+from cudnn_attn.config import AttentionConfig
+from cudnn_attn.graphs.tensors import TensorId
+from cudnn_attn.support import Environment
+from cudnn_attn.types import AttentionOutput
+
+needs_no_gpu = pytest.mark.skipif(runtime.is_gpu_available(), reason="a GPU is present: NoGPUError cannot happen")
+
+
+def _qkv(rng, dtype=np.float16, shape=(2, 64, 4, 64)):
+    return tuple(rng.standard_normal(shape).astype(dtype) for _ in range(3))
+
+
+# -- no GPU ----------------------------------------------------------------------------------------
+
+@needs_no_gpu
+@pytest.mark.parametrize("call", ["forward", "backward", "paged"])
+def test_no_gpu_is_a_clear_error(call):
+    rng = np.random.default_rng(0)
+    q, k, v = _qkv(rng)
+    with pytest.raises(NoGPUError, match="cudnn_attn.reference"):
+        if call == "forward":
+            cudnn_attn.dot_product_attention(q, k, v, mask_type=MaskType.CAUSAL)
+        elif call == "backward":
+            lse = rng.standard_normal((2, 4, 64)).astype(np.float32)
+            cudnn_attn.dot_product_attention_bwd(q, k, v, q, q, lse)
+        else:
+            seqlen = np.full((2,), 64, np.int32)
+            table = np.arange(4, dtype=np.int32).reshape(2, 1, 2, 1)
+            cudnn_attn.paged_attention(q, k.reshape(4, 32, 4, 64), v.reshape(4, 32, 4, 64), seqlen, seqlen,
+                                       table, table)
+
+
+@needs_no_gpu
+def test_no_gpu_creates_no_handle(monkeypatch):
+    created = []
+    monkeypatch.setattr(runtime, "DeviceContext", lambda device: created.append(device))
+    q, k, v = _qkv(np.random.default_rng(1))
+    with pytest.raises(NoGPUError):
+        cudnn_attn.dot_product_attention(q, k, v)
+    assert created == []
+
+
+# -- streams and arrays ----------------------------------------------------------------------------
+
+class _CupyLikeStream:
+    ptr = 0x1234
+
+
+class _TorchLikeStream:
+    cuda_stream = 0x5678
+
+
+class _ProtocolStream:
+    def __cuda_stream__(self):
+        return (0, 0x9ABC)
+
+
+@pytest.mark.parametrize("stream, expected", [
+    pytest.param(0x42, 0x42, id="int"),
+    pytest.param(_CupyLikeStream(), 0x1234, id="cupy-like"),
+    pytest.param(_TorchLikeStream(), 0x5678, id="torch-like"),
+    pytest.param(_ProtocolStream(), 0x9ABC, id="__cuda_stream__"),
+])
+def test_stream_pointer(stream, expected):
+    assert runtime.stream_pointer(stream, 0) == expected
+
+
+@pytest.mark.parametrize("stream", [pytest.param("default", id="str"), pytest.param(True, id="bool"),
+                                    pytest.param(1.5, id="float")])
+def test_stream_pointer_rejects_other_objects(stream):
+    with pytest.raises(ValueError, match="stream: expected None, an int cudaStream_t"):
+        runtime.stream_pointer(stream, 0)
+
+
+class _DLPackOnly:
+    def __init__(self, kind, index):
+        self._device = (kind, index)
+        self.shape, self.dtype = (2, 3), np.dtype(np.float16)
+
+    def __dlpack_device__(self):
+        return self._device
+
+
+def test_device_of_reads_dlpack_device():
+    assert runtime.device_of("query", _DLPackOnly(2, 3)) == 3
+
+
+@pytest.mark.parametrize("array", [
+    pytest.param(np.zeros((2, 3), np.float16), id="numpy"),
+    pytest.param(_DLPackOnly(1, 0), id="dlpack-cpu"),
+    pytest.param([1.0, 2.0], id="list"),
+])
+def test_host_arrays_are_refused_with_the_argument_name(array):
+    with pytest.raises(ValueError, match=r"^key: expected a GPU array .*cupy.asarray"):
+        runtime.device_of("key", array)
+
+
+# -- the launcher ----------------------------------------------------------------------------------
+
+class _FakeLowered:
+    def __init__(self):
+        self.calls = []
+
+    def _execute_with_raw_ptrs(self, address, count, workspace, handle, plan):
+        pointers = (ctypes.c_void_p * count).from_address(address)
+        self.calls.append(([p or 0 for p in pointers], workspace, handle, plan))
+
+
+class _FakePyGraph:
+    """The private attributes of ``cudnn.pygraph`` the fast path reads (frontend 1.32)."""
+
+    def __init__(self, order, python_engine=False):
+        self._plan_index = 1
+        self._plans = ["plan0", "plan1"]
+        self._order = order
+        self._python_engine = python_engine
+        self._lowered_graph = _FakeLowered()
+
+    def _engine_for(self, plan):
+        return object() if self._python_engine else None
+
+    def _materialize_backend_plan(self, index):
+        return types.SimpleNamespace(cpp_index=10 + index)
+
+    def _variant_pack_uids(self):
+        return list(self._order)
+
+
+class _FakeBuilt:
+    kind = "fwd"
+
+    def __init__(self, graph, ids):
+        self.graph = graph
+        self.uids = {tid: int(tid) for tid in ids}
+        self.frontend_calls = []
+
+    def execute(self, buffers, workspace, handle, *, plan_index=None):
+        self.frontend_calls.append((dict(buffers), workspace, plan_index))
+
+
+IDS = (TensorId.Q, TensorId.K, TensorId.V, TensorId.O, TensorId.SEED)
+
+
+def _built(**kw):
+    return _FakeBuilt(_FakePyGraph(sorted(int(t) for t in IDS), **kw), IDS)
+
+
+def test_fast_path_writes_pointers_in_variant_pack_order(monkeypatch):
+    monkeypatch.delenv("CUDNN_ATTN_EXECUTE", raising=False)
+    built = _built()
+    launcher = launch.Launcher(built)
+    assert launcher.path == launch.FAST
+    buffers = {TensorId.SEED: 0x50, TensorId.V: 0x30, TensorId.Q: 0x10, TensorId.O: 0x40, TensorId.K: 0x20}
+    launcher(buffers, 0x99, types.SimpleNamespace(backend_handle=7))
+    (pointers, workspace, handle, plan), = built.graph._lowered_graph.calls
+    assert pointers == [0x10, 0x20, 0x30, 0x40, 0x50]  # ascending uid: Q K V O SEED
+    assert (workspace, handle, plan) == (0x99, 7, 11)   # the selected plan's backend index
+    assert built.frontend_calls == []
+
+
+def test_fast_path_runs_an_explicit_plan():
+    built = _built()
+    launch.Launcher(built, plan_index=0, path=launch.FAST)(
+        {t: 1 for t in IDS}, 0, types.SimpleNamespace(backend_handle=1))
+    assert built.graph._lowered_graph.calls[0][3] == 10
+
+
+@pytest.mark.parametrize("buffers, message", [
+    pytest.param({TensorId.Q: 1, TensorId.K: 2, TensorId.V: 3, TensorId.O: 4}, r"missing \['SEED'\]", id="missing"),
+    pytest.param({**{t: 1 for t in IDS}, TensorId.BIAS: 5}, r"not in the graph \['BIAS'\]", id="extra"),
+    pytest.param({TensorId.Q: 1, TensorId.K: 2, TensorId.V: 3, TensorId.O: 4, TensorId.BIAS: 5},
+                 r"missing \['SEED'\], not in the graph \['BIAS'\]", id="swapped"),
+])
+def test_fast_path_refuses_wrong_buffers(buffers, message):
+    built = _built()
+    with pytest.raises(ValueError, match=message):
+        launch.Launcher(built, path=launch.FAST)(buffers, 0, types.SimpleNamespace(backend_handle=1))
+    assert built.graph._lowered_graph.calls == []
+
+
+def test_python_engine_falls_back_to_the_frontend():
+    built = _built(python_engine=True)
+    launcher = launch.Launcher(built)
+    assert launcher.path == launch.FRONTEND
+    launcher({t: 1 for t in IDS}, 0, None)
+    assert len(built.frontend_calls) == 1 and built.graph._lowered_graph.calls == []
+
+
+def test_missing_private_entry_point_falls_back_to_the_frontend():
+    built = _built()
+    del built.graph._lowered_graph
+    assert launch.Launcher(built).path == launch.FRONTEND
+
+
+def test_pack_that_disagrees_with_the_graph_falls_back():
+    built = _FakeBuilt(_FakePyGraph([1, 2, 3, 4, 40, 99]), IDS)   # a slot the graph did not declare
+    assert launch.Launcher(built).path == launch.FRONTEND
+
+
+def test_environment_selects_the_frontend(monkeypatch):
+    monkeypatch.setenv("CUDNN_ATTN_EXECUTE", "frontend")
+    assert launch.Launcher(_built()).path == launch.FRONTEND
+    monkeypatch.setenv("CUDNN_ATTN_EXECUTE", "turbo")
+    with pytest.raises(ValueError, match="CUDNN_ATTN_EXECUTE"):
+        launch.Launcher(_built())
+
+
+# -- support before build, plan choice, return forms -------------------------------------------------
+
+def test_unsupported_configuration_is_refused_before_building(monkeypatch):
+    import cudnn_attn.graphs as graphs
+
+    def never(*args, **kwargs):
+        raise AssertionError("build_graph must not run for an unsupported configuration")
+
+    monkeypatch.setattr(graphs, "build_graph", never)
+    config = AttentionConfig(batch=1, q_heads=4, kv_heads=4, q_len=128, kv_len=128, qk_dim=256, v_dim=256,
+                             dtype="float16")
+    call = execution._Call.__new__(execution._Call)
+    call.context = types.SimpleNamespace(environment=Environment(91900, (8, 0), "NVIDIA A100"))
+    key = GraphKey(config, "fwd", 0, 91900)
+    with pytest.raises(UnsupportedConfigurationError) as raised:
+        call._builder(key)(key)
+    assert raised.value.reasons and raised.value.config == config
+
+
+@pytest.mark.parametrize("default, per_call, expected", [
+    (False, None, PlanChoice.HEURISTIC),
+    (True, None, PlanChoice.AUTOTUNED),
+    (True, False, PlanChoice.HEURISTIC),
+    (False, True, PlanChoice.AUTOTUNED),
+])
+def test_autotune_setting(default, per_call, expected):
+    try:
+        cudnn_attn.set_autotune(default)
+        assert execution._plan_choice(per_call) is expected
+    finally:
+        cudnn_attn.set_autotune(False)
+
+
+def test_seed_return_forms():
+    result = AttentionOutput("o", "lse", "amax_s", "amax_o")
+    assert _seed_result(result, use_fp8=False, return_residual=False) == "o"
+    assert _seed_result(result, use_fp8=False, return_residual=True) == ("o", "lse")
+    assert _seed_result(result, use_fp8=True, return_residual=False) == ("o", "amax_s", "amax_o")
