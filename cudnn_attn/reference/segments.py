@@ -91,7 +91,7 @@ def _packed_segments(q_seqlen: np.ndarray, kv_seqlen: np.ndarray, q_offsets: np.
             if not valid[:count].all() or valid[count:].any():
                 raise ValueError(
                     f"{name}: row {b} is {x[b].tolist()}, but q_seqlen[{b}] = {q_seqlen[b].tolist()} has {count} "
-                    f"segments; each row must list exactly its {count} segments first (start offsets, lengths) "
+                    f"segment(s); each row must list exactly its {count} segment(s) first (start offsets, lengths) "
                     "and pad the rest with -1")
         for m in range(count):
             q_start, q_len = int(q_offsets[b, m]), int(q_seqlen[b, m])
