@@ -58,8 +58,9 @@ def gather_pages(cache: Any, page_table: Any, kv_lengths: np.ndarray, layout: At
     """Logical ``(B, K, blocks_per_seq * block_size, dim)`` K or V from a paged cache.
 
     ``K[b, :, s] = cache[page_table[b, 0, s // block_size, 0], s % block_size]`` (layout-aware).
-    Only the blocks that hold a token ``s < kv_lengths[b]`` are read: the other table entries may hold
-    anything, and the blocks they name never reach the result.
+    Only the table entries of blocks that hold a token ``s < kv_lengths[b]`` are read (the others may
+    hold anything); tokens at ``s >= kv_lengths[b]`` are whatever the cache holds and are left to the
+    caller to discard (:func:`.problem.load` zeroes them).
 
     Raises:
         ValueError: a used table entry is not a block index of ``cache``.
@@ -78,7 +79,6 @@ def gather_pages(cache: Any, page_table: Any, kv_lengths: np.ndarray, layout: At
                          f"(0 <= index < num_blocks = {num_blocks}); it is used since kv_seqlen[{b}] = "
                          f"{int(kv_lengths[b])} > {j * block_size}")
     blocks = cache[np.where(used, table, 0)]                 # (B, blocks_per_seq, K, block_size, dim)
-    blocks = np.where(used[:, :, None, None, None], blocks, 0.0)
     return blocks.transpose(0, 2, 1, 3, 4).reshape(batch, heads, blocks_per_seq * block_size, dim)
 
 
