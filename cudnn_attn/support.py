@@ -19,14 +19,19 @@ cuDNN versions are integers as ``cudnn.backend_version()`` returns them: ``91900
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 from .config import AttentionConfig, DiagonalAlignment
 from .errors import UnsupportedConfigurationError
+from .types import AttentionLayout
 
 CUDNN = "cudnn"
 LIBRARY = "library"
+
+# score_mod arguments are bound by value, one reserved tensor id each (graphs.tensors.TensorId.SCORE_MOD_ARG_*).
+SCORE_MOD_MAX_ARGS = 8
 
 
 def format_version(version: int) -> str:
@@ -179,8 +184,9 @@ def _major(env: Environment) -> int | None:
     return env.compute_capability[0] if env.compute_capability else None
 
 
-def _present(**flags: bool) -> str:
-    return ", ".join(name.replace("_", " ") for name, on in flags.items() if on)
+def _present(*features: tuple[str, bool]) -> str:
+    """The names of the features that are present, comma separated."""
+    return ", ".join(name for name, present in features if present)
 
 
 def _head_dim_multiple(c: AttentionConfig, env: Environment) -> str | None:
@@ -223,7 +229,7 @@ def _alibi_needs_causal(c: AttentionConfig, env: Environment) -> str | None:
 def _bottom_right_exclusions(c: AttentionConfig, env: Environment) -> str | None:
     if not _bottom_right(c):
         return None
-    found = _present(bias=c.bias is not None, dropout=c.has_dropout, ALiBi=c.mask.alibi)
+    found = _present(("bias", c.bias is not None), ("dropout", c.has_dropout), ("ALiBi", c.mask.alibi))
     return f"cannot be combined with {found}" if found else None
 
 
@@ -244,8 +250,8 @@ def _window_lengths(c: AttentionConfig, env: Environment) -> str | None:
 def _score_mod_exclusions(c: AttentionConfig, env: Environment) -> str | None:
     if c.score_mod is None:
         return None
-    found = _present(causal=c.mask.right_bound is not None, sliding_window=c.mask.left_bound is not None,
-                     padding=c.mask.padding, ALiBi=c.mask.alibi)
+    found = _present(("causal", c.mask.right_bound is not None), ("sliding window", c.mask.left_bound is not None),
+                     ("padding", c.mask.padding), ("ALiBi", c.mask.alibi))
     return (f"cannot be combined with built-in masks (found {found}; packing and paging imply padding); "
             "express them inside score_mod") if found else None
 
@@ -263,7 +269,7 @@ def _deterministic_sm100(c: AttentionConfig, env: Environment) -> str | None:
         return None
     if (env.cudnn_version or 0) < 91800:
         return "needs cuDNN >= 9.18.0 on sm100"
-    found = _present(dbias=c.has_dbias, dropout=c.has_dropout, ALiBi=c.mask.alibi)
+    found = _present(("dbias", c.has_dbias), ("dropout", c.has_dropout), ("ALiBi", c.mask.alibi))
     return f"not on sm100 with {found}" if found else None
 
 
@@ -308,13 +314,14 @@ def _fp8_training_lengths(c: AttentionConfig, env: Environment) -> str | None:
 
 
 def _fp8_masks(c: AttentionConfig, env: Environment) -> str | None:
-    found = _present(padding=c.mask.padding, sliding_window=c.mask.left_bound is not None, ALiBi=c.mask.alibi)
+    found = _present(("padding", c.mask.padding), ("sliding window", c.mask.left_bound is not None),
+                     ("ALiBi", c.mask.alibi))
     return f"no mask or a causal mask only, found {found} (packing and paging imply padding)" \
         if c.fp8 and found else None
 
 
 def _fp8_extras(c: AttentionConfig, env: Environment) -> str | None:
-    found = _present(dropout=c.has_dropout, score_mod=c.score_mod is not None)
+    found = _present(("dropout", c.has_dropout), ("score_mod", c.score_mod is not None))
     return f"no {found} (the seed's FP8 path has neither)" if c.fp8 and found else None
 
 
@@ -327,6 +334,28 @@ def _training_bias_odd_lengths(c: AttentionConfig, env: Environment) -> str | No
 def _paged_forward_only(c: AttentionConfig, env: Environment) -> str | None:
     if c.paging and c.training:
         return "forward only (cuDNN has no paged backward), but training=True"
+    return None
+
+
+def _packed_layout(c: AttentionConfig, env: Environment) -> str | None:
+    if c.packing and c.layout is not AttentionLayout.BTNH:
+        return f"need the token-major BTNH layout (ragged offsets index tokens), found {c.layout.name}"
+    return None
+
+
+def _packed_extras(c: AttentionConfig, env: Environment) -> str | None:
+    found = _present(("bias", c.bias is not None), ("paged K/V", c.paging is not None))
+    return f"cannot be combined with {found} (cuDNN indexes them per segment)" if c.packing and found else None
+
+
+def _score_mod_args(c: AttentionConfig, env: Environment) -> str | None:
+    if c.score_mod is None:
+        return None
+    shapes = [shape for shape, _ in c.score_mod.arg_shapes]
+    if len(shapes) > SCORE_MOD_MAX_ARGS:
+        return f"takes at most {SCORE_MOD_MAX_ARGS} arguments, found {len(shapes)}"
+    if any(math.prod(shape) != 1 for shape in shapes):
+        return f"arguments must be scalars (bound by value), found shapes {shapes}"
     return None
 
 
@@ -363,6 +392,9 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     Restriction("FP8 attention", _fp8_training_head_dim, LIBRARY),
     Restriction("FP8 attention", _fp8_training_lengths, LIBRARY),
     Restriction("bias", _training_bias_odd_lengths, LIBRARY),
+    Restriction("packed segments", _packed_layout, LIBRARY),
+    Restriction("packed segments", _packed_extras, LIBRARY),
+    Restriction("score_mod", _score_mod_args, LIBRARY),
     Restriction("GPU", _sm103_cudnn, LIBRARY),
 )
 

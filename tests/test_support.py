@@ -14,8 +14,10 @@ from cudnn_attn.config import (
     AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec, ScoreModSpec,
 )
 from cudnn_attn.errors import UnsupportedConfigurationError
+from cudnn_attn.types import AttentionLayout
 from cudnn_attn.support import (
-    CUDNN, LIBRARY, REQUIREMENTS, RESTRICTIONS, Environment, check_supported, format_version, not_supported_reasons,
+    CUDNN, LIBRARY, REQUIREMENTS, RESTRICTIONS, SCORE_MOD_MAX_ARGS, Environment, check_supported, format_version,
+    not_supported_reasons,
 )
 
 SM90 = Environment.sm90()
@@ -193,8 +195,8 @@ CASES = [
                                              mask=MaskSpec(right_bound=0, padding=True)), SM90,
      "score_mod: cannot be combined with built-in masks (found causal, padding;", CUDNN,
      BASE.replace(score_mod=SCORE_MOD)),
-    ("sink-decode", BASE.replace(sink=True, q_len=1), SM90, "attention sink: not supported with a single query (T == 1)",
-     CUDNN, BASE.replace(sink=True, q_len=2)),
+    ("sink-decode", BASE.replace(sink=True, q_len=1), SM90,
+     "attention sink: not supported with a single query (T == 1)", CUDNN, BASE.replace(sink=True, q_len=2)),
     ("backward-T1-S1", BASE.replace(q_len=1, kv_len=1, training=True), SM90,
      "backward: T == S == 1 is not supported", CUDNN, BASE.replace(q_len=1, kv_len=1)),
     ("deterministic-sm100-old", BASE.replace(deterministic=True, training=True), env(91700, (10, 0)),
@@ -222,13 +224,26 @@ CASES = [
     ("fp8-padding", FP8.replace(mask=PADDING), SM90, "FP8 attention: no mask or a causal mask only, found padding",
      LIBRARY, FP8.replace(mask=CAUSAL)),
     ("fp8-dropout-score_mod", FP8.replace(dropout_rate=0.1, score_mod=SCORE_MOD), SM90,
-     "FP8 attention: no dropout, score mod (the seed's FP8 path has neither)", LIBRARY, FP8),
+     "FP8 attention: no dropout, score_mod (the seed's FP8 path has neither)", LIBRARY, FP8),
     ("fp8-training-d64-blackwell", FP8.replace(qk_dim=64, v_dim=64, training=True), SM100,
      "FP8 attention: training needs qk_dim == v_dim == 128, found (64, 64)", LIBRARY, FP8.replace(training=True)),
     ("fp8-training-T100", FP8.replace(q_len=100, training=True), SM90,
      "FP8 attention: training needs T and S multiples of 128, found T=100, S=128", LIBRARY, FP8.replace(q_len=100)),
     ("bias-training-odd-T", BASE.replace(bias=BIAS, q_len=127, training=True), SM90,
      "bias: training with a bias needs even T and S, found T=127, S=128", LIBRARY, BASE.replace(bias=BIAS, q_len=127)),
+    ("packed-BNTH", BASE.replace(layout=AttentionLayout.BNTH, **PACKED), SM90,
+     "packed segments: need the token-major BTNH layout (ragged offsets index tokens), found BNTH", LIBRARY,
+     BASE.replace(**PACKED)),
+    ("packed-bias", BASE.replace(bias=BIAS, **PACKED), SM90, "packed segments: cannot be combined with bias",
+     LIBRARY, BASE.replace(**PACKED)),
+    ("packed-paged", BASE.replace(paging=PAGED["paging"], **PACKED), SM90,
+     "packed segments: cannot be combined with paged K/V", LIBRARY, BASE.replace(**PACKED)),
+    ("score_mod-9-args", BASE.replace(score_mod=ScoreModSpec(score_mod, (((), "float32"),) * 9)), SM90,
+     "score_mod: takes at most 8 arguments, found 9", LIBRARY,
+     BASE.replace(score_mod=ScoreModSpec(score_mod, (((), "float32"),) * 8))),
+    ("score_mod-vector-arg",
+     BASE.replace(score_mod=ScoreModSpec(score_mod, (((1, 1, 1, 1), "float32"), ((4,), "float32")))), SM90, "score_mod: arguments must be scalars (bound by value), found shapes [(1, 1, 1, 1), (4,)]", LIBRARY,
+     BASE.replace(score_mod=ScoreModSpec(score_mod, (((1, 1, 1, 1), "float32"),)))),
     ("sm103-old-cudnn", BASE, env(91000, (10, 3)), "GPU: sm103 needs cuDNN >= 9.11.0, found 9.10.0", LIBRARY,
      env(91100, (10, 3))),
 ]
@@ -280,3 +295,8 @@ def test_every_table_row_names_its_enforcer():
     rows = (*REQUIREMENTS, *RESTRICTIONS)
     assert all(row.feature and row.enforced_by in (CUDNN, LIBRARY) for row in rows)
     assert all(req.min_cudnn >= 8904 and req.min_compute >= (8, 0) for req in REQUIREMENTS)
+
+
+def test_score_mod_argument_limit_matches_the_graph_tensor_ids():
+    tensors = pytest.importorskip("cudnn_attn.graphs.tensors")
+    assert SCORE_MOD_MAX_ARGS == len([tid for tid in tensors.TensorId if tid.name.startswith("SCORE_MOD_ARG_")])
