@@ -65,14 +65,13 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
     return AttentionOutput(output=output, logsumexp=problem.api_logsumexp(lse) if config.training else None)
 
 
-def _score_mod_vjp(config: AttentionConfig, problem: Problem, score_input: np.ndarray,
-                   ds: np.ndarray) -> np.ndarray:
+def _score_mod_vjp(problem: Problem, score_input: np.ndarray, ds: np.ndarray) -> np.ndarray:
     """Pull ``ds`` (gradient w.r.t. the modified score) back through ``score_mod`` with ``jax.vjp``."""
     import jax
     import jax.numpy as jnp
 
     args = tuple(jnp.asarray(a) for a in problem.score_mod_args)
-    _, pullback = jax.vjp(lambda score: config.score_mod.fn(score, *args), jnp.asarray(score_input))
+    _, pullback = jax.vjp(lambda score: problem.config.score_mod.fn(score, *args), jnp.asarray(score_input))
     (ds_input,) = pullback(jnp.asarray(ds, dtype=jnp.float32))
     return np.asarray(ds_input).astype(np.float64)
 
@@ -114,7 +113,7 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
     delta = np.einsum("bntd,bntd->bnt", do, o)
     ds = p * (dp - delta[..., None])
     if config.score_mod is not None:
-        ds = np.where(problem.allowed, _score_mod_vjp(config, problem, score_input, ds), 0.0)
+        ds = np.where(problem.allowed, _score_mod_vjp(problem, score_input, ds), 0.0)
 
     dq = config.scale * np.einsum("bnts,bnsh->bnth", ds, problem.k)
     dk = config.scale * np.einsum("bnts,bnth->bnsh", ds, problem.q)

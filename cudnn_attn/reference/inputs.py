@@ -26,7 +26,7 @@ def fp8_scale(amax: float, dtype: np.dtype) -> float:
 
 
 def _partition(total: int, parts: int, rng: np.random.Generator) -> np.ndarray:
-    """``parts`` non-negative integers summing to ``total``, uniformly over compositions."""
+    """``parts`` random non-negative integers summing to ``total``."""
     cuts = np.sort(rng.integers(0, total + 1, size=parts - 1))
     return np.diff(np.concatenate([[0], cuts, [total]]))
 

@@ -21,6 +21,8 @@ from .tensors import as_float64, gather_pages, to_logical
 
 @dataclass(frozen=True)
 class Problem:
+    """The float64 tensors of one call (logical layouts, K/V per query head) and its geometry."""
+
     config: AttentionConfig
     segments: Segments
     q: np.ndarray                  # (B, N, T, H)   zero outside the segments
@@ -60,8 +62,7 @@ class Problem:
         return x.reshape(b, self.config.kv_heads, n // self.config.kv_heads, s, d).sum(axis=2)
 
 
-def _keys_and_values(config: AttentionConfig, operands: AttentionOperands,
-                     segments: Segments) -> tuple[np.ndarray, np.ndarray]:
+def _keys_and_values(config: AttentionConfig, operands: AttentionOperands) -> tuple[np.ndarray, np.ndarray]:
     if config.paging is None:
         return to_logical(operands.key, config.layout), to_logical(operands.value, config.layout)
     kv_lengths = np.asarray(operands.kv_seqlen).astype(np.int64)
@@ -72,7 +73,7 @@ def _keys_and_values(config: AttentionConfig, operands: AttentionOperands,
 def load(config: AttentionConfig, operands: AttentionOperands) -> Problem:
     """Read ``operands`` (described by ``config``) into a :class:`Problem`."""
     segments = segments_of(config, operands)
-    k, v = _keys_and_values(config, operands, segments)
+    k, v = _keys_and_values(config, operands)
     valid_q = segments.valid_q[:, None, :, None]
     valid_kv = segments.valid_kv[:, None, :, None]
     group = config.q_heads // config.kv_heads
