@@ -190,3 +190,18 @@ def test_drawn_dropout_mask_follows_the_seed():
     assert not np.allclose(first, other)
     keep = (np.random.default_rng(1).random((2, 4, 6, 6)) >= 0.5).astype(float)
     np.testing.assert_array_equal(first, forward(cfg, ops, dropout_mask=keep).output)
+
+
+def test_random_operands_poison_exactly_the_unused_values():
+    cfg = config(batch=3, mask=MaskSpec(padding=True), layout=AttentionLayout.BNTH)
+    ops = random_operands(cfg, np.random.default_rng(9))
+    for b in range(cfg.batch):
+        t, s = int(ops.q_seqlen[b]), int(ops.kv_seqlen[b])
+        assert np.isnan(ops.query[b, :, t:]).all() and not np.isnan(ops.query[b, :, :t]).any()
+        assert np.isnan(ops.key[b, :, s:]).all() and not np.isnan(ops.value[b, :, :s]).any()
+    paging = PagingSpec(num_blocks_k=9, num_blocks_v=9, block_size=2, blocks_per_seq=3)
+    paged = config(batch=2, kv_len=6, paging=paging, mask=MaskSpec(padding=True))
+    ops = random_operands(paged, np.random.default_rng(10))
+    used = np.unique(ops.page_table_k)
+    spare = np.setdiff1d(np.arange(9), used)
+    assert len(used) == 6 and np.isnan(ops.key[spare]).all()
