@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -55,7 +55,7 @@ def _shape(x: Any) -> tuple[int, ...]:
 
 
 def _describe(x: Any) -> str:
-    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+    if not _is_array(x):
         return "None" if x is None else type(x).__name__
     return f"{dtype_name(x)}{list(_shape(x))}"
 
@@ -108,6 +108,10 @@ def _array_namespace(x: Any) -> Any:
     return np
 
 
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
 def _is_abstract(x: Any) -> bool:
     """A shape/dtype description without data (``jax.ShapeDtypeStruct``)."""
     return x is not None and not hasattr(x, "reshape")
@@ -117,7 +121,7 @@ def _is_abstract(x: Any) -> bool:
 
 def _check_qkv(call: _Call, query: Any, key: Any, value: Any, use_fp8: bool) -> str:
     for name, x in (("query", query), ("key", key), ("value", value)):
-        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        if not _is_array(x):
             raise call.error(name, f"expected an array with .shape and .dtype, got {type(x).__name__}")
         if len(x.shape) != 4:
             raise call.error(name, f"must have rank 4, got rank {len(x.shape)}",
@@ -231,8 +235,9 @@ def _mask_spec(call: _Call, mask_type: MaskType, sliding_window_length: Any, dia
 
 
 def _check_fp8(call: _Call, fp8_params: Any, **forbidden: Any) -> dict:
-    if fp8_params is None:
-        raise call.error("fp8_params", "use_fp8=True requires fp8_params (the scale/descale/amax entries of FP8Params)")
+    if not isinstance(fp8_params, Mapping):
+        raise call.error("fp8_params", "use_fp8=True requires fp8_params, a dict of the FP8Params entries, "
+                         f"got {type(fp8_params).__name__}")
     present = [name for name, x in forbidden.items() if x is not None]
     if present:
         raise call.error(", ".join(present), "FP8 attention takes no bias, mask, seqlens or offsets; expected None")
@@ -241,7 +246,7 @@ def _check_fp8(call: _Call, fp8_params: Any, **forbidden: Any) -> dict:
         raise call.error("fp8_params", f"missing keys: {', '.join(missing)}")
     for name in FP8_PARAM_KEYS:
         x = fp8_params[name]
-        if not hasattr(x, "shape") or dtype_name(x) != "float32" or math.prod(_shape(x)) != 1:
+        if not _is_array(x) or dtype_name(x) != "float32" or math.prod(_shape(x)) != 1:
             found = _describe(x)
             raise call.error(f"fp8_params[{name!r}]", f"must be a float32 array with one element "
                              f"(shape () or (1, 1, 1, 1)), got {found}")
@@ -317,7 +322,7 @@ def _check_score_mod(call: _Call, score_mod: Any, score_mod_args: Sequence[Any])
     if not callable(score_mod):
         raise call.error("score_mod", f"must be callable as score_mod(score, *score_mod_args), got {score_mod!r}")
     for i, a in enumerate(args):
-        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+        if not _is_array(a):
             raise call.error(f"score_mod_args[{i}]", f"must be an array, got {type(a).__name__}")
     return ScoreModSpec(fn=score_mod, arg_shapes=tuple((_shape(a), dtype_name(a)) for a in args))
 
@@ -349,6 +354,11 @@ def prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None
     call = _Call(query, key, value, layout.name)
     if not isinstance(mask_type, MaskType):
         raise call.error("mask_type", f"must be a MaskType ({', '.join(MaskType.__members__)}), got {mask_type!r}")
+    optional = dict(bias=bias, mask=mask, q_seqlen=q_seqlen, kv_seqlen=kv_seqlen, q_offsets=q_offsets,
+                    kv_offsets=kv_offsets, page_table_k=page_table_k, page_table_v=page_table_v, sink=sink)
+    for name, x in optional.items():
+        if x is not None and not _is_array(x):
+            raise call.error(name, f"expected an array with .shape and .dtype (or None), got {type(x).__name__}")
     if use_fp8 and (page_table_k is not None or page_table_v is not None):
         raise call.error("use_fp8", "paged attention does not support fp8")
     dtype = _check_qkv(call, query, key, value, use_fp8)
@@ -409,7 +419,7 @@ def prepare_backward(config: AttentionConfig, output: Any, grad_output: Any, log
     }
     for name, x in (("output", output), ("grad_output", grad_output), ("logsumexp", logsumexp)):
         shape, dtype = expected[name]
-        if x is None or not hasattr(x, "shape") or _shape(x) != shape or dtype_name(x) != dtype:
+        if not _is_array(x) or _shape(x) != shape or dtype_name(x) != dtype:
             found = _describe(x)
             raise ValueError(f"{name}: expected {dtype}{list(shape)}, got {found}\n"
                              f"  configuration: {config.describe()}")

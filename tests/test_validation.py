@@ -301,6 +301,9 @@ ERRORS = [
      "key/value", "query heads N=4 must be a multiple of key/value heads K=3"),
     ("kv-lengths", _with(value=From(lambda a: a["value"][:, :S - 1])), "value", f"sequence length {S - 1} must equal"),
     # bias and mask
+    ("bias-list", _with(bias=[[0.0]]), "bias", "expected an array with .shape and .dtype (or None), got list"),
+    ("kv_seqlen-tuple", _with(q_seqlen=seqlens(), kv_seqlen=(3, 4), mask_type=MaskType.PADDING), "kv_seqlen",
+     "got tuple"),
     ("bias-rank-5", _with(bias=randn((1, B, N, T, S))), "bias", "does not broadcast to (B, N, T, S)"),
     ("bias-wrong-T", _with(bias=randn((B, N, T + 1, S))), "bias", f"shape {(B, N, T + 1, S)} does not broadcast"),
     ("bias-wrong-heads", _with(bias=randn((B, 3, T, S))), "bias", "each dimension is 1 or the full size"),
@@ -351,7 +354,8 @@ ERRORS = [
     # fp8
     ("fp8-float16-inputs", _with(use_fp8=True, fp8_params=fp8_params()), "query",
      "dtype must be one of float8_e4m3fn, float8_e5m2 (use_fp8=True), got float16"),
-    ("fp8-without-params", _fp8(fp8_params=None), "fp8_params", "use_fp8=True requires fp8_params"),
+    ("fp8-without-params", _fp8(fp8_params=None), "fp8_params", "use_fp8=True requires fp8_params, a dict"),
+    ("fp8-params-list", _fp8(fp8_params=[1.0]), "fp8_params", "got list"),
     ("fp8-padding", _fp8(mask_type=MaskType.PADDING), "mask_type", "NO_MASK or CAUSAL only"),
     ("fp8-bias", _fp8(bias=randn((T, S))), "bias", "FP8 attention takes no bias, mask, seqlens or offsets"),
     ("fp8-seqlens", _fp8(q_seqlen=seqlens(), kv_seqlen=seqlens()), "q_seqlen, kv_seqlen", "expected None"),
