@@ -123,8 +123,8 @@ class Requirement:
             reasons.append(f"{self.feature}: needs cuDNN >= {format_version(self.min_cudnn)}, "
                            f"found {format_version(version)}")
         elif version in self.broken_cudnn:
-            reasons.append(f"{self.feature}: cuDNN {format_version(version)} has known bugs here and refuses it; "
-                           "upgrade cuDNN")
+            reasons.append(f"{self.feature}: cuDNN {format_version(version)} is excluded (known bugs); "
+                           "use another version")
         cc = env.compute_capability
         if cc is not None and cc < self.min_compute:
             reasons.append(f"{self.feature}: needs compute capability >= {_sm(self.min_compute)}, found {_sm(cc)}")
