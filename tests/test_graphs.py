@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import types
+import zlib
 from importlib.machinery import ModuleSpec
 
 import numpy as np
@@ -352,3 +353,197 @@ def test_lse_conversions_match_loops(seed):
     for i in range(batch * m):
         inside[segs.q_start[i]:segs.q_start[i] + segs.q_seqlen[i]] = True
     np.testing.assert_array_equal(back, np.where(inside[:, None], tokens, 0))
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: the built graphs compute what the reference computes (fp16; skipped without a GPU)
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpu():
+    cupy = pytest.importorskip("cupy")
+    try:
+        devices = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 -- no driver / no runtime: no GPU
+        devices = 0
+    if devices < 1:
+        pytest.skip("no CUDA GPU (the gpu tier runs on the GPU machine)")
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle, cupy.cuda.get_current_stream().ptr)
+    yield cupy, handle
+    cudnn.destroy_handle(handle)
+
+
+def _close(got, want, rel=5e-3, name=""):
+    """max |got - want| <= rel * max(1, max |want|) (cuDNN fp16 attention: ~3e-4 measured)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    bound = rel * max(1.0, float(np.abs(want).max()))
+    err = float(np.abs(got - want).max())
+    assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
+
+
+def _pointers(arrays):
+    return {t: (a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr) for t, a in arrays.items()}
+
+
+def _run(cupy, handle, built, arrays):
+    workspace = cupy.empty(max(built.workspace_size, 1), cupy.uint8)
+    built.execute(_pointers(arrays), workspace.data.ptr, handle)
+    cupy.cuda.get_current_stream().synchronize()
+
+
+def _packed_inputs(rng, batch, segments, length):
+    lengths = np.full((batch, segments), -1, np.int32)
+    offsets = np.full((batch, segments + 1), -1, np.int32)
+    for b in range(batch):
+        count = 1 + b % segments
+        starts = np.sort(rng.choice(np.arange(0, length, 8), size=count, replace=False))
+        ends = np.append(starts[1:], length)
+        offsets[b, :count] = starts
+        lengths[b, :count] = [int(rng.integers(1, e - s + 1)) for s, e in zip(starts, ends)]
+    return lengths, offsets
+
+
+def _problem(rng, name):
+    """``(prepare kwargs, arrays)`` of one GPU case, random fp16 inputs (never zeros)."""
+    from cudnn_attn.types import MaskType
+    b, t, s, n, k, d = 2, 128, 128, 8, 2, 64
+    q = rng.standard_normal((b, t, n, d)).astype(np.float16)
+    key = rng.standard_normal((b, s, k, d)).astype(np.float16)
+    v = rng.standard_normal((b, s, k, d)).astype(np.float16)
+    lengths = np.array([100, 37], np.int32), np.array([128, 64], np.int32)
+    kw = dict(scale=d ** -0.5, training=True)
+    if name == "causal-gqa":
+        return dict(kw, mask_type=MaskType.CAUSAL), (q, key, v)
+    if name == "BNTH-bias-padding":
+        bias_ = rng.standard_normal((1, n, t, s)).astype(np.float16)
+        return dict(kw, qkv_layout="BNTH", mask_type=MaskType.PADDING, bias=bias_, q_seqlen=lengths[0],
+                    kv_seqlen=lengths[1]), tuple(np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, key, v))
+    if name == "window-sink":
+        sink = rng.standard_normal(n).astype(np.float32)
+        return dict(kw, mask_type=MaskType.CAUSAL, sliding_window_length=32, sink=sink), (q, key, v)
+    if name == "packed-causal":
+        q_len, q_off = _packed_inputs(rng, b, 3, t)
+        return dict(kw, mask_type=MaskType.CAUSAL, q_seqlen=q_len, kv_seqlen=q_len, q_offsets=q_off,
+                    kv_offsets=q_off), (q, key, v)
+    raise KeyError(name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal-gqa", "BNTH-bias-padding", "window-sink", "packed-causal"])
+def test_gpu_forward_and_backward_match_the_reference(gpu, name):
+    from cudnn_attn import reference
+    from cudnn_attn.validation import prepare
+    cupy, handle = gpu
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    kwargs, (q, k, v) = _problem(rng, name)
+    cfg, ops = prepare(q, k, v, xp=np, **kwargs)
+    dev = {T_.Q: cupy.asarray(q), T_.K: cupy.asarray(k), T_.V: cupy.asarray(v),
+           T_.O: cupy.zeros(cfg.o_shape, cupy.float16)}
+    if cfg.packing is not None:
+        segs = packing.segments(cupy, *(cupy.asarray(a) for a in (ops.q_seqlen, ops.kv_seqlen, ops.q_offsets,
+                                                                   ops.kv_offsets)), cfg.q_len, cfg.kv_len)
+        dev.update(packing.cudnn_buffers(cupy, cfg, segs))
+        dev[T_.STATS] = cupy.zeros((cfg.batch * cfg.q_len, cfg.q_heads), cupy.float32)
+    else:
+        dev[T_.STATS] = cupy.zeros(cfg.lse_shape, cupy.float32)
+        if cfg.mask.padding:
+            dev[T_.SEQ_LEN_Q], dev[T_.SEQ_LEN_KV] = cupy.asarray(ops.q_seqlen), cupy.asarray(ops.kv_seqlen)
+    if cfg.bias is not None:
+        dev[T_.BIAS] = cupy.asarray(ops.bias)
+    if cfg.sink:
+        dev[T_.SINK] = cupy.asarray(ops.sink)
+
+    fwd = build_graph(cfg, "fwd", handle)
+    _run(cupy, handle, fwd, {t: dev[t] for t in fwd.uids})
+    lse = dev[T_.STATS]
+    if cfg.packing is not None:
+        lse = packing.lse_from_tokens(cupy, lse, segs, cfg.q_len)
+    want = reference.forward(cfg, ops)
+    _close(dev[T_.O].get(), want.output, name="O")
+    # cuDNN writes -inf into the statistics of padded query rows; the library's convention is 0.
+    _close(cupy.where(cupy.isneginf(lse), 0, lse).get(), want.logsumexp, name="logsumexp")
+
+    d_o = rng.standard_normal(cfg.o_shape).astype(np.float16)
+    dev.update({T_.DO: cupy.asarray(d_o), T_.DQ: cupy.zeros_like(dev[T_.Q]), T_.DK: cupy.zeros_like(dev[T_.K]),
+                T_.DV: cupy.zeros_like(dev[T_.V])})
+    if cfg.has_dbias:
+        dev[T_.DBIAS] = cupy.zeros(cfg.bias.shape, cupy.float16)
+    if cfg.sink:
+        dev[T_.DSINK] = cupy.zeros(cfg.q_heads, cupy.float32)
+    bwd = build_graph(cfg, "bwd", handle)
+    _run(cupy, handle, bwd, {t: dev[t] for t in bwd.uids})
+    grads = reference.backward(cfg, ops, dev[T_.O].get(), d_o, lse.get())
+    for tid, ref in ((T_.DQ, grads.dq), (T_.DK, grads.dk), (T_.DV, grads.dv), (T_.DBIAS, grads.dbias),
+                     (T_.DSINK, grads.dsink)):
+        if ref is not None:
+            _close(dev[tid].get(), ref, rel=1e-2, name=tid.name)
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_seed_is_a_runtime_host_scalar(gpu):
+    from cudnn_attn import reference
+    from cudnn_attn.validation import prepare
+    cupy, handle = gpu
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((2, 128, 4, 64)).astype(np.float16) for _ in range(3))
+    cfg, ops = prepare(q, k, v, xp=np, scale=0.125, dropout_rate=0.25, training=True)
+    built = build_graph(cfg, "fwd", handle, rng_dump=True)
+    masks = []
+    for seed in (1234, 1234, 99):
+        dev = {T_.Q: cupy.asarray(q), T_.K: cupy.asarray(k), T_.V: cupy.asarray(v),
+               T_.O: cupy.zeros(cfg.o_shape, cupy.float16), T_.STATS: cupy.zeros(cfg.lse_shape, cupy.float32),
+               T_.RNG_DUMP: cupy.zeros((2, 4, 128, 128), cupy.float32),
+               T_.SEED: np.array([seed], np.int64), T_.OFFSET: np.array([0], np.int64)}
+        _run(cupy, handle, built, dev)
+        mask = dev[T_.RNG_DUMP].get()
+        masks.append(mask)
+        _close(dev[T_.O].get(), reference.forward(cfg, ops, dropout_mask=mask).output, name=f"O seed={seed}")
+    assert abs(masks[0].mean() - 0.75) < 0.01 and set(np.unique(masks[0])) <= {0.0, 1.0}
+    np.testing.assert_array_equal(masks[0], masks[1])
+    assert (masks[0] != masks[2]).mean() > 0.2
+
+
+@pytest.mark.gpu
+def test_gpu_paged_decode_matches_the_reference(gpu):
+    from cudnn_attn import reference
+    from cudnn_attn.validation import prepare
+    from cudnn_attn.types import MaskType
+    cupy, handle = gpu
+    rng = np.random.default_rng(5)
+    b, n, d, bs, blocks_per_seq = 2, 4, 64, 32, 4
+    blocks = b * blocks_per_seq
+    q = rng.standard_normal((b, 1, n, d)).astype(np.float16)
+    k_cache, v_cache = (rng.standard_normal((blocks, bs, n, d)).astype(np.float16) for _ in range(2))
+    table = rng.permutation(blocks).astype(np.int32).reshape(b, 1, blocks_per_seq, 1)
+    q_len, kv_len = np.array([1, 1], np.int32), np.array([128, 77], np.int32)
+    cfg, ops = prepare(q, k_cache, v_cache, q_seqlen=q_len, kv_seqlen=kv_len, page_table_k=table,
+                       page_table_v=table, xp=np, scale=0.125, mask_type=MaskType.PADDING)
+    built = build_graph(cfg, "fwd", handle)
+    dev = {T_.Q: cupy.asarray(q), T_.K: cupy.asarray(k_cache), T_.V: cupy.asarray(v_cache),
+           T_.O: cupy.zeros(cfg.o_shape, cupy.float16), T_.SEQ_LEN_Q: cupy.asarray(q_len),
+           T_.SEQ_LEN_KV: cupy.asarray(kv_len), T_.PAGE_TABLE_K: cupy.asarray(table),
+           T_.PAGE_TABLE_V: cupy.asarray(table)}
+    _run(cupy, handle, built, {t: dev[t] for t in built.uids})
+    _close(dev[T_.O].get(), reference.forward(cfg, ops).output, name="O")
+
+
+@pytest.mark.gpu
+def test_gpu_every_autotuning_plan_computes_the_same_attention(gpu):
+    from cudnn_attn import reference
+    from cudnn_attn.graphs import ALL_PLANS
+    from cudnn_attn.types import MaskType
+    from cudnn_attn.validation import prepare
+    cupy, handle = gpu
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((2, 128, 4, 64)).astype(np.float16) for _ in range(3))
+    cfg, ops = prepare(q, k, v, xp=np, scale=0.125, mask_type=MaskType.CAUSAL)
+    built = build_graph(cfg, "fwd", handle, plan=ALL_PLANS)
+    assert len(built.plans) > 1, built.plans
+    want = reference.forward(cfg, ops).output
+    for plan in built.plans:
+        dev = {T_.Q: cupy.asarray(q), T_.K: cupy.asarray(k), T_.V: cupy.asarray(v),
+               T_.O: cupy.zeros(cfg.o_shape, cupy.float16)}
+        workspace = cupy.empty(max(plan.workspace_size, 1), cupy.uint8)
+        built.execute(_pointers(dev), workspace.data.ptr, handle, plan_index=plan.index)
+        cupy.cuda.get_current_stream().synchronize()
+        _close(dev[T_.O].get(), want, name=f"O with {plan.name}")
