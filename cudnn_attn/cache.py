@@ -52,6 +52,14 @@ class GraphKey:
     plan: PlanChoice = PlanChoice.HEURISTIC
     rng_dump: bool = False   # debug output of the dropout keep-mask (tests only)
 
+    def __post_init__(self):
+        # Hashing a config walks every nested field (microseconds): do it once per key.
+        object.__setattr__(self, "_hash", hash((self.config, self.kind, self.device, self.cudnn_version,
+                                                self.plan, self.rng_dump)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
 
 class CacheStats(NamedTuple):
     hits: int
@@ -178,6 +186,7 @@ class GraphCache:
         self._lock = threading.Lock()
         self._entries: OrderedDict[GraphKey, CacheEntry] = OrderedDict()
         self._pending: dict[GraphKey, _Pending] = {}
+        self._recent_keys: dict[tuple, GraphKey] = {}
         self._hits = self._misses = self._evictions = 0
         self._build_seconds = 0.0
 
@@ -194,13 +203,21 @@ class GraphCache:
     def key(self, config: AttentionConfig, kind: str, device: int | None = None, *,
             plan: PlanChoice = PlanChoice.HEURISTIC, rng_dump: bool = False) -> GraphKey:
         """The :class:`GraphKey` of a graph (``device=None``: the current CuPy device)."""
-        if kind not in KINDS:
-            raise ValueError(f"kind: must be one of {KINDS}, got {kind!r}")
         if device is None:
             import cupy
 
             device = cupy.cuda.Device().id
-        return GraphKey(config, kind, device, _cudnn_version(), plan, rng_dump)
+        # A call that reuses its config object (the API's validation memo does) reuses its key too.
+        recent = self._recent_keys.get((id(config), kind, device, plan, rng_dump))
+        if recent is not None and recent.config is config:
+            return recent
+        if kind not in KINDS:
+            raise ValueError(f"kind: must be one of {KINDS}, got {kind!r}")
+        key = GraphKey(config, kind, device, _cudnn_version(), plan, rng_dump)
+        if len(self._recent_keys) >= 4 * self._maxsize:
+            self._recent_keys.clear()
+        self._recent_keys[(id(config), kind, device, plan, rng_dump)] = key
+        return key
 
     def entry(self, key: GraphKey, build: Builder | None = None) -> CacheEntry:
         """The :class:`CacheEntry` of ``key``, built with ``build`` (default: the cache's builder) on a miss."""

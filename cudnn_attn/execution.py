@@ -23,6 +23,7 @@ Conventions (the same as :mod:`cudnn_attn.reference`):
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import numpy as np
@@ -60,7 +61,8 @@ class _Call:
         self.device = operands.query.device.id
         self.context = runtime.context(self.device)
         self.stream_ptr = runtime.stream_pointer(stream, self.device)
-        self.stream = self.context.stream(self.stream_ptr)
+        # ``None``: the current CuPy stream, where allocations and kernels already go.
+        self.stream = None if stream is None else self.context.stream(self.stream_ptr)
         self.buffers: dict[TensorId, int] = {}
         self.keep_alive: list[Any] = []               # host scalars and temporaries bound by address
         self.zeroed: list[Any] = []
@@ -79,8 +81,11 @@ class _Call:
                zero: bool = False) -> Any:
         """A result buffer (``given`` or a new one), bound to ``tid`` and zeroed before the launch if asked."""
         if given is None:
-            with self.stream:
+            if self.stream is None:
                 given = self.cupy.empty(shape, dtype)
+            else:
+                with self.stream:
+                    given = self.cupy.empty(shape, dtype)
         elif tuple(given.shape) != tuple(shape) or given.dtype != np.dtype(dtype) or not given.flags.c_contiguous:
             name = tid.name.lower() if tid is not None else "result"
             raise ValueError(f"{name}: a preallocated result must be a C-contiguous {np.dtype(dtype).name}"
@@ -119,16 +124,22 @@ class _Call:
         if config.packing is not None:
             from .graphs import packing
 
-            with self.stream:
+            with self.on_stream():
                 segments = packing.segments(self.cupy, operands.q_seqlen, operands.kv_seqlen, operands.q_offsets,
                                             operands.kv_offsets, config.q_len, config.kv_len)
                 for tid, array in packing.cudnn_buffers(self.cupy, config, segments).items():
+                    if tid is TensorId.RAGGED_STATS and kind == FWD and not config.training:
+                        continue                          # an inference forward writes no statistics
                     self.bind(tid, self.cupy.ascontiguousarray(array))
                     self.keep_alive.append(array)
         elif operands.q_seqlen is not None:
             self.bind(TensorId.SEQ_LEN_Q, operands.q_seqlen)
             self.bind(TensorId.SEQ_LEN_KV, operands.kv_seqlen)
         return segments
+
+    def on_stream(self) -> Any:
+        """Context manager making the call's stream current (a no-op for the current stream)."""
+        return contextlib.nullcontext() if self.stream is None else self.stream
 
     # -- launch --------------------------------------------------------------------------------
     def launch(self, kind: str, autotune: bool | None, rng_dump: bool) -> None:
@@ -158,7 +169,7 @@ class _Call:
 
             self.context.bind_stream(self.stream_ptr)
             return tuned_graph(build_with, self.buffers, lambda n: self.context.workspace(self.stream_ptr, n),
-                               self.context.handle, self.stream)
+                               self.context.handle, self.context.stream(self.stream_ptr))
         return build
 
 
@@ -198,7 +209,7 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
     if segments is not None and stats is not None:
         from .graphs import packing
 
-        with call.stream:
+        with call.on_stream():
             lse = packing.lse_from_tokens(call.cupy, stats, segments, config.q_len)
             if logsumexp is not None:
                 _copy_into("logsumexp", logsumexp, lse)
@@ -226,7 +237,7 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
     else:
         from .graphs import packing
 
-        with call.stream:
+        with call.on_stream():
             tokens = packing.lse_to_tokens(call.cupy, logsumexp, segments, config.batch * config.q_len)
         call.keep_alive.append(call.bind(TensorId.STATS, call.cupy.ascontiguousarray(tokens)))
     io = operands.query.dtype

@@ -258,3 +258,49 @@ def test_seed_return_forms():
     assert _seed_result(result, use_fp8=False, return_residual=False) == "o"
     assert _seed_result(result, use_fp8=False, return_residual=True) == ("o", "lse")
     assert _seed_result(result, use_fp8=True, return_residual=False) == ("o", "amax_s", "amax_o")
+
+
+# -- the validation memo -----------------------------------------------------------------------------
+
+def _memo_call(memo, rng, **static):
+    q, k, v = _qkv(rng)
+    seqlen = np.full((2,), 64, np.int32)
+    arrays = dict(query=q, key=k, value=v, q_seqlen=seqlen, kv_seqlen=seqlen)
+    return arrays, memo.prepare(arrays, dict(scale=0.125, mask_type=MaskType.CAUSAL, **static))
+
+
+def test_validation_memo_reuses_the_config_and_binds_new_arrays():
+    from cudnn_attn.api import _ValidationMemo
+
+    memo, rng = _ValidationMemo(), np.random.default_rng(2)
+    _, (config, _) = _memo_call(memo, rng)
+    arrays, (again, operands) = _memo_call(memo, rng)
+    assert again is config
+    assert operands.query is arrays["query"] and operands.value is arrays["value"]
+    assert operands.q_seqlen is None          # CAUSAL without padding: prepare drops the lengths, so does the memo
+    arrays, (padded, operands) = _memo_call(memo, rng, training=True)
+    assert padded is not config and padded.training and operands.kv_seqlen is None
+
+
+def test_validation_memo_checks_every_new_signature():
+    from cudnn_attn.api import _ValidationMemo
+
+    memo, rng = _ValidationMemo(), np.random.default_rng(3)
+    _memo_call(memo, rng)
+    q, k, v = _qkv(rng)
+    with pytest.raises(ValueError, match="dtype"):
+        memo.prepare(dict(query=q, key=k.astype(np.float32), value=v), dict(scale=0.125))
+    with pytest.raises(ValueError, match="sliding_window_length"):
+        memo.prepare(dict(query=q, key=k, value=v), dict(sliding_window_length=0))
+
+
+def test_validation_memo_skips_calls_whose_arrays_prepare_transforms():
+    from cudnn_attn.api import _ValidationMemo
+
+    memo, rng = _ValidationMemo(), np.random.default_rng(4)
+    q, k, v = _qkv(rng)
+    small_bias = rng.standard_normal((64, 64)).astype(np.float16)   # broadcast to 4-D by prepare
+    first = memo.prepare(dict(query=q, key=k, value=v, bias=small_bias), {})
+    second = memo.prepare(dict(query=q, key=k, value=v, bias=small_bias), {})
+    assert first[0] == second[0] and first[0] is not second[0]
+    assert second[1].bias.shape == (1, 1, 64, 64)

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU machine's one command: GPU test tier, then the benchmarks, summary table last.
+#
+#   scripts/gpu_run.sh [all|tests|bench] [extra pytest arguments...]
+#
+# Logs, JUnit XML, benchmark JSON and PNG go to $OUT (default: bench_out/).  The machine has no
+# package index: the cuDNN frontend wheel is brought in .whl/ (../shared/gpu/fetch-wheels.sh) and
+# installed into /tmp/site; the project is installed editable (graphs/ and jax_bridge/ map to
+# cudnn_attn.graphs / cudnn_attn.jax_bridge, so the checkout alone is not importable).
+# Time limits per phase: GPU_RUN_TEST_SECONDS (default 360), GPU_RUN_BENCH_SECONDS (default 220).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what="${1:-all}"; shift || true
+case "$what" in all|tests|bench) ;; *) echo "usage: $0 [all|tests|bench] [pytest args...]" >&2; exit 2 ;; esac
+OUT="${OUT:-bench_out}"
+mkdir -p "$OUT"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false   # JAX shares the GPU with CuPy and torch in one process
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OUT/install.log" 2>&1 \
+  || { cat "$OUT/install.log"; exit 1; }
+python3 -c "import cudnn, cudnn_attn; print('cuDNN', cudnn.backend_version(), 'cudnn_attn', cudnn_attn.__version__)"
+
+status=0
+if [ "$what" != bench ]; then
+  echo "== GPU tests (log: $OUT/gpu_tests.log)"
+  timeout "${GPU_RUN_TEST_SECONDS:-360}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+    --junitxml="$OUT/gpu_tests.xml" -o junit_family=xunit1 "$@" tests > "$OUT/gpu_tests.log" 2>&1 || status=1
+  tail -n 40 "$OUT/gpu_tests.log"
+fi
+if [ "$what" != tests ]; then
+  echo "== benchmarks (log: $OUT/bench.log)"
+  timeout "${GPU_RUN_BENCH_SECONDS:-220}" python3 benchmarks/bench_attention.py --out "$OUT" \
+    > "$OUT/bench.log" 2>&1 || status=1
+fi
+
+python3 - "$OUT" "$what" <<'PY'
+import json, os, sys, xml.etree.ElementTree as ET
+from collections import Counter, defaultdict
+out, what = sys.argv[1], sys.argv[2]
+print("\n==================== summary ====================")
+xml = os.path.join(out, "gpu_tests.xml")
+if what != "bench" and os.path.exists(xml):
+    files = defaultdict(Counter)
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        name = case.get("file") or case.get("classname", "?").replace(".", "/") + ".py"
+        kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        files[name][kind] += 1
+    print(f"{'test file':48s} {'passed':>6s} {'failed':>6s} {'error':>6s} {'skipped':>7s}")
+    for name, c in sorted(files.items()):
+        print(f"{name:48s} {c['passed']:6d} {c['failure']:6d} {c['error']:6d} {c['skipped']:7d}")
+    failed = [f"{case.get('classname')}::{case.get('name')}" for case in ET.parse(xml).getroot().iter("testcase")
+              if any(c.tag in ("failure", "error") for c in case)]
+    for name in failed[:25]:
+        print("  FAILED", name)
+elif what != "bench":
+    print("no test report (see gpu_tests.log)")
+log = os.path.join(out, "bench.log")
+if what != "tests" and os.path.exists(log):
+    text = open(log).read()
+    start = text.rfind("shape ")
+    print(text[start:] if start >= 0 else text[-3000:])
+PY
+exit $status

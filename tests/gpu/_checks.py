@@ -1,0 +1,92 @@
+"""Shared helpers of the GPU tier: configurations, GPU copies of reference operands, poisoned
+results and the tolerances.
+
+Tolerances.  cuDNN computes in float32 with the io dtype's rounding of P before P·V, the reference
+in float64 on the same (io-dtype) inputs.  Every tensor is compared by its relative Frobenius error
+``||gpu - ref|| / ||ref||`` with the bounds below, which sit about 4x above the errors measured on
+the H200 for these shapes (research §9: max-relative errors <= 6e-4 fp16, <= 5e-3 bf16) - wide enough
+for the stated arithmetic, tight enough that a wrong mask, a missed scale, a misplaced row or a
+transposed layout (errors of order 1) cannot pass.  The float32 logsumexp is compared per element:
+``|gpu - ref| <= 1e-3 * max(1, |ref|)``.  Before any comparison every result must be finite: results
+are pre-filled with NaN, so an element cuDNN (or our zero-fill) did not write shows up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cudnn_attn import MaskType
+from cudnn_attn.validation import prepare
+
+RELATIVE_TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
+LSE_TOLERANCE = 1e-3
+
+
+def io_dtype(name: str):
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def make_config(*, B=2, T=128, S=128, N=4, K=None, H=64, Hv=None, dtype="float16", layout="BTNH",
+                bias_shape=None, segments=None, training=True, **call):
+    """The AttentionConfig ``prepare`` builds for a call of these shapes (values are never read)."""
+    K, Hv = K or N, Hv or H
+    dt = io_dtype(dtype)
+    def physical(length, heads, dim):
+        return np.empty((B, length, heads, dim) if layout == "BTNH" else (B, heads, length, dim), dt)
+    arrays = {}
+    if segments:
+        arrays.update(q_seqlen=np.empty((B, segments), np.int32), kv_seqlen=np.empty((B, segments), np.int32),
+                      q_offsets=np.empty((B, segments + 1), np.int32), kv_offsets=np.empty((B, segments + 1), np.int32))
+    elif call.get("mask_type") in (MaskType.PADDING, MaskType.PADDING_CAUSAL):
+        arrays.update(q_seqlen=np.empty((B,), np.int32), kv_seqlen=np.empty((B,), np.int32))
+    if bias_shape:
+        arrays["bias"] = np.empty(bias_shape, dt)
+    config, _ = prepare(physical(T, N, H), physical(S, K, H), physical(S, K, Hv), qkv_layout=layout,
+                        training=training, xp=np, **arrays, **call)
+    return config
+
+
+def to_gpu(operands):
+    """The reference operands as CuPy arrays (``None`` and tuples kept)."""
+    import cupy as cp
+
+    def move(x):
+        return cp.asarray(x) if isinstance(x, np.ndarray) else x
+    return operands.replace(**{name: move(getattr(operands, name)) for name in (
+        "query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k",
+        "page_table_v", "sink")},
+        fp8_scales=None if operands.fp8_scales is None else {k: move(v) for k, v in operands.fp8_scales.items()})
+
+
+def poisoned(shape, dtype):
+    import cupy as cp
+
+    return cp.full(shape, np.nan, dtype)
+
+
+def _host(x) -> np.ndarray:
+    import cupy as cp
+
+    return cp.asnumpy(x).astype(np.float64) if isinstance(x, cp.ndarray) else np.asarray(x, np.float64)
+
+
+def assert_close(name: str, got, want, dtype: str, *, scale: float = 1.0) -> float:
+    """Relative Frobenius error within ``scale * RELATIVE_TOLERANCE[dtype]``; returns the error."""
+    got, want = _host(got), _host(want)
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != reference {want.shape}"
+    bad = ~np.isfinite(got)
+    assert not bad.any(), f"{name}: {int(bad.sum())} of {got.size} elements not finite (unwritten or NaN)"
+    error = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    bound = scale * RELATIVE_TOLERANCE[dtype]
+    assert error <= bound, f"{name}: relative error {error:.2e} > {bound:.1e} ({dtype})"
+    return error
+
+
+def assert_lse_close(got, want) -> None:
+    got, want = _host(got), _host(want)
+    assert got.shape == want.shape, f"logsumexp: shape {got.shape} != reference {want.shape}"
+    assert np.isfinite(got).all(), f"logsumexp: {int((~np.isfinite(got)).sum())} elements not finite"
+    error = np.abs(got - want) / np.maximum(1.0, np.abs(want))
+    assert error.max() <= LSE_TOLERANCE, f"logsumexp: error {error.max():.2e} > {LSE_TOLERANCE}"

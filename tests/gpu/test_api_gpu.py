@@ -1,0 +1,212 @@
+"""The public API on the GPU: seed-compatible forms, DLPack inputs (torch, JAX), streams, the graph
+cache, autotuning, both execute paths, paged attention and the errors raised before GPU work."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cudnn_attn
+from cudnn_attn import MaskType, UnsupportedConfigurationError, execution, launch, reference
+from cudnn_attn.cache import PlanChoice, graph_cache
+from cudnn_attn.reference.inputs import random_operands
+from cudnn_attn.validation import prepare
+
+from ._checks import assert_close, assert_lse_close, make_config, poisoned, to_gpu
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+
+def _qkv(rng, dtype, B=2, T=128, S=128, N=4, K=4, H=64):
+    from ._checks import io_dtype
+
+    dt = io_dtype(dtype)
+    return (rng.standard_normal((B, T, N, H)).astype(dt), rng.standard_normal((B, S, K, H)).astype(dt),
+            rng.standard_normal((B, S, K, H)).astype(dt))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_seed_forms_and_boolean_mask(dtype):
+    """``dot_product_attention`` returns ``output`` or ``(output, logsumexp)``; a boolean mask is folded
+    into the bias and gets no dbias."""
+    rng = np.random.default_rng()
+    q, k, v = _qkv(rng, dtype)
+    mask = rng.random((2, 1, 128, 128)) < 0.8
+    mask[..., 0] = True                                  # every query keeps a key
+    kwargs = dict(mask_type=MaskType.CAUSAL, scale=0.125)
+    gq, gk, gv, gmask = (cp.asarray(x) for x in (q, k, v, mask))
+    only = cudnn_attn.dot_product_attention(gq, gk, gv, mask=gmask, **kwargs)
+    output, lse = cudnn_attn.dot_product_attention(gq, gk, gv, mask=gmask, return_residual=True, **kwargs)
+    assert isinstance(only, cp.ndarray) and cp.array_equal(only, output)
+    ref_out, ref_lse = reference.dot_product_attention(q, k, v, mask=mask, return_residual=True, **kwargs)
+    assert_close("output", output, ref_out, dtype)
+    assert_lse_close(lse, ref_lse)
+    grad = rng.standard_normal(q.shape).astype(q.dtype)
+    grads = cudnn_attn.dot_product_attention_bwd(gq, gk, gv, output, cp.asarray(grad), lse, mask=gmask, **kwargs)
+    ref_grads = reference.dot_product_attention_bwd(q, k, v, ref_out, grad, ref_lse, mask=mask, **kwargs)
+    assert grads.dbias is None and ref_grads.dbias is None
+    for name in ("dq", "dk", "dv"):
+        assert_close(name, getattr(grads, name), getattr(ref_grads, name), dtype)
+
+
+def test_bias_gradient_through_the_public_api():
+    rng = np.random.default_rng()
+    q, k, v = _qkv(rng, "float16")
+    bias = rng.standard_normal((1, 4, 128, 128)).astype(np.float16)
+    g = [cp.asarray(x) for x in (q, k, v, bias)]
+    output, lse = cudnn_attn.dot_product_attention(g[0], g[1], g[2], g[3], return_residual=True)
+    grad = rng.standard_normal(q.shape).astype(np.float16)
+    grads = cudnn_attn.dot_product_attention_bwd(g[0], g[1], g[2], output, cp.asarray(grad), lse, g[3])
+    ref_out, ref_lse = reference.dot_product_attention(q, k, v, bias, return_residual=True)
+    ref = reference.dot_product_attention_bwd(q, k, v, ref_out, grad, ref_lse, bias)
+    assert grads.dbias.shape == bias.shape
+    assert_close("dbias", grads.dbias, ref.dbias, "float16")
+
+
+def test_torch_tensors_zero_copy():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    rng = np.random.default_rng()
+    q, k, v = _qkv(rng, "bfloat16")
+    tq, tk, tv = (torch.from_dlpack(cp.asarray(x)) for x in (q, k, v))
+    assert tq.dtype == torch.bfloat16
+    out = cudnn_attn.dot_product_attention(tq, tk, tv, mask_type=MaskType.CAUSAL)
+    assert isinstance(out, cp.ndarray) and out.dtype == q.dtype
+    same = cudnn_attn.dot_product_attention(cp.from_dlpack(tq), cp.from_dlpack(tk), cp.from_dlpack(tv),
+                                            mask_type=MaskType.CAUSAL)
+    assert cp.array_equal(out, same)
+    assert torch.from_dlpack(out).dtype == torch.bfloat16
+    assert_close("output", out, reference.dot_product_attention(q, k, v, mask_type=MaskType.CAUSAL), "bfloat16")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        on_stream = cudnn_attn.dot_product_attention(tq, tk, tv, mask_type=MaskType.CAUSAL, stream=stream)
+    stream.synchronize()
+    assert cp.array_equal(on_stream, out)
+
+
+def test_jax_arrays_zero_copy():
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX without a GPU backend")
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng()
+    q, k, v = _qkv(rng, "bfloat16")
+    jq, jk, jv = (jnp.asarray(x) for x in (q, k, v))
+    out = cudnn_attn.dot_product_attention(jq, jk, jv, scale=0.125)
+    assert isinstance(out, cp.ndarray)
+    assert_close("output", out, reference.dot_product_attention(q, k, v, scale=0.125), "bfloat16")
+    back = jax.dlpack.from_dlpack(out)
+    assert back.dtype == jnp.bfloat16 and back.shape == q.shape
+
+
+def test_explicit_stream_orders_the_work():
+    rng = np.random.default_rng()
+    q, k, v = (cp.asarray(x) for x in _qkv(rng, "float16"))
+    expected = cudnn_attn.dot_product_attention(q, k, v)
+    stream = cp.cuda.Stream(non_blocking=True)
+    for given in (stream, stream.ptr):
+        out = cudnn_attn.dot_product_attention(q, k, v, stream=given)
+        stream.synchronize()
+        assert cp.array_equal(out, expected)
+    with stream:                                         # the current CuPy stream is the default
+        out = cudnn_attn.dot_product_attention(q, k, v)
+    stream.synchronize()
+    assert cp.array_equal(out, expected)
+
+
+def test_non_contiguous_inputs_are_copied():
+    rng = np.random.default_rng()
+    q, k, v = _qkv(rng, "float16")
+    wide = cp.asarray(np.concatenate([q, q], axis=-1))
+    view = wide[..., :64]
+    assert not view.flags.c_contiguous
+    out = cudnn_attn.dot_product_attention(view, cp.asarray(k), cp.asarray(v))
+    assert_close("output", out, reference.dot_product_attention(q, k, v), "float16")
+
+
+def test_cache_hits_listing_and_dump():
+    rng = np.random.default_rng()
+    config = make_config(T=192, S=192, mask_type=MaskType.CAUSAL)
+    gpu = to_gpu(random_operands(config, rng, poison=False))
+    execution.forward(config, gpu)
+    before = graph_cache.stats()
+    for _ in range(3):
+        execution.forward(config, gpu)
+    after = graph_cache.stats()
+    assert (after.hits - before.hits, after.misses - before.misses) == (3, 0)
+    rows = [r for r in graph_cache.entries() if r.features.startswith(config.describe())]
+    assert rows and rows[0].hits >= 3 and rows[0].build_seconds > 0
+    text = graph_cache.dump(rows[0].index)
+    assert "sdpa" in text.lower() or "attention" in text.lower()
+    assert "<table>" in graph_cache.entries()._repr_html_()
+
+
+@pytest.mark.parametrize("path", [launch.FAST, launch.FRONTEND])
+def test_both_execute_paths_give_identical_results(path, monkeypatch):
+    rng = np.random.default_rng()
+    config = make_config(dropout_rate=0.2, mask_type=MaskType.PADDING_CAUSAL, T=160, S=160)
+    gpu = to_gpu(random_operands(config, rng, poison=False))
+    reference_run = execution.forward(config, gpu, seed=5)
+    entry = graph_cache.entry(graph_cache.key(config, "fwd", gpu.query.device.id))
+    assert entry.launcher.path == launch.FAST
+    monkeypatch.setattr(entry, "_launcher", launch.Launcher(entry.graph, path=path))
+    again = execution.forward(config, gpu, seed=5)
+    assert entry.launcher.path == path
+    assert cp.array_equal(again.output, reference_run.output)
+    assert cp.array_equal(again.logsumexp, reference_run.logsumexp)
+
+
+def test_autotune_keeps_a_timed_plan():
+    rng = np.random.default_rng()
+    config = make_config(T=256, S=256, mask_type=MaskType.CAUSAL, dtype="bfloat16")
+    operands = random_operands(config, rng, poison=False)
+    result = execution.forward(config, to_gpu(operands), autotune=True,
+                               output=poisoned(config.o_shape, operands.query.dtype))
+    key = graph_cache.key(config, "fwd", 0, plan=PlanChoice.AUTOTUNED)
+    assert key in graph_cache
+    assert_close("output", result.output, reference.forward(config, operands).output, "bfloat16")
+
+
+def test_paged_attention_ignores_unused_blocks():
+    """Decode (T=1) and prefill over shuffled page tables with padding; unused cache blocks, the cache
+    past ``kv_seqlen`` and query rows past ``q_seqlen`` hold NaN."""
+    rng = np.random.default_rng()
+    for T in (1, 64):
+        B, N, H, bs, per_seq = 2, 4, 64, 32, 4
+        qf = np.empty((B, T, N, H), np.float16)
+        cache = np.empty((B * per_seq + 3, bs, N, H), np.float16)
+        table = np.empty((B, 1, per_seq, 1), np.int32)
+        seqlen = np.empty((B,), np.int32)
+        config, _ = prepare(qf, cache, cache, None, None, seqlen, seqlen, None, None, table, table,
+                            mask_type=MaskType.PADDING, xp=np)
+        operands = random_operands(config, rng, poison=True)
+        g = to_gpu(operands)
+        out = cudnn_attn.paged_attention(g.query, g.key, g.value, g.q_seqlen, g.kv_seqlen, g.page_table_k,
+                                         g.page_table_v, mask_type=MaskType.PADDING)
+        assert_close(f"output T={T}", out, reference.forward(config, operands).output, "float16")
+
+
+def test_unsupported_configuration_fails_before_building():
+    """Bottom-right causal with a bias: cuDNN refuses it; the support table says so first."""
+    rng = np.random.default_rng()
+    q, k, v = (cp.asarray(x) for x in _qkv(rng, "float16", T=64, S=128))
+    bias = cp.asarray(rng.standard_normal((1, 4, 64, 128)).astype(np.float16))
+    before = graph_cache.stats()
+    with pytest.raises(UnsupportedConfigurationError) as raised:
+        cudnn_attn.dot_product_attention(q, k, v, bias, mask_type=MaskType.CAUSAL, diagonal_alignment="bottom_right")
+    assert raised.value.reasons
+    after = graph_cache.stats()
+    assert after.entries == before.entries and after.build_seconds == before.build_seconds
+
+
+def test_invalid_input_is_a_value_error_naming_the_argument():
+    rng = np.random.default_rng()
+    q, k, v = (cp.asarray(x) for x in _qkv(rng, "float16"))
+    with pytest.raises(ValueError, match="key"):
+        cudnn_attn.dot_product_attention(q, k[:, :, :, :32], v)
+    with pytest.raises(ValueError, match="q_seqlen: expected a GPU array"):
+        cudnn_attn.dot_product_attention(q, k, v, q_seqlen=np.full((2,), 64, np.int32),
+                                         kv_seqlen=cp.full((2,), 64, np.int32), mask_type=MaskType.PADDING)
