@@ -101,14 +101,13 @@ class _ValidationMemo:
 _validated = _ValidationMemo()
 
 
-def _contiguous(operands: Any) -> Any:
-    """``prepare`` may broadcast a mask into the bias; cuDNN reads it with dense strides."""
-    bias = operands.bias
-    if bias is not None and not bias.flags.c_contiguous:
-        import cupy
-
-        return operands.replace(bias=cupy.ascontiguousarray(bias))
-    return operands
+def _prepared(arrays: dict[str, Any], static: dict[str, Any]) -> tuple[Any, Any]:
+    """Validate (through the memo) on the query's device; a folded mask bias is made dense for cuDNN."""
+    with runtime.on_device(arrays["query"].device.id):
+        config, operands = _validated.prepare(arrays, static)
+        if operands.bias is not None and not operands.bias.flags.c_contiguous:
+            operands = operands.replace(bias=_cupy().ascontiguousarray(operands.bias))
+    return config, operands
 
 
 def _seed_result(result: Any, use_fp8: bool, return_residual: bool) -> Any:
@@ -140,11 +139,11 @@ def dot_product_attention(
     arrays = _gpu_arrays(stream, query=query, key=key, value=value, bias=bias, mask=mask, q_seqlen=q_seqlen,
                          kv_seqlen=kv_seqlen, q_offsets=q_offsets, kv_offsets=kv_offsets, fp8_params=fp8_params,
                          score_mod_args=score_mod_args, sink=sink)
-    config, operands = _validated.prepare(arrays, dict(
+    config, operands = _prepared(arrays, dict(
         scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8,
         training=return_residual, diagonal_alignment=diagonal_alignment))
-    result = execution.forward(config, _contiguous(operands), seed=seed, stream=stream, autotune=autotune)
+    result = execution.forward(config, operands, seed=seed, stream=stream, autotune=autotune)
     return _seed_result(result, use_fp8, return_residual)
 
 
@@ -164,11 +163,11 @@ def paged_attention(
     arrays = _gpu_arrays(stream, query=query, key=key, value=value, q_seqlen=q_seqlen, kv_seqlen=kv_seqlen,
                          page_table_k=page_table_k, page_table_v=page_table_v, bias=bias, mask=mask,
                          fp8_params=fp8_params, sink=sink)
-    config, operands = _validated.prepare(arrays, dict(
+    config, operands = _prepared(arrays, dict(
         scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, use_fp8=use_fp8, training=return_residual,
         diagonal_alignment=diagonal_alignment))
-    result = execution.forward(config, _contiguous(operands), seed=seed, stream=stream, autotune=autotune)
+    result = execution.forward(config, operands, seed=seed, stream=stream, autotune=autotune)
     return _seed_result(result, use_fp8, return_residual)
 
 
@@ -195,12 +194,12 @@ def dot_product_attention_bwd(
                          score_mod_args=score_mod_args, sink=sink, output=output, grad_output=grad_output,
                          logsumexp=logsumexp)
     output, grad_output, logsumexp = (arrays.pop(n) for n in ("output", "grad_output", "logsumexp"))
-    config, operands = _validated.prepare(arrays, dict(
+    config, operands = _prepared(arrays, dict(
         scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8, training=True,
         diagonal_alignment=diagonal_alignment, deterministic=deterministic))
     prepare_backward(config, output, grad_output, logsumexp)
-    return execution.backward(config, _contiguous(operands), output, grad_output, logsumexp,
+    return execution.backward(config, operands, output, grad_output, logsumexp,
                               seed=seed, stream=stream, autotune=autotune)
 
 

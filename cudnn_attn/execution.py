@@ -191,6 +191,12 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
     float32 ``config.lse_shape``, only with ``config.training``).  ``rng_dump`` (debug/tests) is a
     float32 ``(B*M, N, T, S)`` buffer that receives cuDNN's dropout keep-mask.
     """
+    with runtime.on_device(operands.query.device.id):
+        return _forward(config, operands, seed, stream, autotune, output, logsumexp, rng_dump)
+
+
+def _forward(config: AttentionConfig, operands: AttentionOperands, seed: int, stream: Any, autotune: bool | None,
+             output: Any, logsumexp: Any, rng_dump: Any) -> AttentionOutput:
     call = _Call(config, operands, stream)
     padded = config.mask.padding
     segments = call.bind_common(FWD, operands, seed, rng_dump)
@@ -227,6 +233,13 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
     ``dq``/``dk``/``dv``/``dbias``/``dsink`` are optional preallocated results.  ``dbias`` is returned
     when the bias is differentiable, ``dsink`` with a sink.
     """
+    with runtime.on_device(operands.query.device.id):
+        return _backward(config, operands, output, grad_output, logsumexp, seed, stream, autotune,
+                         dict(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink=dsink), rng_dump)
+
+
+def _backward(config: AttentionConfig, operands: AttentionOperands, output: Any, grad_output: Any, logsumexp: Any,
+              seed: int, stream: Any, autotune: bool | None, given: dict, rng_dump: Any) -> AttentionGrads:
     call = _Call(config, operands, stream)
     padded = config.mask.padding
     segments = call.bind_common(BWD, operands, seed, rng_dump)
@@ -242,14 +255,14 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
         call.keep_alive.append(call.bind(TensorId.STATS, call.cupy.ascontiguousarray(tokens)))
     io = operands.query.dtype
     grads = dict(
-        dq=call.result(TensorId.DQ, config.q_shape, io, dq, zero=padded),
-        dk=call.result(TensorId.DK, config.k_shape, io, dk, zero=padded),
-        dv=call.result(TensorId.DV, config.v_shape, io, dv, zero=padded),
+        dq=call.result(TensorId.DQ, config.q_shape, io, given["dq"], zero=padded),
+        dk=call.result(TensorId.DK, config.k_shape, io, given["dk"], zero=padded),
+        dv=call.result(TensorId.DV, config.v_shape, io, given["dv"], zero=padded),
     )
     if config.has_dbias:
-        grads["dbias"] = call.result(TensorId.DBIAS, config.bias.shape, io, dbias, zero=True)
+        grads["dbias"] = call.result(TensorId.DBIAS, config.bias.shape, io, given["dbias"], zero=True)
     if config.sink:
-        grads["dsink"] = call.result(TensorId.DSINK, (config.q_heads,), np.float32, dsink, zero=True)
+        grads["dsink"] = call.result(TensorId.DSINK, (config.q_heads,), np.float32, given["dsink"], zero=True)
     if config.fp8:
         for name in ("amax_dQ", "amax_dK", "amax_dV", "amax_dP"):
             grads[name.lower()] = _amax(call, FP8_AMAX_IDS[name])

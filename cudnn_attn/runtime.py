@@ -32,6 +32,7 @@ bfloat16
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -223,9 +224,12 @@ def as_cupy(name: str, x: Any, device: int | None, stream: Any) -> Any:
     return x
 
 
-def empty(shape: tuple[int, ...], dtype: Any) -> Any:
-    """An uninitialised CuPy array on the current device and stream."""
-    return _cupy().empty(shape, dtype)
+def on_device(device: int) -> Any:
+    """A context manager making ``device`` current (a no-op when it already is)."""
+    cupy = _cupy()
+    if cupy.cuda.runtime.getDevice() == device:
+        return contextlib.nullcontext()
+    return cupy.cuda.Device(device)
 
 
 def zero_fill(x: Any, stream_ptr: int) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's one command: GPU test tier, then the benchmarks, summary table last.
 #
-#   scripts/gpu_run.sh [all|tests|bench] [extra pytest arguments...]
+#   scripts/gpu_run.sh [all|tests|bench] [pytest arguments (default: tests)...]
 #
 # Logs, JUnit XML, benchmark JSON and PNG go to $OUT (default: bench_out/).  The machine has no
 # package index: the cuDNN frontend wheel is brought in .whl/ (../shared/gpu/fetch-wheels.sh) and
@@ -29,7 +29,7 @@ status=0
 if [ "$what" != bench ]; then
   echo "== GPU tests (log: $OUT/gpu_tests.log)"
   timeout "${GPU_RUN_TEST_SECONDS:-360}" python3 -m pytest -m gpu -q -p no:cacheprovider \
-    --junitxml="$OUT/gpu_tests.xml" -o junit_family=xunit1 "$@" tests > "$OUT/gpu_tests.log" 2>&1 || status=1
+    --junitxml="$OUT/gpu_tests.xml" -o junit_family=xunit1 "${@:-tests}" > "$OUT/gpu_tests.log" 2>&1 || status=1
   tail -n 40 "$OUT/gpu_tests.log"
 fi
 if [ "$what" != tests ]; then
