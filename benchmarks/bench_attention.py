@@ -14,8 +14,9 @@ Implementations, all bf16, head dim 128, BTNH (torch: its native (B, H, T, D)):
 Measured per shape (B=4, H=16 at T=S=1k/4k/16k; causal and not; plus a decode-like shape B=1, H=16,
 T=1, S=4096 for host overhead):
 
-* device time: median of CUDA-event timings of single calls on the stream (JAX: host clock of a
-  pipelined loop divided by its length, since XLA owns its stream); forward in inference mode.
+* device time: CUDA events around 5 back-to-back calls on the stream, per call, median of 3 rounds
+  (JAX: host clock of a pipelined loop divided by its length, since XLA owns its stream); forward in
+  inference mode.
   Backward: ours and the floor time the backward graph alone; JAX and torch time forward+backward
   and subtract their forward (column ``bwd``);
 * TFLOP/s: forward ``4 B H T S D`` (halved when causal), backward 2.5x that;
@@ -89,19 +90,22 @@ class Result:
     notes: dict = field(default_factory=dict)
 
 
-def event_ms(fn, stream_ptr: int = 0, *, warmup: int = 3, repeats: int = 10) -> float:
-    """Median device time of ``fn()`` on ``stream_ptr`` (CUDA events)."""
+def event_ms(fn, stream_ptr: int = 0, *, warmup: int = 2, repeats: int = 5, rounds: int = 3) -> float:
+    """Device time per call of ``fn()`` on ``stream_ptr``: CUDA events around ``repeats`` back-to-back
+    calls (so host launch gaps between calls are hidden when the device is the bottleneck), median of
+    ``rounds``."""
     stream = cp.cuda.ExternalStream(stream_ptr)
     for _ in range(warmup):
         fn()
     samples = []
-    for _ in range(repeats):
+    for _ in range(rounds):
         start, end = cp.cuda.Event(), cp.cuda.Event()
         start.record(stream)
-        fn()
+        for _ in range(repeats):
+            fn()
         end.record(stream)
         end.synchronize()
-        samples.append(cp.cuda.get_elapsed_time(start, end))
+        samples.append(cp.cuda.get_elapsed_time(start, end) / repeats)
     return statistics.median(samples)
 
 
