@@ -9,7 +9,7 @@ spelling of a few keyword arguments (:func:`_mask_options`) and the FP8 scale te
 Every graph ends with the same finish step (:func:`_plan`): validate -> build the operation graph ->
 heuristics ``[A, FALLBACK]`` -> support check -> build plans, restricted to cuDNN's own backend
 engines (the frontend's python "FROST" engines are never selected: a library that pins cuDNN's
-behaviour must not switch kernels families with an optional pip package).  A refusal by cuDNN is
+behaviour must not switch kernel families with an optional pip package).  A refusal by cuDNN is
 raised as :class:`~cudnn_attn.errors.UnsupportedConfigurationError` carrying cuDNN's message.
 
 Tensors are declared with the caller's strides (BTNH or BNTH, see :mod:`.tensors`) under the stable
@@ -31,7 +31,7 @@ from cudnn.engines.engine_ids import is_python_engine
 
 from cudnn_attn.config import AttentionConfig, DiagonalAlignment
 from cudnn_attn.errors import UnsupportedConfigurationError
-from cudnn_attn.types import AttentionLayout
+from cudnn_attn.types import FP8_BWD_KEYS, FP8_FWD_KEYS, AttentionLayout
 
 from . import tensors as tt
 from .target import graph_options
@@ -54,9 +54,6 @@ _ALIGNMENT = {
     DiagonalAlignment.BOTTOM_RIGHT: cudnn.diagonal_alignment.BOTTOM_RIGHT,
 }
 _HEURISTICS = [cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK]
-_FP8_FWD_SCALES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
-_FP8_BWD_SCALES = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s",
-                   "descale_dP", "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
 
 
 class PlanInfo(NamedTuple):
@@ -206,15 +203,18 @@ def _check_request(config: AttentionConfig, kind: str) -> None:
 def _mask_options(config: AttentionConfig, t: _Declared) -> dict[str, Any]:
     """Masking, lengths, paging, dropout and sink keywords (shared by forward and backward)."""
     mask, fp8 = config.mask, config.fp8
-    options: dict[str, Any] = {"diagonal_alignment": _ALIGNMENT[mask.alignment]}
-    if mask.right_bound is not None:
-        options["right_bound" if fp8 else "diagonal_band_right_bound"] = mask.right_bound
-    if mask.left_bound is not None:
-        options["left_bound" if fp8 else "diagonal_band_left_bound"] = mask.left_bound
-    if mask.alibi:
-        options["use_alibi_mask"] = True
+    options: dict[str, Any] = {}
+    if config.score_mod is None:        # with score_mod the masks are part of the modification (.score_mod)
+        options["diagonal_alignment"] = _ALIGNMENT[mask.alignment]
+        if mask.right_bound is not None:
+            options["right_bound" if fp8 else "diagonal_band_right_bound"] = mask.right_bound
+        if mask.left_bound is not None:
+            options["left_bound" if fp8 else "diagonal_band_left_bound"] = mask.left_bound
+        if mask.alibi:
+            options["use_alibi_mask"] = True
     if mask.padding or config.packing is not None or config.paging is not None:
-        options["use_padding_mask"] = True
+        if config.score_mod is None:
+            options["use_padding_mask"] = True
         options["seq_len_q"] = t.input(TensorId.SEQ_LEN_Q, tt.seq_len_tensor(config), _DT.INT32)
         options["seq_len_kv"] = t.input(TensorId.SEQ_LEN_KV, tt.seq_len_tensor(config), _DT.INT32)
     if config.paging is not None:
@@ -230,14 +230,21 @@ def _mask_options(config: AttentionConfig, t: _Declared) -> dict[str, Any]:
     return options
 
 
-def _score_mod_callbacks(config: AttentionConfig, t: _Declared) -> tuple[Any, Any]:
-    """``(forward, bprop)`` callbacks from ``cudnn_attn.graphs.score_mod`` over by-value argument tensors."""
+def _score_mod_callbacks(config: AttentionConfig, kind: str, t: _Declared,
+                         options: dict[str, Any]) -> tuple[Any, Any]:
+    """``(forward, bprop)`` callbacks from ``cudnn_attn.graphs.score_mod`` over by-value argument tensors.
+
+    The translation may take the bias out of ``options`` (it adds it inside the modification) and reads
+    the sequence lengths ``_mask_options`` declared (for padding inside the modification).
+    """
     if importlib.util.find_spec(f"{__package__}.score_mod") is None:
         raise _refuse(config, "score_mod needs cudnn_attn.graphs.score_mod, which is not installed")
     module = importlib.import_module(f"{__package__}.score_mod")
-    args = tuple(t.host_scalar(tid, _DT.FLOAT)
-                 for tid, _ in zip(tt.SCORE_MOD_ARG_IDS, config.score_mod.arg_shapes))
-    return module.make_score_mod_callbacks(config.score_mod, t.graph, args)
+    wiring = module.score_mod_graph(config, kind)
+    args = tuple(t.host_scalar(tid, _DT.FLOAT) for tid in tt.SCORE_MOD_ARG_IDS[:wiring.num_args])
+    bias = options.pop("bias") if wiring.takes_bias else None
+    return wiring.callbacks(args, bias=bias, seq_len_q=options.get("seq_len_q"),
+                            seq_len_kv=options.get("seq_len_kv"))
 
 
 def _ragged(config: AttentionConfig, t: _Declared, *, stats: bool) -> _Ragged:
@@ -270,10 +277,10 @@ def _forward(config: AttentionConfig, t: _Declared, io: Any, rng_dump: bool) -> 
     if rng_dump:
         options["rng_dump"] = t.input(TensorId.RNG_DUMP, tt.rng_dump_tensor(config), _DT.FLOAT)
     if config.score_mod is not None:
-        options["fn" if config.fp8 else "score_mod"] = _score_mod_callbacks(config, t)[0]
+        options["fn" if config.fp8 else "score_mod"] = _score_mod_callbacks(config, FWD, t, options)[0]
 
     if config.fp8:
-        o, stats, amax_s, amax_o = t.graph.sdpa_fp8(q=q, k=k, v=v, **_fp8_scales(t, _FP8_FWD_SCALES), **options)
+        o, stats, amax_s, amax_o = t.graph.sdpa_fp8(q=q, k=k, v=v, **_fp8_scales(t, FP8_FWD_KEYS), **options)
         t.scalar_output(TensorId.AMAX_S, amax_s)
         t.scalar_output(TensorId.AMAX_O, amax_o)
     else:
@@ -306,11 +313,11 @@ def _backward(config: AttentionConfig, t: _Declared, io: Any, rng_dump: bool) ->
     if rng_dump:
         options["rng_dump"] = t.input(TensorId.RNG_DUMP, tt.rng_dump_tensor(config), _DT.FLOAT)
     if config.score_mod is not None:
-        options["score_mod"], options["score_mod_bprop"] = _score_mod_callbacks(config, t)
+        options["score_mod"], options["score_mod_bprop"] = _score_mod_callbacks(config, BWD, t, options)
 
     if config.fp8:
         dq, dk, dv, amax_dq, amax_dk, amax_dv, amax_dp = t.graph.sdpa_fp8_backward(
-            q=q, k=k, v=v, o=o, dO=d_o, stats=stats, **_fp8_scales(t, _FP8_BWD_SCALES), **options)
+            q=q, k=k, v=v, o=o, dO=d_o, stats=stats, **_fp8_scales(t, FP8_BWD_KEYS), **options)
         for tid, amax in ((TensorId.AMAX_DQ, amax_dq), (TensorId.AMAX_DK, amax_dk),
                           (TensorId.AMAX_DV, amax_dv), (TensorId.AMAX_DP, amax_dp)):
             t.scalar_output(tid, amax)
@@ -326,7 +333,10 @@ def _backward(config: AttentionConfig, t: _Declared, io: Any, rng_dump: bool) ->
 # ---------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _cudnn_refusals(config: AttentionConfig) -> Iterator[None]:
-    """cuDNN's "not supported" -> UnsupportedConfigurationError; its ill-formed-graph -> ValueError."""
+    """cuDNN's "not supported" -> UnsupportedConfigurationError; its ill-formed-graph -> ValueError.
+
+    Anything else cuDNN raises (``RuntimeError``: a CUDA or handle failure) is a real error and propagates.
+    """
     try:
         yield
     except UnsupportedConfigurationError:
@@ -336,9 +346,6 @@ def _cudnn_refusals(config: AttentionConfig) -> Iterator[None]:
             ["cuDNN does not support this attention graph on this GPU"], config, cudnn_message=str(e)) from e
     except ValueError as e:
         raise ValueError(f"config: cuDNN rejected the graph of {config.describe()}: {e}") from e
-    except RuntimeError as e:
-        raise UnsupportedConfigurationError(
-            ["cuDNN failed to build this attention graph"], config, cudnn_message=str(e)) from e
 
 
 def _plan(graph: Any, config: AttentionConfig, plan: str | None) -> tuple[list[PlanInfo], int]:

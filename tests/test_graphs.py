@@ -10,10 +10,7 @@
 
 from __future__ import annotations
 
-import sys
-import types
 import zlib
-from importlib.machinery import ModuleSpec
 
 import numpy as np
 import pytest
@@ -25,7 +22,7 @@ from cudnn_attn.graphs import BuiltGraph, PlanInfo, TensorId, build_graph, decla
 from cudnn_attn.graphs import tensors as tt
 
 from deviceless.matrix import (
-    B, BNTH, BTNH, CAUSAL, N, PADDING, PADDING_CAUSAL, PAGED_MASK, S, T, bias, config, fp8, packed, paged,
+    B, BNTH, BTNH, CAUSAL, N, PADDING, PADDING_CAUSAL, PAGED_MASK, S, T, bias, config, fp8, packed, paged, softcap,
 )
 
 T_ = TensorId
@@ -161,28 +158,17 @@ def test_rng_dump_is_a_float_BNTS_tensor():
     graph.validate()
 
 
-def test_score_mod_hook_declares_by_value_arguments(monkeypatch):
-    seen = {}
-
-    def make_score_mod_callbacks(spec, graph, arg_tensors):
-        seen.update(spec=spec, args=arg_tensors)
-        return (lambda g, s: g.mul(a=s, b=arg_tensors[0])), (lambda g, ds: g.mul(a=ds, b=arg_tensors[0]))
-
-    fake = types.ModuleType("cudnn_attn.graphs.score_mod")
-    fake.__spec__ = ModuleSpec("cudnn_attn.graphs.score_mod", loader=None)
-    fake.make_score_mod_callbacks = make_score_mod_callbacks
-    monkeypatch.setitem(sys.modules, "cudnn_attn.graphs.score_mod", fake)
-
-    def double(score, factor):
-        return score * factor
-
-    spec = ScoreModSpec(fn=double, arg_shapes=(((), "float32"),))
-    for kind in ("fwd", "bwd"):
-        graph, uids = declare_graph(config(score_mod=spec), kind)
-        graph.validate()
-        assert T_.SCORE_MOD_ARG_0 in uids and seen["spec"] is spec
-        arg = graph.find_tensor(int(T_.SCORE_MOD_ARG_0))
-        assert arg.is_pass_by_value and arg.data_type == cudnn.data_type.FLOAT
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+@pytest.mark.parametrize("mask", [MaskSpec(), PADDING_CAUSAL], ids=["no-mask", "padding-causal"])
+def test_score_mod_arguments_are_by_value_float_scalars(kind, mask):
+    pytest.importorskip("jax")
+    spec = ScoreModSpec(fn=softcap, arg_shapes=(((), "float32"),))
+    graph, uids = declare_graph(config(score_mod=spec, mask=mask), kind)
+    graph.validate()
+    arg = graph.find_tensor(int(T_.SCORE_MOD_ARG_0))
+    assert arg.is_pass_by_value and arg.data_type == cudnn.data_type.FLOAT and tuple(arg.dim) == (1, 1, 1, 1)
+    assert T_.SCORE_MOD_ARG_1 not in uids
+    assert (T_.SEQ_LEN_Q in uids) == mask.padding
 
 
 def test_non_scalar_score_mod_arguments_are_refused():

@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from cudnn_attn.config import (
-    AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec,
+    AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec, ScoreModSpec,
 )
 from cudnn_attn.types import AttentionLayout
 
@@ -55,3 +55,12 @@ def paged(block_size: int = 32, kv_len: int = S) -> PagingSpec:
 
 
 PAGED_MASK = MaskSpec(right_bound=0, padding=True, alignment=BOTTOM_RIGHT)
+
+
+def softcap(score, cap):
+    """A ``score_mod``: ``cap * tanh(score / cap)`` (jax.numpy; module level so the worker can unpickle it)."""
+    import jax.numpy as jnp
+    return cap * jnp.tanh(score / cap)
+
+
+SOFTCAP = ScoreModSpec(fn=softcap, arg_shapes=(((), "float32"),))

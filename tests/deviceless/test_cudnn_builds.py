@@ -12,7 +12,8 @@ from cudnn_attn.config import MaskSpec
 from cudnn_attn.graphs import ALL_PLANS, TensorId
 
 from .matrix import (
-    B, BNTH, BOTTOM_RIGHT, CAUSAL, N, PADDING, PADDING_CAUSAL, PAGED_MASK, S, T, bias, config, fp8, packed, paged,
+    B, BNTH, BOTTOM_RIGHT, CAUSAL, N, PADDING, PADDING_CAUSAL, PAGED_MASK, S, SOFTCAP, T, bias, config, fp8, packed,
+    paged,
 )
 
 pytestmark = pytest.mark.deviceless
@@ -51,6 +52,9 @@ ROWS = {
     "T64-S192": (config(q_len=64, kv_len=192), FWD_BWD),
     "sink-causal": (config(sink=True, mask=CAUSAL), FWD_BWD),
     "deterministic": (config(deterministic=True, mask=CAUSAL), ("bwd",)),
+    "score_mod-softcap": (config(score_mod=SOFTCAP), FWD_BWD),
+    "score_mod-softcap-causal-bias": (config(score_mod=SOFTCAP, mask=CAUSAL,
+                                             bias=bias((1, N, T, S), differentiable=False)), FWD_BWD),
     "fp8-e4m3-causal": (fp8(mask=CAUSAL), FWD_BWD),
     "fp8-e4m3-BNTH": (fp8(layout=BNTH), FWD_BWD),
     "fp8-e5m2-inference": (fp8(dtype="float8_e5m2", training=False), FWD),

@@ -14,7 +14,8 @@ import pytest
 from cudnn_attn.config import MaskSpec
 
 from .matrix import (
-    B, BNTH, BOTTOM_RIGHT, CAUSAL, N, PADDING, PADDING_CAUSAL, PAGED_MASK, S, T, bias, config, fp8, packed, paged,
+    B, BNTH, BOTTOM_RIGHT, CAUSAL, N, PADDING, PADDING_CAUSAL, PAGED_MASK, S, SOFTCAP, T, bias, config, fp8, packed,
+    paged,
 )
 
 support = pytest.importorskip("cudnn_attn.support")
@@ -39,6 +40,15 @@ SUPPORTED = {
     "deterministic-dbias": config(deterministic=True, bias=bias((B, N, T, S))),
     "fp8-training-d128-causal": fp8(mask=CAUSAL),
     "fp8-inference-d64": fp8(d=64, training=False),
+    "score_mod-softcap": config(score_mod=SOFTCAP),
+}
+
+# Rows the table should simply take from cuDNN (masks expressed inside a score_mod).
+CUDNN_DECIDES = {
+    "score_mod-softcap-causal": config(score_mod=SOFTCAP, mask=CAUSAL),
+    "score_mod-softcap-window-bias": config(score_mod=SOFTCAP, mask=MaskSpec(right_bound=0, left_bound=32),
+                                            bias=bias((1, N, T, S), differentiable=False)),
+    "score_mod-softcap-padding": config(score_mod=SOFTCAP, mask=PADDING),
 }
 
 UNSUPPORTED = {
@@ -59,10 +69,13 @@ UNSUPPORTED = {
     "paged-training": config(paging=paged(), mask=PAGED_MASK),
     "packed-BNTH": config(packing=packed(), layout=BNTH, mask=PADDING),
     "packed-bias": config(packing=packed(), mask=PADDING, bias=bias((1, N, T, S))),
+    "score_mod-alibi": config(score_mod=SOFTCAP, mask=MaskSpec(right_bound=0, alibi=True)),
+    "score_mod-softcap-dbias": config(score_mod=SOFTCAP, bias=bias((1, N, T, S))),
 }
 
 CASES = [pytest.param(cfg, id=f"supported-{name}") for name, cfg in SUPPORTED.items()] + \
-        [pytest.param(cfg, id=f"unsupported-{name}") for name, cfg in UNSUPPORTED.items()]
+        [pytest.param(cfg, id=f"unsupported-{name}") for name, cfg in UNSUPPORTED.items()] + \
+        [pytest.param(cfg, id=name) for name, cfg in CUDNN_DECIDES.items()]
 
 
 def _cudnn_verdicts(deviceless, cfg):
