@@ -19,6 +19,7 @@ uids of :class:`~.tensors.TensorId`; :meth:`BuiltGraph.execute` binds buffers by
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import math
@@ -107,13 +108,16 @@ class BuiltGraph:
                 f"buffers: the {self.kind} graph of {self.config.describe()} binds exactly "
                 f"{sorted(t.name for t in self.uids)}; missing {missing}, not in the graph {extra}"
             )
-        ids = tuple(self.uids)
+        ids, uids = self._binding_order
         pointers = tuple(int(buffers[t]) for t in ids)
-        uids = tuple(self.uids[t] for t in ids)
         if plan_index is None:
             self.graph.execute(pointers, workspace, handle=handle, tensor_uids=uids)
         else:
             self.graph.execute_plan_at_index(pointers, workspace, plan_index, handle, tensor_uids=uids)
+
+    @functools.cached_property
+    def _binding_order(self) -> tuple[tuple[TensorId, ...], tuple[int, ...]]:
+        return tuple(self.uids), tuple(self.uids.values())
 
     def describe(self) -> str:
         """cuDNN's own JSON description of the graph (for cache dumps and bug reports)."""
@@ -302,8 +306,9 @@ def _backward(config: AttentionConfig, t: _Declared, io: Any, rng_dump: bool) ->
     stats = t.input(TensorId.STATS, stats_layout, _DT.FLOAT, ragged=ragged.stats)
     options = _mask_options(config, t)
     options.update(attn_scale=config.scale, use_deterministic_algorithm=config.deterministic, name="attention_bwd")
-    if config.packing is not None:
-        options.update(max_total_seq_len_q=config.batch * config.q_len, max_total_seq_len_kv=config.batch * config.kv_len)
+    if config.packing is not None:         # bounds cuDNN's fp32 dQ accumulator to the packed token count
+        options.update(max_total_seq_len_q=config.batch * config.q_len,
+                       max_total_seq_len_kv=config.batch * config.kv_len)
     if config.sink:
         options["dSink_token"] = t.input(TensorId.DSINK, tt.sink_tensor(config), _DT.FLOAT)
     if config.bias is not None:
@@ -351,7 +356,10 @@ def _cudnn_refusals(config: AttentionConfig) -> Iterator[None]:
 def _plan(graph: Any, config: AttentionConfig, plan: str | None) -> tuple[list[PlanInfo], int]:
     """validate -> operation graph -> heuristics -> support check -> build plan(s), backend engines only.
 
-    Returns the built plans (rank order; the first one is selected) and the number of backend candidates.
+    The ranked list may hold the frontend's python (FROST) engines next to cuDNN's backend plans; only
+    backend entries are ever selected or built (``build_plan_at_index`` walks them in rank order, which
+    is also how :data:`ALL_PLANS` builds every one of them for autotuning).  Returns the built plans
+    (rank order; the first one is selected) and the number of backend candidates.
     """
     graph.validate()
     graph.build_operation_graph()

@@ -22,7 +22,8 @@ from cudnn_attn.graphs import BuiltGraph, PlanInfo, TensorId, build_graph, decla
 from cudnn_attn.graphs import tensors as tt
 
 from deviceless.matrix import (
-    B, BNTH, BTNH, CAUSAL, N, PADDING, PADDING_CAUSAL, PAGED_MASK, S, T, bias, config, fp8, packed, paged, softcap,
+    B, BNTH, BR_PADDING_CAUSAL, BTNH, CAUSAL, N, PADDING, PADDING_CAUSAL, S, T, bias, config, fp8, packed, paged,
+    softcap,
 )
 
 T_ = TensorId
@@ -49,7 +50,7 @@ FEATURES = {
     "packed": (config(packing=packed(), mask=PADDING_CAUSAL), CORE_FWD | SEQ | RAGGED, CORE_BWD | SEQ | RAGGED),
     "packed-inference": (config(packing=packed(), mask=PADDING, training=False),
                          CORE_FWD - {T_.STATS} | SEQ | RAGGED - {T_.RAGGED_STATS}, None),
-    "paged": (config(training=False, paging=paged(), mask=PAGED_MASK),
+    "paged": (config(training=False, paging=paged(), mask=BR_PADDING_CAUSAL),
               CORE_FWD - {T_.STATS} | SEQ | {T_.PAGE_TABLE_K, T_.PAGE_TABLE_V}, None),
     "gqa": (config(q_heads=8, kv_heads=2), CORE_FWD, CORE_BWD),
     "mla": (config(qk_dim=192, v_dim=128), CORE_FWD, CORE_BWD),
@@ -113,7 +114,8 @@ def test_tensors_carry_the_callers_strides(layout, kind):
 
 @pytest.mark.parametrize("layout", [BTNH, BNTH], ids=["BTNH", "BNTH"])
 def test_paged_caches_are_containers_of_blocks(layout):
-    cfg = config(training=False, layout=layout, paging=paged(block_size=32), mask=PAGED_MASK, q_heads=8, kv_heads=2)
+    cfg = config(training=False, layout=layout, paging=paged(block_size=32), mask=BR_PADDING_CAUSAL,
+                 q_heads=8, kv_heads=2)
     graph, _ = declare_graph(cfg, "fwd")
     blocks = cfg.paging.num_blocks_k
     block_strides = (32 * 2 * 64, 64, 2 * 64, 1) if layout is BTNH else (2 * 32 * 64, 32 * 64, 64, 1)
@@ -178,7 +180,7 @@ def test_non_scalar_score_mod_arguments_are_refused():
 
 
 @pytest.mark.parametrize("cfg, kind, rule", [
-    pytest.param(config(training=False, paging=paged(), mask=PAGED_MASK), "bwd", "no backward", id="paged-bwd"),
+    pytest.param(config(training=False, paging=paged(), mask=BR_PADDING_CAUSAL), "bwd", "no backward", id="paged-bwd"),
     pytest.param(config(packing=packed(), layout=BNTH, mask=PADDING), "fwd", "BTNH", id="packed-BNTH"),
     pytest.param(config(packing=packed(), mask=PADDING, bias=bias((1, N, T, S))), "fwd", "bias", id="packed-bias"),
     pytest.param(fp8(bias=bias((1, N, T, S))), "bwd", "FP8 backward", id="fp8-bwd-bias"),

@@ -21,6 +21,7 @@ BOTTOM_RIGHT = DiagonalAlignment.BOTTOM_RIGHT
 CAUSAL = MaskSpec(right_bound=0)
 PADDING = MaskSpec(padding=True)
 PADDING_CAUSAL = MaskSpec(right_bound=0, padding=True)
+BR_PADDING_CAUSAL = MaskSpec(right_bound=0, padding=True, alignment=BOTTOM_RIGHT)   # what paged decoding uses
 
 
 def config(**changes: Any) -> AttentionConfig:
@@ -53,8 +54,6 @@ def paged(block_size: int = 32, kv_len: int = S) -> PagingSpec:
     return PagingSpec(num_blocks_k=B * blocks_per_seq, num_blocks_v=B * blocks_per_seq,
                       block_size=block_size, blocks_per_seq=blocks_per_seq)
 
-
-PAGED_MASK = MaskSpec(right_bound=0, padding=True, alignment=BOTTOM_RIGHT)
 
 
 def softcap(score, cap):

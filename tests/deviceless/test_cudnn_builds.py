@@ -12,8 +12,8 @@ from cudnn_attn.config import MaskSpec
 from cudnn_attn.graphs import ALL_PLANS, TensorId
 
 from .matrix import (
-    B, BNTH, BOTTOM_RIGHT, CAUSAL, N, PADDING, PADDING_CAUSAL, PAGED_MASK, S, SOFTCAP, T, bias, config, fp8, packed,
-    paged,
+    B, BNTH, BOTTOM_RIGHT, BR_PADDING_CAUSAL, CAUSAL, N, PADDING, PADDING_CAUSAL, S, SOFTCAP, T, bias, config, fp8,
+    packed, paged,
 )
 
 pytestmark = pytest.mark.deviceless
@@ -28,7 +28,7 @@ ROWS = {
     "causal": (config(mask=CAUSAL), FWD_BWD),
     "causal-BNTH-bf16": (config(mask=CAUSAL, layout=BNTH, dtype="bfloat16"), FWD_BWD),
     "padding": (config(mask=PADDING), FWD_BWD),
-    "padding-causal-bottom-right": (config(mask=MaskSpec(right_bound=0, padding=True, alignment=BOTTOM_RIGHT)), FWD_BWD),
+    "padding-causal-bottom-right": (config(mask=BR_PADDING_CAUSAL), FWD_BWD),
     "causal-bottom-right-T<S": (config(q_len=64, mask=MaskSpec(right_bound=0, alignment=BOTTOM_RIGHT)), FWD_BWD),
     "alibi-causal": (config(mask=MaskSpec(right_bound=0, alibi=True)), FWD_BWD),
     "window-32": (config(mask=MaskSpec(right_bound=0, left_bound=32)), FWD_BWD),
@@ -42,9 +42,9 @@ ROWS = {
     "packed-causal": (config(packing=packed(), mask=PADDING_CAUSAL), FWD_BWD),
     "packed-gqa-window": (config(packing=packed(), q_heads=8, kv_heads=2,
                                  mask=MaskSpec(right_bound=0, left_bound=32, padding=True)), FWD_BWD),
-    "paged-decode": (config(q_len=1, training=False, paging=paged(), mask=PAGED_MASK), FWD),
-    "paged-prefill-gqa": (config(q_heads=8, kv_heads=2, training=False, paging=paged(), mask=PAGED_MASK), FWD),
-    "paged-BNTH-d256": (config(d=256, layout=BNTH, training=False, paging=paged(), mask=PAGED_MASK), FWD),
+    "paged-decode": (config(q_len=1, training=False, paging=paged(), mask=BR_PADDING_CAUSAL), FWD),
+    "paged-prefill-gqa": (config(q_heads=8, kv_heads=2, training=False, paging=paged(), mask=BR_PADDING_CAUSAL), FWD),
+    "paged-BNTH-d256": (config(d=256, layout=BNTH, training=False, paging=paged(), mask=BR_PADDING_CAUSAL), FWD),
     "gqa-8-2": (config(q_heads=8, kv_heads=2, mask=CAUSAL), FWD_BWD),
     "mqa-8-1": (config(q_heads=8, kv_heads=1), FWD_BWD),
     "mla-192-128": (config(qk_dim=192, v_dim=128, scale=192 ** -0.5, mask=CAUSAL), FWD_BWD),

@@ -14,8 +14,8 @@ import pytest
 from cudnn_attn.config import MaskSpec
 
 from .matrix import (
-    B, BNTH, BOTTOM_RIGHT, CAUSAL, N, PADDING, PADDING_CAUSAL, PAGED_MASK, S, SOFTCAP, T, bias, config, fp8, packed,
-    paged,
+    B, BNTH, BOTTOM_RIGHT, BR_PADDING_CAUSAL, CAUSAL, N, PADDING, PADDING_CAUSAL, S, SOFTCAP, T, bias, config, fp8,
+    packed, paged,
 )
 
 support = pytest.importorskip("cudnn_attn.support")
@@ -32,7 +32,7 @@ SUPPORTED = {
     "dropout-window": config(dropout_rate=0.1, mask=MaskSpec(right_bound=0, left_bound=32)),
     "bottom-right-causal-T<S": config(q_len=64, mask=BR_CAUSAL),
     "packed-gqa": config(packing=packed(), q_heads=8, kv_heads=2, mask=PADDING_CAUSAL),
-    "paged-inference": config(training=False, paging=paged(), mask=PAGED_MASK),
+    "paged-inference": config(training=False, paging=paged(), mask=BR_PADDING_CAUSAL),
     "mla-192-128": config(qk_dim=192, v_dim=128, scale=192 ** -0.5),
     "d256": config(d=256, mask=CAUSAL),
     "d72": config(d=72),
@@ -66,7 +66,7 @@ UNSUPPORTED = {
     "fp8-bias": fp8(bias=bias((1, N, T, S)), training=False),
     "fp8-bottom-right": fp8(mask=BR_CAUSAL, training=False),
     "fp8-training-packed": fp8(packing=packed(), mask=PADDING_CAUSAL),
-    "paged-training": config(paging=paged(), mask=PAGED_MASK),
+    "paged-training": config(paging=paged(), mask=BR_PADDING_CAUSAL),
     "packed-BNTH": config(packing=packed(), layout=BNTH, mask=PADDING),
     "packed-bias": config(packing=packed(), mask=PADDING, bias=bias((1, N, T, S))),
     "score_mod-alibi": config(score_mod=SOFTCAP, mask=MaskSpec(right_bound=0, alibi=True)),
