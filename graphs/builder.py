@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import importlib.util
 import math
 import time
 from dataclasses import dataclass, field
@@ -241,10 +239,9 @@ def _score_mod_callbacks(config: AttentionConfig, kind: str, t: _Declared,
     The translation may take the bias out of ``options`` (it adds it inside the modification) and reads
     the sequence lengths ``_mask_options`` declared (for padding inside the modification).
     """
-    if importlib.util.find_spec(f"{__package__}.score_mod") is None:
-        raise _refuse(config, "score_mod needs cudnn_attn.graphs.score_mod, which is not installed")
-    module = importlib.import_module(f"{__package__}.score_mod")
-    wiring = module.score_mod_graph(config, kind)
+    from .score_mod import score_mod_graph      # lazily: it traces with JAX
+
+    wiring = score_mod_graph(config, kind)
     args = tuple(t.host_scalar(tid, _DT.FLOAT) for tid in tt.SCORE_MOD_ARG_IDS[:wiring.num_args])
     bias = options.pop("bias") if wiring.takes_bias else None
     return wiring.callbacks(args, bias=bias, seq_len_q=options.get("seq_len_q"),
