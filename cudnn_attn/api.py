@@ -102,11 +102,14 @@ _validated = _ValidationMemo()
 
 
 def _prepared(arrays: dict[str, Any], static: dict[str, Any]) -> tuple[Any, Any]:
-    """Validate (through the memo) on the query's device; a folded mask bias is made dense for cuDNN."""
+    """Validate (through the memo) on the query's device.  The bias cuDNN reads must be dense and in
+    the io dtype: a mask folded by ``prepare`` may be neither (CuPy 14's bfloat16 ``where`` computes in
+    float32), so it is converted here."""
     with runtime.on_device(arrays["query"].device.id):
         config, operands = _validated.prepare(arrays, static)
-        if operands.bias is not None and not operands.bias.flags.c_contiguous:
-            operands = operands.replace(bias=_cupy().ascontiguousarray(operands.bias))
+        bias, io = operands.bias, operands.query.dtype
+        if bias is not None and (bias.dtype != io or not bias.flags.c_contiguous):
+            operands = operands.replace(bias=_cupy().ascontiguousarray(bias.astype(io, copy=False)))
     return config, operands
 
 

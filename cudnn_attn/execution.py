@@ -11,10 +11,14 @@ zeroed -> pointers bound by :class:`~cudnn_attn.graphs.tensors.TensorId` -> one 
 
 Conventions (the same as :mod:`cudnn_attn.reference`):
 
-* With a padding mask, packed segments or paged K/V, cuDNN leaves the rows it does not compute
-  unwritten: query rows ``t >= q_seqlen[b]`` (output, logsumexp, dq), key rows ``s >= kv_seqlen[b]``
-  (dk, dv) and tokens outside every packed segment.  They are set to 0 here (one
-  ``cudaMemsetAsync`` per result, on the call's stream, before the launch).
+* With a padding mask, packed segments or paged K/V, cuDNN does not define the rows outside the
+  sequences: query rows ``t >= q_seqlen[b]`` (output, logsumexp, dq), key rows ``s >= kv_seqlen[b]``
+  (dk, dv) and tokens outside every packed segment.  On the H200 (cuDNN 9.19) it leaves some
+  unwritten and writes non-finite values into the padded logsumexp rows, so they are set to 0 here
+  after the launch (one masked copy per result, on the call's stream).
+* cuDNN reads Q/K/V positions past the sequence lengths inside its tiles and masks their
+  contribution: their values must be finite.  NaN or Inf there (e.g. an uninitialised buffer)
+  propagates into valid rows - measured on the H200 with cuDNN 9.19 for padded and paged-prefill K/V.
 * Dropout uses cuDNN's Philox generator with ``seed`` (a runtime value: a new seed does not build a
   new graph) and offset 0; the backward regenerates the same keep-mask from the same seed.
 * Packed segments: cuDNN sees ``B*M`` ragged sequences (:mod:`cudnn_attn.graphs.packing`); the
@@ -32,7 +36,7 @@ from . import runtime
 from .cache import GraphKey, PlanChoice, graph_cache
 from .config import AttentionConfig, AttentionOperands
 from .graphs.tensors import FP8_AMAX_IDS, FP8_SCALE_IDS, SCORE_MOD_ARG_IDS, TensorId
-from .types import FP8_BWD_KEYS, FP8_FWD_KEYS, AttentionGrads, AttentionOutput
+from .types import FP8_BWD_KEYS, FP8_FWD_KEYS, AttentionGrads, AttentionLayout, AttentionOutput
 
 FWD, BWD = "fwd", "bwd"
 
@@ -137,6 +141,31 @@ class _Call:
             self.bind(TensorId.SEQ_LEN_KV, operands.kv_seqlen)
         return segments
 
+    # -- rows cuDNN does not define ------------------------------------------------------------
+    def valid_tokens(self, operands: AttentionOperands, segments: Any) -> tuple[Any, Any]:
+        """Boolean ``(B, T)`` / ``(B, S)`` masks of the query / key tokens inside a sequence."""
+        cupy, config = self.cupy, self.config
+        with self.on_stream():
+            if segments is None:
+                q = cupy.arange(config.q_len, dtype=cupy.int32)[None, :] < operands.q_seqlen[:, None]
+                kv = cupy.arange(config.kv_len, dtype=cupy.int32)[None, :] < operands.kv_seqlen[:, None]
+                return q, kv
+            return (_inside(cupy, segments.q_start, segments.q_seqlen, config.batch, config.q_len),
+                    _inside(cupy, segments.kv_start, segments.kv_seqlen, config.batch, config.kv_len))
+
+    def zero_outside(self, x: Any, valid: Any, *, lse: bool = False) -> None:
+        """Set the tokens of ``x`` outside ``valid`` to 0: ``x`` is Q/O-like (or K/V-like) in the
+        config's layout, or the ``(B, N, T)`` logsumexp with ``lse``."""
+        batch, length = valid.shape
+        if lse:
+            shape = (batch, 1, length)
+        elif self.config.layout is AttentionLayout.BTNH:
+            shape = (batch, length, 1, 1)
+        else:
+            shape = (batch, 1, length, 1)
+        with self.on_stream():
+            self.cupy.copyto(x, 0, where=~valid.reshape(shape))
+
     def on_stream(self) -> Any:
         """Context manager making the call's stream current (a no-op for the current stream)."""
         return contextlib.nullcontext() if self.stream is None else self.stream
@@ -198,25 +227,29 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
 def _forward(config: AttentionConfig, operands: AttentionOperands, seed: int, stream: Any, autotune: bool | None,
              output: Any, logsumexp: Any, rng_dump: Any) -> AttentionOutput:
     call = _Call(config, operands, stream)
-    padded = config.mask.padding
     segments = call.bind_common(FWD, operands, seed, rng_dump)
-    out = call.result(TensorId.O, config.o_shape, operands.query.dtype, output, zero=padded)
+    out = call.result(TensorId.O, config.o_shape, operands.query.dtype, output)
     lse = stats = None
     if config.training:
         if segments is None:
-            lse = stats = call.result(TensorId.STATS, config.lse_shape, np.float32, logsumexp, zero=padded)
+            lse = stats = call.result(TensorId.STATS, config.lse_shape, np.float32, logsumexp)
         else:
-            stats = call.result(TensorId.STATS, (config.batch * config.q_len, config.q_heads), np.float32, zero=True)
+            stats = call.result(TensorId.STATS, (config.batch * config.q_len, config.q_heads), np.float32)
     elif logsumexp is not None:
         raise ValueError("logsumexp: only produced when training (return_residual=True)")
     amax_s = _amax(call, TensorId.AMAX_S) if config.fp8 else None
     amax_o = _amax(call, TensorId.AMAX_O) if config.fp8 else None
     call.launch(FWD, autotune, rng_dump is not None)
+    if config.mask.padding:
+        q_valid, _ = call.valid_tokens(operands, segments)
+        call.zero_outside(out, q_valid)
+        if segments is None and lse is not None:
+            call.zero_outside(lse, q_valid, lse=True)
     if segments is not None and stats is not None:
         from .graphs import packing
 
         with call.on_stream():
-            lse = packing.lse_from_tokens(call.cupy, stats, segments, config.q_len)
+            lse = packing.lse_from_tokens(call.cupy, stats, segments, config.q_len)   # 0 outside segments
             if logsumexp is not None:
                 _copy_into("logsumexp", logsumexp, lse)
                 lse = logsumexp
@@ -241,7 +274,6 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
 def _backward(config: AttentionConfig, operands: AttentionOperands, output: Any, grad_output: Any, logsumexp: Any,
               seed: int, stream: Any, autotune: bool | None, given: dict, rng_dump: Any) -> AttentionGrads:
     call = _Call(config, operands, stream)
-    padded = config.mask.padding
     segments = call.bind_common(BWD, operands, seed, rng_dump)
     call.bind(TensorId.O, output)
     call.bind(TensorId.DO, grad_output)
@@ -255,9 +287,9 @@ def _backward(config: AttentionConfig, operands: AttentionOperands, output: Any,
         call.keep_alive.append(call.bind(TensorId.STATS, call.cupy.ascontiguousarray(tokens)))
     io = operands.query.dtype
     grads = dict(
-        dq=call.result(TensorId.DQ, config.q_shape, io, given["dq"], zero=padded),
-        dk=call.result(TensorId.DK, config.k_shape, io, given["dk"], zero=padded),
-        dv=call.result(TensorId.DV, config.v_shape, io, given["dv"], zero=padded),
+        dq=call.result(TensorId.DQ, config.q_shape, io, given["dq"]),
+        dk=call.result(TensorId.DK, config.k_shape, io, given["dk"]),
+        dv=call.result(TensorId.DV, config.v_shape, io, given["dv"]),
     )
     if config.has_dbias:
         grads["dbias"] = call.result(TensorId.DBIAS, config.bias.shape, io, given["dbias"], zero=True)
@@ -267,7 +299,21 @@ def _backward(config: AttentionConfig, operands: AttentionOperands, output: Any,
         for name in ("amax_dQ", "amax_dK", "amax_dV", "amax_dP"):
             grads[name.lower()] = _amax(call, FP8_AMAX_IDS[name])
     call.launch(BWD, autotune, rng_dump is not None)
+    if config.mask.padding:
+        q_valid, kv_valid = call.valid_tokens(operands, segments)
+        call.zero_outside(grads["dq"], q_valid)
+        call.zero_outside(grads["dk"], kv_valid)
+        call.zero_outside(grads["dv"], kv_valid)
     return AttentionGrads(**grads)
+
+
+def _inside(cupy: Any, starts: Any, lengths: Any, batch: int, length: int) -> Any:
+    """``(batch, length)`` mask of the tokens covered by the packed segments ``[start, start + length)``."""
+    tokens = cupy.arange(batch * length, dtype=cupy.int32)
+    count = lengths.shape[0]
+    segment = cupy.maximum(cupy.searchsorted(starts[:count], tokens, side="right").astype(cupy.int32) - 1, 0)
+    position = tokens - starts[segment]
+    return ((position >= 0) & (position < lengths[segment])).reshape(batch, length)
 
 
 def _copy_into(name: str, target: Any, value: Any) -> None:

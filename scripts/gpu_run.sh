@@ -7,7 +7,8 @@
 # package index: the cuDNN frontend wheel is brought in .whl/ (../shared/gpu/fetch-wheels.sh) and
 # installed into /tmp/site; the project is installed editable (graphs/ and jax_bridge/ map to
 # cudnn_attn.graphs / cudnn_attn.jax_bridge, so the checkout alone is not importable).
-# Time limits per phase: GPU_RUN_TEST_SECONDS (default 360), GPU_RUN_BENCH_SECONDS (default 220).
+# Time limits per phase: GPU_RUN_TEST_SECONDS (default 360), GPU_RUN_BENCH_SECONDS (default 220);
+# GPU_RUN_BENCH_ARGS is passed to the benchmark (e.g. --quick).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"; shift || true
@@ -34,7 +35,7 @@ if [ "$what" != bench ]; then
 fi
 if [ "$what" != tests ]; then
   echo "== benchmarks (log: $OUT/bench.log)"
-  timeout "${GPU_RUN_BENCH_SECONDS:-220}" python3 benchmarks/bench_attention.py --out "$OUT" \
+  timeout "${GPU_RUN_BENCH_SECONDS:-220}" python3 benchmarks/bench_attention.py --out "$OUT" ${GPU_RUN_BENCH_ARGS:-} \
     > "$OUT/bench.log" 2>&1 || status=1
 fi
 

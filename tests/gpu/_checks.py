@@ -60,6 +60,11 @@ def to_gpu(operands):
         fp8_scales=None if operands.fp8_scales is None else {k: move(v) for k, v in operands.fp8_scales.items()})
 
 
+def replace_nan(x: np.ndarray, value: float) -> np.ndarray:
+    """``x`` with NaN replaced by ``value``, in ``x``'s dtype (``np.nan_to_num`` ignores bfloat16)."""
+    return np.where(np.isnan(x.astype(np.float32)), value, x).astype(x.dtype)
+
+
 def poisoned(shape, dtype):
     import cupy as cp
 

