@@ -1,0 +1,313 @@
+"""``score_mod`` (flex attention) on cuDNN: a user function of the scores becomes cuDNN pointwise graphs.
+
+Users write ``score_mod(score, *score_mod_args)`` with ``jax.numpy`` / ``jax.lax`` on the float32
+``(B, N, T, S)`` scores (after ``scale`` and the bias, before the softmax, as the spec says): softcap
+``c * tanh(s / c)``, relative-position biases from ``lax.broadcasted_iota`` or ``jnp.arange``, document
+masks from index comparisons, ALiBi variants.  Here that function is
+
+1. traced with JAX (:mod:`.score_mod_trace`) into a pointwise :class:`~.score_mod_ir.Program` for the
+   forward and one for its VJP with respect to the score (``score_mod_bprop``);
+2. combined with the configuration's masks (:func:`masked_programs`): cuDNN refuses ``score_mod``
+   together with its built-in causal / window / padding masks, so they are expressed inside the
+   modification;
+3. emitted as cuDNN operations inside the callbacks (:mod:`.score_mod_cudnn`) that the graph builder
+   passes to ``sdpa(score_mod=...)`` and ``sdpa_backward(score_mod=..., score_mod_bprop=...)``.
+
+What cuDNN 9.19 does, as measured on the H200 (sm90), and what follows from it:
+
+* The backward callback receives only ``dS`` (the gradient w.r.t. the modified score), but a
+  non-linear modification (softcap) needs the score itself.  The backward graph calls ``score_mod``
+  first (to recompute ``P``), so the forward callback records the score tensor it was given and the
+  bprop callback reads it: cuDNN builds that graph and its gradients match the reference.
+* cuDNN adds the bias *after* ``score_mod``; the spec (and the reference) apply ``score_mod`` to the
+  biased score.  Unless the modification is additive (its VJP is the identity, e.g. a relative-position
+  bias, so both orders agree), the bias is added inside the forward callback instead of being given to
+  cuDNN.  cuDNN then cannot produce dBias: a differentiable bias with a non-additive modification is
+  refused.
+* Padding inside the modification needs the per-sequence lengths: the builder gives ``seq_len_q`` /
+  ``seq_len_kv`` to the operation (without ``use_padding_mask``), which also makes cuDNN skip the padded
+  tiles, write zeros to padded output rows and zero dQ/dK/dV there; the callbacks read the same tensors.
+* Constants are runtime scalars of the callback graph (``tensor_scalar(v, RUNTIME_PARAM)``), bound by
+  the frontend; arguments are by-value float32 host scalars of the outer graph, in call order (integer
+  and boolean arguments are converted inside the program).  Arrays as arguments are refused: on 9.19 a
+  column operand ``(..., 1, S)`` gives wrong gradients and a device scalar inside a select fails to
+  compile (measured), so only by-value scalars are offered.
+
+Supported with ``score_mod``: causal (top-left and bottom-right), sliding window, padding (also from
+packing and paging), bias (see above), dropout, GQA, both layouts.  Refused: ALiBi (write it in the
+``score_mod``), FP8 (``sdpa_fp8`` has no backward for it; see the support table).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from cudnn_attn.config import AttentionConfig, DiagonalAlignment, ScoreModSpec
+from cudnn_attn.errors import UnsupportedConfigurationError
+
+from .score_mod_ir import BOOL, F32, I32, Program, ProgramBuilder, evaluate
+from .score_mod_trace import _kind, translate
+
+NEGATIVE_INFINITY = -math.inf      # the fill of masked scores: cuDNN's own masks use -inf from cuDNN 9.10
+
+
+@dataclass(frozen=True)
+class ScoreModProgram:
+    """A ``score_mod`` translated for one score shape: its forward and its VJP as pointwise programs."""
+
+    name: str
+    forward: Program        # (score, *args) -> modified score
+    backward: Program       # (cotangent, score, *args) -> cotangent * d(modified)/d(score)
+    num_args: int
+
+    @property
+    def is_additive(self) -> bool:
+        """The modification adds something independent of the score (its VJP is the identity)."""
+        return self.backward.nodes[self.backward.output].op == "cotangent"
+
+    @property
+    def backward_reads_score(self) -> bool:
+        return self.backward.uses("score")
+
+
+@functools.lru_cache(maxsize=64)
+def trace_score_mod(spec: ScoreModSpec, score_shape: tuple[int, int, int, int]) -> ScoreModProgram:
+    """Translate ``spec.fn`` for scores of ``score_shape`` (forward and backward).
+
+    Raises:
+        UnsupportedConfigurationError: an argument is not a scalar, or the function uses a JAX
+            primitive without a cuDNN pointwise equivalent (the error names both).
+        ValueError: the function does not return a float array of the score's shape.
+    """
+    import jax
+
+    name = spec.name
+    for position, (shape, dtype) in enumerate(spec.arg_shapes):
+        if math.prod(shape) != 1:
+            raise UnsupportedConfigurationError([
+                f"score_mod {name!r}: score_mod_args[{position}] has shape {tuple(shape)}; cuDNN 9.19 takes "
+                "score_mod arguments as by-value scalars only (array operands give wrong gradients or fail "
+                "to compile), so build per-position values from lax.broadcasted_iota inside score_mod"])
+        try:
+            _kind(dtype)
+        except TypeError:
+            raise UnsupportedConfigurationError(
+                [f"score_mod {name!r}: score_mod_args[{position}] has dtype {dtype}"]) from None
+    score = jax.ShapeDtypeStruct(score_shape, np.float32)
+    args = [("arg", jax.ShapeDtypeStruct(tuple(shape), dtype)) for shape, dtype in spec.arg_shapes]
+    fn = spec.fn
+
+    def vjp(cotangent: Any, s: Any, *values: Any) -> Any:
+        return jax.vjp(lambda x: fn(x, *values), s)[1](cotangent)[0]
+
+    return ScoreModProgram(
+        name=name,
+        forward=translate(fn, [("score", score), *args], score_shape, name),
+        backward=translate(vjp, [("cotangent", score), ("score", score), *args], score_shape, f"{name} (backward)"),
+        num_args=len(args),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The configuration's masks, inside the modification
+# ---------------------------------------------------------------------------------------------------
+def score_shape(config: AttentionConfig) -> tuple[int, int, int, int]:
+    """The ``(B, N, T, S)`` shape ``score_mod`` is traced for (the spec's; cuDNN sees segments when packed)."""
+    return (config.batch, config.q_heads, config.q_len, config.kv_len)
+
+
+def _mask_conditions(b: ProgramBuilder, config: AttentionConfig, backward: bool) -> list[Callable[[str], int]]:
+    """Builders of the conditions a (query i, key j) pair must meet under ``config.mask`` (see
+    :class:`~cudnn_attn.config.MaskSpec`): padding, then the diagonal band.  Each takes a tag that keeps
+    its positions apart from earlier ones.
+
+    In the backward the gradient cuDNN hands over is already 0 wherever the forward masked (``P = 0``
+    there); masking it again only guards against a non-finite derivative of ``score_mod`` at masked
+    positions.  cuDNN refuses a bottom-right band with per-sequence lengths in ``score_mod_bprop``
+    (measured, cuDNN 9.19), so that one guard is left out.
+    """
+    mask = config.mask
+    padded = mask.padding or config.packing is not None or config.paging is not None
+    conditions: list[Callable[[str], int]] = []
+
+    def padding(tag: str) -> int:
+        row, col = b.leaf("index", I32, 2, tag), b.leaf("index", I32, 3, tag)
+        return b.op("logical_and", b.op("cmp_lt", row, b.leaf("seq_len_q", I32)),
+                    b.op("cmp_lt", col, b.leaf("seq_len_kv", I32)))
+
+    def band(tag: str) -> int:
+        d = b.op("sub", b.leaf("index", I32, 3, tag), b.leaf("index", I32, 2, tag))      # j - i - delta
+        if mask.alignment is DiagonalAlignment.BOTTOM_RIGHT:
+            if padded:                                          # delta = S_b - T_b
+                d = b.op("add", b.op("sub", d, b.leaf("seq_len_kv", I32)), b.leaf("seq_len_q", I32))
+            else:
+                d = b.op("sub", d, b.const(config.kv_len - config.q_len, I32))
+        bounds = []
+        if mask.right_bound is not None:
+            bounds.append(b.op("cmp_le", d, b.const(mask.right_bound, I32)))
+        if mask.left_bound is not None:
+            bounds.append(b.op("cmp_gt", d, b.const(-mask.left_bound, I32)))
+        return functools.reduce(lambda x, y: b.op("logical_and", x, y), bounds)
+
+    if padded:
+        conditions.append(padding)
+    per_sequence_band = mask.alignment is DiagonalAlignment.BOTTOM_RIGHT and padded
+    if (mask.right_bound is not None or mask.left_bound is not None) and not (backward and per_sequence_band):
+        conditions.append(band)
+    return conditions
+
+
+def _with_mask(program: Program, config: AttentionConfig, fill: float, *, backward: bool) -> Program:
+    """``program`` followed by ``select(condition, result, fill)`` for each mask condition in turn.
+
+    Each condition is built after the previous select, from its own positions: cuDNN wants a mask's
+    positions generated from the score value it masks (measured with cuDNN 9.19: padding then causal
+    is refused otherwise), and the emitter generates positions from the latest score value.
+    """
+    b = ProgramBuilder(program.name)
+    ids: list[int] = []
+    for node in program.nodes:                                   # replay into a builder
+        if node.op == "const":
+            ids.append(b.const(node.param, node.dtype))
+        elif node.is_leaf:
+            ids.append(b.leaf(node.op, node.dtype, node.param, node.tag))
+        else:
+            ids.append(b.op(node.op, *(ids[i] for i in node.inputs), dtype=node.dtype))
+    conditions = _mask_conditions(b, config, backward)
+    if not conditions:
+        return program
+    result = ids[program.output]
+    for number, condition in enumerate(conditions):
+        result = b.op("select", condition(f"mask{number}"), result, b.const(fill, F32))
+    return b.build(result)
+
+
+def masked_programs(config: AttentionConfig) -> tuple[Program, Program]:
+    """The forward and backward programs of ``config.score_mod`` with ``config.mask`` applied.
+
+    Masked scores become ``-inf`` (as cuDNN's own masks since 9.10 and the reference); their
+    gradients become 0.
+    """
+    program = trace_score_mod(config.score_mod, score_shape(config))
+    return (_with_mask(program.forward, config, NEGATIVE_INFINITY, backward=False),
+            _with_mask(program.backward, config, 0.0, backward=True))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The graph builder's hook
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScoreModGraph:
+    """How the graph builder wires ``config.score_mod`` into one forward or backward graph.
+
+    The builder declares ``num_args`` by-value FLOAT ``(1, 1, 1, 1)`` tensors (the user's arguments in
+    call order, bound with host float32 values); when ``takes_bias`` it keeps the bias away from cuDNN's
+    ``bias=`` and hands it to :meth:`callbacks`; when ``takes_seq_lens`` it passes ``seq_len_q`` /
+    ``seq_len_kv`` to the operation *without* ``use_padding_mask`` (and without any built-in mask
+    option) and to :meth:`callbacks`.
+    """
+
+    config: AttentionConfig
+    program: ScoreModProgram
+    forward: Program
+    backward: Program
+
+    @property
+    def num_args(self) -> int:
+        return self.program.num_args
+
+    @property
+    def takes_bias(self) -> bool:
+        return self.config.bias is not None and not self.program.is_additive
+
+    @property
+    def takes_seq_lens(self) -> bool:
+        return self.forward.uses("seq_len_q") or self.forward.uses("seq_len_kv")
+
+    def callbacks(self, args: Sequence[Any], *, bias: Any = None, seq_len_q: Any = None,
+                  seq_len_kv: Any = None) -> tuple[Callable[[Any, Any], Any], Callable[[Any, Any], Any]]:
+        """``(score_mod, score_mod_bprop)`` callbacks with cuDNN's signature ``(sg, tensor) -> tensor``.
+
+        ``args`` are the declared argument tensors; the other tensors are required exactly when
+        :attr:`takes_bias` / :attr:`takes_seq_lens` say so.  The bprop callback reads the score that
+        the forward callback received in the same (backward) graph, so cuDNN must call the forward
+        callback first, which it does (it recomputes the probabilities before their gradient).
+        """
+        from .score_mod_cudnn import emit
+
+        if len(args) != self.num_args:
+            raise ValueError(f"args: {self.program.name!r} takes {self.num_args} arguments, got {len(args)}")
+        if (bias is not None) != self.takes_bias:
+            raise ValueError(f"bias: {'required' if self.takes_bias else 'not taken'} by {self.program.name!r} here")
+        if (seq_len_q is None or seq_len_kv is None) and self.takes_seq_lens:
+            raise ValueError("seq_len_q, seq_len_kv: the modification masks padding and needs both")
+        leaves = {"args": tuple(args), "seq_len_q": seq_len_q, "seq_len_kv": seq_len_kv}
+        recorded: dict[str, Any] = {}
+
+        def score_mod(sg: Any, score: Any) -> Any:
+            if bias is not None:
+                score = sg.add(a=score, b=bias, name=f"{self.forward.name}_bias")
+            recorded["score"] = score
+            return emit(sg, self.forward, score, {**leaves, "score": score})
+
+        def score_mod_bprop(sg: Any, grad: Any) -> Any:
+            if self.backward.uses("score") and "score" not in recorded:
+                raise RuntimeError("cuDNN called score_mod_bprop before score_mod; the score is not available")
+            return emit(sg, self.backward, grad, {**leaves, "cotangent": grad, "score": recorded.get("score")})
+
+        return score_mod, score_mod_bprop
+
+    def evaluate(self, score: np.ndarray, args: Sequence[Any] = (), *, bias: np.ndarray | None = None,
+                 cotangent: np.ndarray | None = None, seq_len_q: Any = None, seq_len_kv: Any = None) -> np.ndarray:
+        """The same programs run with NumPy (the forward, or the backward when ``cotangent`` is given).
+
+        ``score`` is the scaled ``q·k`` float32 ``(B, N, T, S)``; ``bias`` is added to it first when
+        :attr:`takes_bias` (cuDNN adds it after the forward otherwise, outside the modification).
+        """
+        if self.takes_bias:
+            if bias is None:
+                raise ValueError(f"bias: {self.program.name!r} adds the bias inside the modification; pass it")
+            score = np.asarray(score, np.float32) + np.asarray(bias, np.float32)
+        program = self.forward if cotangent is None else self.backward
+        return evaluate(program, score=score, cotangent=cotangent, args=tuple(args),
+                        seq_len_q=seq_len_q, seq_len_kv=seq_len_kv)
+
+
+def score_mod_graph(config: AttentionConfig, kind: str) -> ScoreModGraph:
+    """The translation of ``config.score_mod`` for its ``kind`` (``"fwd"`` / ``"bwd"``) graph.
+
+    Raises:
+        UnsupportedConfigurationError: the function cannot be translated (see :func:`trace_score_mod`),
+            or the configuration combines it with what cuDNN cannot do inside the modification.
+    """
+    if config.score_mod is None:
+        raise ValueError("config: has no score_mod")
+    if kind not in ("fwd", "bwd"):
+        raise ValueError(f"kind: expected 'fwd' or 'bwd', got {kind!r}")
+    reasons = []
+    if config.mask.alibi:
+        reasons.append("score_mod with ALiBi: cuDNN refuses its ALiBi next to score_mod; add the ALiBi bias "
+                       "inside score_mod (slopes from lax.broadcasted_iota on the head axis)")
+    program = trace_score_mod(config.score_mod, score_shape(config))
+    if config.packing is not None and any(n.op == "index" and n.param == 0
+                                          for p in (program.forward, program.backward) for n in p.nodes):
+        reasons.append("score_mod reads the batch index, but cuDNN sees packed segments as the batch")
+    if kind == "bwd" and config.has_dbias and not program.is_additive:
+        reasons.append(f"a bias gradient with the non-additive score_mod {program.name!r}: the spec applies "
+                       "score_mod after the bias, so the bias goes inside the modification, where cuDNN "
+                       "cannot produce dBias")
+    if reasons:
+        raise UnsupportedConfigurationError(reasons, config)
+    forward, backward = masked_programs(config)
+    return ScoreModGraph(config, program, forward, backward)
+
+
+def make_score_mod_callbacks(config: AttentionConfig, kind: str, args: Sequence[Any], *, bias: Any = None,
+                             seq_len_q: Any = None, seq_len_kv: Any = None) -> tuple[Callable, Callable]:
+    """``(score_mod, score_mod_bprop)`` for ``config``'s ``kind`` graph; see :class:`ScoreModGraph`."""
+    return score_mod_graph(config, kind).callbacks(args, bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv)
