@@ -1,1 +1,18 @@
-"""JAX integration (installed as ``cudnn_attn.jax_bridge``)."""
+"""cuDNN fused attention inside JAX (installed as ``cudnn_attn.jax_bridge``).
+
+* :func:`dot_product_attention`, :func:`paged_attention` - JAX's cuDNN attention API (:mod:`.api`);
+* :func:`dot_product_attention_nn` - a drop-in for ``jax.nn.dot_product_attention`` (:mod:`.nn`);
+* :func:`attention` - the native entry point on a prepared ``(AttentionConfig, AttentionOperands)``.
+
+Mechanism: two primitives registered once (:mod:`.primitives`) with batching (:mod:`.batching`) and
+partitioning (:mod:`.partitioning`) rules, lowered to a named XLA FFI target whose handler is Python
+(:mod:`.ffi`): the cuDNN graph on XLA's stream on GPU (:mod:`.cudnn_target`), the NumPy reference on
+CPU (:mod:`.reference_target`).
+"""
+
+from .api import attention, dot_product_attention, kernel_options, paged_attention
+from .kernel import Backend, KernelOptions
+from .nn import dot_product_attention_nn
+
+__all__ = ["Backend", "KernelOptions", "attention", "dot_product_attention", "dot_product_attention_nn",
+           "kernel_options", "paged_attention"]

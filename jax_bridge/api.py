@@ -1,0 +1,190 @@
+"""cuDNN fused attention on JAX arrays: JAX's cuDNN attention API, differentiable, inside every transform.
+
+:func:`dot_product_attention` and :func:`paged_attention` keep the signatures, defaults and return
+forms of JAX's ``jax._src.cudnn.fused_attention_stablehlo`` (the same as :mod:`cudnn_attn.api` and
+:mod:`cudnn_attn.reference`), with keyword-only extensions after them:
+
+* ``diagonal_alignment="top_left" | "bottom_right"``, ``sink`` (float32 ``(N,)`` attention-sink
+  logits), ``deterministic`` (deterministic backward accumulation) - as on the CuPy side;
+* ``cuda_graph=False`` - let XLA capture the GPU call into a CUDA graph (worth it for small shapes,
+  where the host cost of the call dominates; see :mod:`.cudnn_target`);
+* ``backend="ffi" | "callback"`` - see :class:`~.kernel.Backend`.
+
+They work under ``jit``, ``grad`` (``jax.custom_vjp``: gradients of ``query``, ``key``, ``value``, of
+``bias`` and an additive ``mask``, of ``sink``; with FP8 the backward's amax values come out as the
+cotangents of the ``amax_dQ``/``amax_dK``/``amax_dV``/``amax_dP`` entries of ``fp8_params``, as in
+JAX), ``vmap``, ``shard_map`` and automatic partitioning (batch and head sharding).  On GPU the cuDNN
+graph runs on XLA's stream and buffers; on CPU the NumPy reference runs behind the same primitives.
+The cotangent of ``logsumexp`` (``return_residual=True``) is ignored, as in JAX.
+
+The dropout ``seed`` must be a Python int: cuDNN binds it by value, so under ``jit`` it is a
+compile-time constant (a new seed compiles a new executable).  The CPU reference draws its dropout
+mask from NumPy, not from cuDNN's Philox stream.
+
+Errors, at trace time: ``ValueError`` for invalid arguments (:func:`cudnn_attn.validation.prepare`),
+:class:`~cudnn_attn.errors.UnsupportedConfigurationError` for valid calls that cannot run (on GPU,
+raised when the call is lowered, with the support table's reasons).
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from cudnn_attn.config import AttentionConfig, AttentionOperands
+from cudnn_attn.errors import UnsupportedConfigurationError
+from cudnn_attn.types import FP8_PARAM_KEYS, AttentionOutput, FP8Params, MaskType
+from cudnn_attn.validation import prepare
+
+from . import primitives
+from .kernel import Backend, KernelOptions
+from .signature import BWD, FWD, RESIDUALS, named_operands, operand_names, result_names
+
+__all__ = ["attention", "dot_product_attention", "kernel_options", "paged_attention"]
+
+# Gradient of each differentiable input, by the backward result that carries it.
+_GRADIENTS = {"query": "dq", "key": "dk", "value": "dv", "bias": "dbias", "sink": "dsink",
+              "amax_dQ": "amax_dq", "amax_dK": "amax_dk", "amax_dV": "amax_dv", "amax_dP": "amax_dp"}
+
+
+def kernel_options(config: AttentionConfig, *, seed: Any = 42, backend: str | Backend = Backend.FFI,
+                   cuda_graph: bool = False) -> KernelOptions:
+    """The static options of a call (checked): the seed only matters with dropout."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"seed: must be a Python int (cuDNN binds the dropout seed by value, so it is static "
+                         f"under jit), got {type(seed).__name__}")
+    return KernelOptions(seed=int(seed) if config.has_dropout else 0, backend=Backend.parse(backend),
+                         cuda_graph=bool(cuda_graph))
+
+
+# -- the differentiable call -------------------------------------------------------------------------
+
+def _inputs(config: AttentionConfig, operands: AttentionOperands) -> dict[str, Any]:
+    """Every array the forward or the backward reads, by name (all FP8Params entries with FP8)."""
+    inputs = named_operands(config, FWD, operands)
+    if config.fp8:
+        inputs.update({key: operands.fp8_scales[key] for key in FP8_PARAM_KEYS})
+    return inputs
+
+
+def _select(config: AttentionConfig, kind: str, inputs: Mapping[str, Any], **residuals: Any) -> dict[str, Any]:
+    return {name: residuals[name] if name in RESIDUALS else inputs[name] for name in operand_names(config, kind)}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention(config: AttentionConfig, options: KernelOptions, inputs: dict[str, Any]) -> dict[str, Any]:
+    return primitives.forward(config, options, _select(config, FWD, inputs))
+
+
+def _attention_fwd(config: AttentionConfig, options: KernelOptions, inputs: dict[str, Any]) -> tuple[dict, tuple]:
+    if config.paging is not None:
+        raise UnsupportedConfigurationError(["paged attention has no backward (cuDNN provides none)"], config)
+    training = config.replace(training=True)
+    results = primitives.forward(training, options, _select(training, FWD, inputs))
+    primal = {name: results[name] for name in result_names(config, FWD)}
+    return primal, (inputs, results["output"], results["logsumexp"])
+
+
+def _attention_bwd(config: AttentionConfig, options: KernelOptions, residuals: tuple, cotangents: dict) -> tuple:
+    inputs, output, logsumexp = residuals
+    training = config.replace(training=True)
+    grads = primitives.backward(training, options, _select(
+        training, BWD, inputs, output=output, grad_output=cotangents["output"], logsumexp=logsumexp))
+    found = {}
+    for name, x in inputs.items():
+        grad = grads.get(_GRADIENTS.get(name))
+        found[name] = None if grad is None else grad.reshape(x.shape).astype(x.dtype)
+    return (found,)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _varying_axes(x: Any) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None) or getattr(aval, "vma", None)
+    return frozenset(getattr(mat, "varying", mat) or ())
+
+
+def _align_manual_axes(inputs: dict[str, Any]) -> dict[str, Any]:
+    """Inside ``shard_map``, make every operand vary over the same manual axes (``pcast``), so that the
+    primitive's results have one consistent type and the gradient of an operand that did not vary is
+    summed over those axes by JAX's own transpose of ``pcast``."""
+    axes = {name: _varying_axes(x) for name, x in inputs.items()}
+    union = frozenset().union(*axes.values())
+    if not union:
+        return inputs
+    return {name: x if axes[name] == union else jax.lax.pcast(x, tuple(sorted(union - axes[name])), to="varying")
+            for name, x in inputs.items()}
+
+
+def attention(config: AttentionConfig, operands: AttentionOperands, options: KernelOptions) -> AttentionOutput:
+    """The native entry point: a prepared call (:func:`cudnn_attn.validation.prepare` with ``xp=jax.numpy``)
+    in, :class:`~cudnn_attn.types.AttentionOutput` out; differentiable with respect to the operands."""
+    results = _attention(config, options, _align_manual_axes(_inputs(config, operands)))
+    return AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
+
+
+def _seed_result(result: AttentionOutput, use_fp8: bool, return_residual: bool) -> Any:
+    if use_fp8:
+        return result.output, result.amax_s, result.amax_o
+    if return_residual:
+        return result.output, result.logsumexp
+    return result.output
+
+
+# -- the seed-compatible front door ----------------------------------------------------------------
+
+def dot_product_attention(
+    query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, q_seqlen: Any = None,
+    kv_seqlen: Any = None, q_offsets: Any = None, kv_offsets: Any = None, fp8_params: FP8Params | None = None,
+    score_mod_args: Sequence[Any] = (), *, scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK,
+    seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH", sliding_window_length: int | None = None,
+    score_mod: Callable[..., Any] | None = None, use_fp8: bool = False, return_residual: bool = False,
+    diagonal_alignment: str = "top_left", sink: Any = None, deterministic: bool = False,
+    cuda_graph: bool = False, backend: str = "ffi",
+) -> Any:
+    """Scaled dot-product attention (JAX's cuDNN ``dot_product_attention``; module doc for the extras).
+
+    Shapes: Q ``(B, T, N, H)`` / K, V ``(B, S, K, H)`` in BTNH (``(B, N, T, H)`` in BNTH); ``bias`` and
+    ``mask`` broadcast to ``(B, N, T, S)`` (``mask`` True keeps); ``q_seqlen``/``kv_seqlen`` int32
+    ``(B,)``, or ``(B, M)`` with packed segments given by ``q_offsets``/``kv_offsets`` ``(B, M + 1)``.
+
+    Returns the output (the query's layout, ``value``'s head dim), ``(output, logsumexp)`` with
+    ``return_residual`` (float32 ``(B, N, T)``, ``(B*M, N, T)`` packed), or ``(output, amax_s, amax_o)``
+    with ``use_fp8``.
+    """
+    config, operands = prepare(
+        query, key, value, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offsets, None, None, fp8_params,
+        score_mod_args, sink, scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
+        sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8, training=return_residual,
+        diagonal_alignment=diagonal_alignment, deterministic=deterministic, xp=jnp)
+    options = kernel_options(config, seed=seed, backend=backend, cuda_graph=cuda_graph)
+    return _seed_result(attention(config, operands, options), use_fp8, return_residual)
+
+
+def paged_attention(
+    query: Any, key: Any, value: Any, q_seqlen: Any, kv_seqlen: Any, page_table_k: Any, page_table_v: Any,
+    bias: Any = None, mask: Any = None, fp8_params: FP8Params | None = None, *, scale: float = 1.0,
+    mask_type: MaskType = MaskType.NO_MASK, seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH",
+    sliding_window_length: int | None = None, use_fp8: bool = False, return_residual: bool = False,
+    diagonal_alignment: str = "top_left", sink: Any = None, cuda_graph: bool = False, backend: str = "ffi",
+) -> Any:
+    """Attention over paged K/V caches (forward only; JAX's cuDNN ``paged_attention``).
+
+    K/V are caches of blocks ``(num_blocks, block_size, K, H)`` (BTNH) or ``(num_blocks, K, block_size, H)``
+    (BNTH); ``page_table_k``/``page_table_v`` int32 ``(B, 1, blocks_per_seq, 1)`` map each sequence's
+    logical blocks to cache blocks.  Returns the output, or ``(output, logsumexp)`` with ``return_residual``.
+    Differentiating it raises :class:`~cudnn_attn.errors.UnsupportedConfigurationError`.
+    """
+    config, operands = prepare(
+        query, key, value, bias, mask, q_seqlen, kv_seqlen, None, None, page_table_k, page_table_v, fp8_params,
+        (), sink, scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
+        sliding_window_length=sliding_window_length, use_fp8=use_fp8, training=return_residual,
+        diagonal_alignment=diagonal_alignment, xp=jnp)
+    options = kernel_options(config, seed=seed, backend=backend, cuda_graph=cuda_graph)
+    return _seed_result(attention(config, operands, options), use_fp8, return_residual)

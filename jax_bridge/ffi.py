@@ -1,0 +1,324 @@
+"""XLA FFI handlers written in Python: the C ABI of ``xla/ffi/api/c_api.h`` through ctypes.
+
+XLA calls a custom-call target through one C function, ``XLA_FFI_Error* handler(XLA_FFI_CallFrame*)``.
+:func:`make_handler` turns a Python function into such a function pointer (a ctypes callback), which
+:func:`register` hands to ``jax.ffi.register_ffi_target`` under a name, for a platform (``"cpu"`` or
+``"CUDA"``).  No compiler is involved, and the target is an ordinary named custom call: it lowers
+inside ``custom_partitioning`` (where host callbacks crash) and, on GPU, receives XLA's own device
+buffers and stream (zero copy).
+
+The Python function receives a :class:`Call`: the argument and result buffers (:class:`Buffer`:
+address, shape, dtype), the scalar attributes of the call site and, on GPU, XLA's stream and device
+ordinal.  A Python exception never crosses the C boundary: it becomes an XLA FFI error carrying the
+exception's message (``ValueError`` -> INVALID_ARGUMENT, ``NotImplementedError`` -> UNIMPLEMENTED,
+anything else INTERNAL), which JAX raises as ``JaxRuntimeError``.
+
+Protocol (``c_api.h``, XLA FFI API 0.x; jaxlib 0.11.2 ships minor version 4):
+
+* At registration XLA calls the handler once with a *metadata extension* in the call frame; the
+  handler fills in the API version it was written against and its traits (bit 0: safe to capture into
+  a command buffer, i.e. a CUDA graph) and returns ``NULL``.
+* At execution it calls the handler with the call frame; ``NULL`` means success.
+
+Interpreter exit: a handler needs the GIL, and JAX's own exit hook destroys the backends while holding
+it.  A computation still in flight at exit would then wait for the GIL forever, so an exit hook
+(registered after JAX's, hence run before it) first waits for every live array to be ready.
+
+Only structures and functions that exist since API 0.1 are read, except the device ordinal
+(``XLA_FFI_DeviceOrdinal_Get``), which is looked up only when the runtime's table has it.  Every
+structure carries ``struct_size`` for forward compatibility; XLA promises (``c_api.h``) to support old
+API versions for at least 12 months and not to break the ABI.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes as C
+from typing import Any, Callable, NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+# -- the C structures (field order and types as in c_api.h) -------------------------------------------
+
+
+class _InternalExtension(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("type", C.c_int), ("next", C.c_void_p)]
+
+
+class _ApiVersion(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p),
+                ("major_version", C.c_int), ("minor_version", C.c_int)]
+
+
+class _Metadata(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("api_version", _ApiVersion), ("traits", C.c_uint32),
+                ("state_type_id", C.c_int64)]
+
+
+class _MetadataExtension(C.Structure):
+    _fields_ = [("extension_base", _InternalExtension), ("metadata", C.POINTER(_Metadata))]
+
+
+class _ByteSpan(C.Structure):
+    _fields_ = [("ptr", C.c_void_p), ("len", C.c_size_t)]
+
+
+class _List(C.Structure):
+    """``XLA_FFI_Args`` and ``XLA_FFI_Rets`` (same layout)."""
+
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p), ("size", C.c_int64),
+                ("types", C.POINTER(C.c_int)), ("items", C.POINTER(C.c_void_p))]
+
+
+class _Attrs(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p), ("size", C.c_int64),
+                ("types", C.POINTER(C.c_int)), ("names", C.POINTER(C.POINTER(_ByteSpan))),
+                ("attrs", C.POINTER(C.c_void_p))]
+
+
+class _CallFrame(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.POINTER(_InternalExtension)),
+                ("api", C.c_void_p), ("ctx", C.c_void_p), ("stage", C.c_int), ("args", _List),
+                ("rets", _List), ("attrs", _Attrs), ("future", C.c_void_p)]
+
+
+class _Buffer(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p), ("dtype", C.c_int),
+                ("data", C.c_void_p), ("rank", C.c_int64), ("dims", C.POINTER(C.c_int64))]
+
+
+class _Scalar(C.Structure):
+    _fields_ = [("dtype", C.c_int), ("value", C.c_void_p)]
+
+
+class _ContextArgs(C.Structure):
+    """``XLA_FFI_Stream_Get_Args`` (``out`` is a ``void*``)."""
+
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p), ("ctx", C.c_void_p),
+                ("out", C.c_void_p)]
+
+
+class _DeviceOrdinalArgs(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p), ("ctx", C.c_void_p),
+                ("device_ordinal", C.c_int32)]
+
+
+class _ErrorCreateArgs(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p), ("message", C.c_char_p),
+                ("errc", C.c_int)]
+
+
+class _ErrorDestroyArgs(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p), ("error", C.c_void_p)]
+
+
+_FUNCTIONS = ("Error_Create", "Error_GetDetails", "Error_Destroy", "Handler_Register", "Stream_Get",
+              "Type_Register", "InvokeContext_Get", "State_Set", "State_Get", "DeviceMemory_Allocate",
+              "DeviceMemory_Free", "ThreadPool_Schedule", "ThreadPool_NumThreads", "Future_Create",
+              "Future_SetAvailable", "Future_SetError", "RunId_Get", "DeviceOrdinal_Get")
+
+
+class _Api(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p), ("api_version", _ApiVersion),
+                ("internal_api", C.c_void_p)] + [(name, C.c_void_p) for name in _FUNCTIONS]
+
+
+_HANDLER = C.CFUNCTYPE(C.c_void_p, C.POINTER(_CallFrame))
+_ERROR_CREATE = C.CFUNCTYPE(C.c_void_p, C.POINTER(_ErrorCreateArgs))
+_ERROR_DESTROY = C.CFUNCTYPE(None, C.POINTER(_ErrorDestroyArgs))
+_CONTEXT_GET = C.CFUNCTYPE(C.c_void_p, C.POINTER(_ContextArgs))
+_DEVICE_ORDINAL_GET = C.CFUNCTYPE(C.c_void_p, C.POINTER(_DeviceOrdinalArgs))
+
+_EXTENSION_METADATA = 1
+_STAGE_EXECUTE = 3
+_ATTR_SCALAR = 3
+_TRAIT_COMMAND_BUFFER_COMPATIBLE = 1
+_API_VERSION = (0, 1)          # the oldest API whose structures this module reads
+
+_ERROR_CODES = ((ValueError, 3), (NotImplementedError, 12))   # INVALID_ARGUMENT, UNIMPLEMENTED
+_INTERNAL = 13
+
+# XLA_FFI_DataType (== xla::PrimitiveType) -> NumPy.
+DTYPES: dict[int, np.dtype] = {
+    1: np.dtype(np.bool_), 2: np.dtype(np.int8), 3: np.dtype(np.int16), 4: np.dtype(np.int32),
+    5: np.dtype(np.int64), 6: np.dtype(np.uint8), 7: np.dtype(np.uint16), 8: np.dtype(np.uint32),
+    9: np.dtype(np.uint64), 10: np.dtype(np.float16), 11: np.dtype(np.float32), 12: np.dtype(np.float64),
+    16: np.dtype(ml_dtypes.bfloat16), 19: np.dtype(ml_dtypes.float8_e5m2),
+    20: np.dtype(ml_dtypes.float8_e4m3fn),
+}
+
+
+# -- what the Python function sees ------------------------------------------------------------------
+
+class Buffer(NamedTuple):
+    """One argument or result of the call: an address in the platform's memory, shape and dtype."""
+
+    address: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def host_array(buffer: Buffer, *, writeable: bool) -> np.ndarray:
+    """A NumPy view of a host (CPU) buffer, without copying."""
+    if buffer.nbytes == 0:
+        return np.empty(buffer.shape, buffer.dtype)
+    raw = (C.c_uint8 * buffer.nbytes).from_address(buffer.address)
+    array = np.frombuffer(raw, dtype=buffer.dtype).reshape(buffer.shape)
+    array.flags.writeable = writeable
+    return array
+
+
+class Call:
+    """One execution of a target: its buffers, attributes and (GPU) stream and device."""
+
+    __slots__ = ("_frame", "_api")
+
+    def __init__(self, frame: _CallFrame):
+        self._frame = frame
+        self._api = C.cast(frame.api, C.POINTER(_Api)).contents
+
+    @property
+    def args(self) -> tuple[Buffer, ...]:
+        return _buffers(self._frame.args)
+
+    @property
+    def rets(self) -> tuple[Buffer, ...]:
+        return _buffers(self._frame.rets)
+
+    def arg_addresses(self) -> list[int]:
+        """The argument addresses only (cheaper than :attr:`args` when shapes are known)."""
+        return _addresses(self._frame.args)
+
+    def ret_addresses(self) -> list[int]:
+        return _addresses(self._frame.rets)
+
+    def attributes(self) -> dict[str, Any]:
+        """The scalar attributes of the call site, by name."""
+        attrs, found = self._frame.attrs, {}
+        for i in range(attrs.size):
+            if attrs.types[i] != _ATTR_SCALAR:
+                continue
+            span = attrs.names[i].contents
+            name = C.string_at(span.ptr, span.len).decode()
+            scalar = C.cast(attrs.attrs[i], C.POINTER(_Scalar)).contents
+            dtype = DTYPES[scalar.dtype]
+            found[name] = np.frombuffer(C.string_at(scalar.value, dtype.itemsize), dtype)[0].item()
+        return found
+
+    def stream(self) -> int:
+        """XLA's ``cudaStream_t`` for this call (GPU only)."""
+        args = _ContextArgs(C.sizeof(_ContextArgs), None, self._frame.ctx, None)
+        self._check(_CONTEXT_GET(self._api.Stream_Get)(C.byref(args)), "XLA_FFI_Stream_Get")
+        return int(args.out or 0)
+
+    def device_ordinal(self) -> int | None:
+        """The device this call runs on, or ``None`` when the runtime predates the query."""
+        offset = _Api.DeviceOrdinal_Get.offset
+        if self._api.struct_size <= offset or not self._api.DeviceOrdinal_Get:
+            return None
+        args = _DeviceOrdinalArgs(C.sizeof(_DeviceOrdinalArgs), None, self._frame.ctx, 0)
+        self._check(_DEVICE_ORDINAL_GET(self._api.DeviceOrdinal_Get)(C.byref(args)), "XLA_FFI_DeviceOrdinal_Get")
+        return int(args.device_ordinal)
+
+    def _check(self, error: int | None, what: str) -> None:
+        if error:
+            _ERROR_DESTROY(self._api.Error_Destroy)(C.byref(_ErrorDestroyArgs(C.sizeof(_ErrorDestroyArgs), None, error)))
+            raise RuntimeError(f"{what} failed (is this a GPU call?)")
+
+
+def _buffers(items: _List) -> tuple[Buffer, ...]:
+    found = []
+    for i in range(items.size):
+        b = C.cast(items.items[i], C.POINTER(_Buffer)).contents
+        found.append(Buffer(int(b.data or 0), tuple(b.dims[j] for j in range(b.rank)), DTYPES[b.dtype]))
+    return tuple(found)
+
+
+def _addresses(items: _List) -> list[int]:
+    return [C.cast(items.items[i], C.POINTER(_Buffer)).contents.data or 0 for i in range(items.size)]
+
+
+# -- handlers --------------------------------------------------------------------------------------
+
+class Handler(NamedTuple):
+    """A Python function as an XLA FFI handler.  Keep it alive as long as XLA may call it."""
+
+    name: str
+    callback: Any           # the ctypes callback object (owns the C function pointer)
+    address: int
+
+
+def _error(api_address: int, exc: BaseException) -> int:
+    code = next((c for kind, c in _ERROR_CODES if isinstance(exc, kind)), _INTERNAL)
+    api = C.cast(api_address, C.POINTER(_Api)).contents
+    message = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")
+    return _ERROR_CREATE(api.Error_Create)(C.byref(_ErrorCreateArgs(C.sizeof(_ErrorCreateArgs), None, message, code)))
+
+
+_exit_hook_registered = False
+
+
+def _finish_pending_calls() -> None:
+    """Wait for in-flight computations (see the module doc); never raises at exit."""
+    try:
+        import jax
+
+        for array in jax.live_arrays():
+            array.block_until_ready()
+    except Exception:
+        pass
+
+
+def make_handler(name: str, fn: Callable[[Call], None], *, command_buffer_compatible: bool = False) -> Handler:
+    """Wrap ``fn(call)`` as an XLA FFI handler.
+
+    ``command_buffer_compatible`` declares that every call launches the same device work for the same
+    attributes, so XLA may capture it into a CUDA graph and replay it without running Python; XLA
+    re-captures when the buffer addresses change, so ``fn`` must read the addresses on every call
+    (never cache them) and must not synchronise or allocate device memory.
+    """
+    traits = _TRAIT_COMMAND_BUFFER_COMPATIBLE if command_buffer_compatible else 0
+
+    def handler(frame_pointer: Any) -> int | None:
+        try:
+            frame = frame_pointer.contents
+            extension = frame.extension_start
+            if extension and extension.contents.type == _EXTENSION_METADATA:
+                metadata = C.cast(extension, C.POINTER(_MetadataExtension)).contents.metadata.contents
+                metadata.api_version.major_version, metadata.api_version.minor_version = _API_VERSION
+                metadata.traits = traits
+                return None
+            if frame.stage != _STAGE_EXECUTE:
+                return None
+            fn(Call(frame))
+            return None
+        except BaseException as exc:      # nothing may unwind through XLA's C++ frames
+            try:
+                return _error(frame_pointer.contents.api, exc)
+            except BaseException:
+                return None
+
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        import jax  # noqa: F401  (JAX's exit hooks first, so that this one runs before them)
+
+        atexit.register(_finish_pending_calls)
+        _exit_hook_registered = True
+    callback = _HANDLER(handler)
+    return Handler(name, callback, C.cast(callback, C.c_void_p).value)
+
+
+def register(handler: Handler, platform: str) -> None:
+    """Register ``handler`` as the XLA FFI target ``handler.name`` for ``platform`` (``"cpu"``, ``"CUDA"``).
+
+    Registering for a platform whose plugin is not loaded (CUDA on a CPU-only install) is queued by
+    jaxlib until the plugin appears.
+    """
+    import jax
+
+    jax.ffi.register_ffi_target(handler.name, jax.ffi.pycapsule(handler.address), platform=platform)

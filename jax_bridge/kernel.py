@@ -1,0 +1,115 @@
+"""What a kernel call site is: the static description the FFI handler looks up at run time.
+
+An XLA FFI call carries typed attributes, not Python objects.  Each call site therefore carries one
+int64 attribute, ``key``, into a process-local :class:`KernelRegistry` of :class:`Kernel` entries
+(configuration, forward or backward, dropout seed).  Registration happens when the call site is
+lowered; the handler only reads the entry.  Consequence: a lowered or compiled computation is only
+meaningful in the process that lowered it - it cannot be serialised with ``jax.export`` or reloaded
+from a persistent compilation cache by another process (the key would point nowhere; the handler
+then fails with a clear error rather than guessing).
+
+:class:`KernelOptions` is the static "how to run" companion of the configuration on the primitives:
+the dropout seed (cuDNN binds it by value on the host, so under XLA it is a compile-time constant, as
+in JAX's own cuDNN attention), the backend (a named FFI target, or ``jax.pure_callback``) and whether
+the call may be captured into a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+
+from cudnn_attn.config import AttentionConfig
+
+from .signature import KINDS, operand_names, result_names
+
+TARGET = "cudnn_attn"                       # the FFI target: reference on CPU, cuDNN on CUDA
+CUDA_GRAPH_TARGET = "cudnn_attn_cuda_graph"  # the same cuDNN handler, declared capturable into CUDA graphs
+
+
+class Backend(enum.Enum):
+    """How the kernel is called from XLA.
+
+    * ``FFI``: a named XLA FFI target whose handler is Python (ctypes).  Runs the cuDNN graph on
+      XLA's stream and buffers on GPU, the NumPy reference on CPU host buffers (zero copy in both
+      cases); works under ``jit``, ``vmap``, ``grad``, ``shard_map`` and automatic partitioning.
+    * ``CALLBACK``: ``jax.pure_callback`` running the NumPy reference on host copies, for
+      environments where an FFI target cannot be registered.  Not partitioned (under automatic
+      sharding XLA gathers the operands to one device); ``shard_map`` works.
+    """
+
+    FFI = "ffi"
+    CALLBACK = "callback"
+
+    @classmethod
+    def parse(cls, value: "str | Backend") -> "Backend":
+        try:
+            return value if isinstance(value, Backend) else cls(value)
+        except ValueError:
+            raise ValueError(f"backend: expected one of {[b.value for b in cls]}, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Static execution options of one attention call (hashable: a primitive parameter).
+
+    ``seed`` is the dropout seed (0 when there is no dropout, so that it never splits caches);
+    ``cuda_graph`` lets XLA capture the GPU call into a CUDA graph (command buffer).
+    """
+
+    seed: int = 0
+    backend: Backend = Backend.FFI
+    cuda_graph: bool = False
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel call site: what to compute (``config``, ``kind``) and the dropout ``seed``."""
+
+    config: AttentionConfig
+    kind: str
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: expected one of {KINDS}, got {self.kind!r}")
+
+    @property
+    def operands(self) -> tuple[str, ...]:
+        return operand_names(self.config, self.kind)
+
+    @property
+    def results(self) -> tuple[str, ...]:
+        return result_names(self.config, self.kind)
+
+
+class KernelRegistry:
+    """Process-local, thread-safe ``key <-> Kernel`` table.  Equal kernels share one key, so lowering
+    the same computation twice produces the same HLO."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._keys: dict[Kernel, int] = {}
+        self._kernels: list[Kernel] = []
+
+    def key(self, kernel: Kernel) -> int:
+        with self._lock:
+            key = self._keys.get(kernel)
+            if key is None:
+                key = self._keys[kernel] = len(self._kernels)
+                self._kernels.append(kernel)
+            return key
+
+    def kernel(self, key: int) -> Kernel:
+        if not 0 <= key < len(self._kernels):
+            raise LookupError(
+                f"attention kernel key {key} is not registered in this process: the computation was lowered "
+                "in another process (cudnn_attn's JAX lowering is process-local and cannot be exported)")
+        return self._kernels[key]
+
+    def __len__(self) -> int:
+        return len(self._kernels)
+
+
+registry = KernelRegistry()

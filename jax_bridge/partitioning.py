@@ -1,0 +1,202 @@
+"""Automatic partitioning of the attention primitives (``custom_partitioning`` with Shardy rules).
+
+Attention is independent across the batch and across heads, so those two dimensions shard freely:
+each device runs the kernel on its ``B / pb`` examples and ``N / ph`` query heads (with grouped
+K/V heads ``K / ph``: the query heads of one K/V head stay together when ``ph`` divides ``K``).
+Sequence and head-dim sharding of Q/K/V would need communication inside attention (ring attention,
+a reduction over the head dim); they are refused with a ``ValueError`` naming the operand and its
+sharding, rather than silently gathered.
+
+The Shardy rule names one factor per dimension role of :func:`~.signature.dimension_roles`: ``b``
+batch, ``t``/``s`` query/key length, ``n`` query heads (``k*g`` with grouped K/V heads ``k``),
+``h``/``e`` head dims, ``m`` segments per row; size-1 and cache dimensions get factors of their own.
+
+Per shard (:func:`partition`) the kernel runs with the local configuration; afterwards
+
+* the bias gradient is summed (``psum``, in float32) over the batch axes when the bias broadcast over the batch,
+  and over the head axes when it broadcast over the heads (every shard holds a partial sum);
+* the sink gradient (a sum over the batch) is summed over the batch axes;
+* FP8 amax values are maxima over every shard (``pmax``), the statistic of the whole batch.
+
+Packed segments with batch sharding are refused when a logsumexp is involved (training forward and
+the backward): its rows are the left-aligned segments of the *whole* batch, which a shard cannot
+number locally.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule
+from jax.sharding import NamedSharding, PartitionSpec
+
+from cudnn_attn.config import AttentionConfig, BiasSpec
+
+from .kernel import KernelOptions
+from .signature import (
+    ATTENTION_TENSORS, BWD, FP8_BWD_AMAX, FP8_FWD_AMAX, dimension_roles, operand_names, result_names,
+)
+
+_SPLIT_ROLES = ("b", "bm", "n", "k")            # dimensions that may be sharded
+_REFUSED_ROLES = {"t": "query sequence", "s": "key/value sequence", "h": "head", "e": "value head"}
+
+
+# -- Shardy rule ------------------------------------------------------------------------------------
+
+def _factor(config: AttentionConfig, role: str | None, unique: str) -> Any:
+    grouped = config.q_heads != config.kv_heads
+    if role is None:
+        return unique
+    if role == "n":
+        return CompoundFactor("k", "g") if grouped else "n"
+    if role == "k":
+        return "k" if grouped else "n"
+    if role == "bm":
+        return CompoundFactor("b", "m")
+    return role
+
+
+def sharding_rule(kind: str, config: AttentionConfig, options: KernelOptions, mesh: Any, operand_types: Any,
+                  result_types: Any) -> SdyShardingRule:
+    """The Shardy rule of one call: a named factor per dimension (see the module doc)."""
+    del options, mesh
+
+    def mappings(names: tuple[str, ...], types: Any) -> tuple[ArrayMapping, ...]:
+        found = []
+        for name, value_type in zip(names, types):
+            ndim = len(value_type.shape)
+            roles = dimension_roles(config, name, ndim)
+            found.append(ArrayMapping(*(_factor(config, role, f"{name}_{i}") for i, role in enumerate(roles))))
+        return tuple(found)
+
+    operands = mappings(operand_names(config, kind), operand_types)
+    results = mappings(result_names(config, kind), result_types)
+    standalone = {f for m in operands + results for f in m if isinstance(f, str)}
+    sizes = {}
+    if "g" not in standalone and config.q_heads != config.kv_heads:
+        sizes["g"] = config.q_heads // config.kv_heads
+    if config.packing is not None and "m" not in standalone and any(
+            isinstance(f, CompoundFactor) and "m" in f for m in operands + results for f in m):
+        sizes["m"] = config.packing.max_segments
+    return SdyShardingRule(operands, results, **sizes)
+
+
+# -- the per-shard plan -----------------------------------------------------------------------------
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _entry(axes: tuple[str, ...]) -> Any:
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+class ShardPlan:
+    """How one call is split over ``mesh``: the batch and head mesh axes, read from the query."""
+
+    def __init__(self, config: AttentionConfig, kind: str, mesh: Any, specs: Mapping[str, tuple]):
+        self.config, self.kind, self.mesh = config, kind, mesh
+        roles = dimension_roles(config, "query", 4)
+        query = specs["query"]
+        self.batch_axes = _axes(query[roles.index("b")])
+        self.head_axes = _axes(query[roles.index("n")])
+        self._check(specs)
+        self.local = self._local_config()
+
+    def _size(self, axes: tuple[str, ...]) -> int:
+        return math.prod(self.mesh.shape[a] for a in axes)
+
+    def _check(self, specs: Mapping[str, tuple]) -> None:
+        config = self.config
+        for name in ATTENTION_TENSORS:
+            if name not in specs:
+                continue
+            for role, entry in zip(dimension_roles(config, name, 4), specs[name]):
+                if role in _REFUSED_ROLES and entry is not None:
+                    raise ValueError(
+                        f"{name}: sharding on the {_REFUSED_ROLES[role]} dimension is not supported "
+                        f"(got PartitionSpec{tuple(specs[name])} in {config.layout.name} layout); attention "
+                        "can be sharded over the batch and the heads only - replicate that dimension or "
+                        "use a sequence-parallel scheme (ring attention) around this call")
+        pb, ph = self._size(self.batch_axes), self._size(self.head_axes)
+        rules = [(config.batch % pb, f"batch {config.batch} over {pb} devices {self.batch_axes}"),
+                 (config.q_heads % ph, f"query heads {config.q_heads} over {ph} devices {self.head_axes}"),
+                 (config.kv_heads % ph, f"key/value heads {config.kv_heads} over {ph} devices {self.head_axes} "
+                                        "(grouped heads must stay together)")]
+        for remainder, what in rules:
+            if remainder:
+                raise ValueError(f"query: cannot split {what} evenly; choose a mesh whose axes divide it")
+        needs_lse = self.kind == BWD or config.training
+        if config.packing is not None and pb > 1 and needs_lse:
+            raise ValueError(
+                "query: packed segments with batch sharding (axes {}) are not supported when the logsumexp is "
+                "involved (training, backward): its rows number the segments of the whole batch; shard the heads "
+                "instead".format(self.batch_axes))
+
+    def _local_config(self) -> AttentionConfig:
+        config = self.config
+        pb, ph = self._size(self.batch_axes), self._size(self.head_axes)
+        changes: dict[str, Any] = dict(batch=config.batch // pb, q_heads=config.q_heads // ph,
+                                       kv_heads=config.kv_heads // ph)
+        if config.bias is not None:
+            b_role, n_role = dimension_roles(config, "bias", 4)[:2]
+            b, n, t, s = config.bias.shape
+            changes["bias"] = BiasSpec((b // pb if b_role else b, n // ph if n_role else n, t, s),
+                                       config.bias.differentiable)
+        return config.replace(**changes)
+
+    def sharding(self, name: str, ndim: int) -> NamedSharding:
+        """Where operand or result ``name`` lives: batch/head dimensions split, the rest replicated."""
+        entries = []
+        for role in dimension_roles(self.config, name, ndim):
+            axes = self.batch_axes if role in ("b", "bm") else self.head_axes if role in ("n", "k") else ()
+            entries.append(_entry(axes))
+        return NamedSharding(self.mesh, PartitionSpec(*entries))
+
+    def reduce(self, name: str, x: Any) -> Any:
+        """Combine the shards' partial results (module doc)."""
+        if name == "dbias":
+            b_role, n_role = dimension_roles(self.config, "bias", 4)[:2]
+            axes = (() if b_role else self.batch_axes) + (() if n_role else self.head_axes)
+            return jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype) if axes else x
+        if name == "dsink" and self.batch_axes:
+            return jax.lax.psum(x, self.batch_axes)
+        if name in FP8_FWD_AMAX + FP8_BWD_AMAX and self.batch_axes + self.head_axes:
+            return jax.lax.pmax(x, self.batch_axes + self.head_axes)
+        return x
+
+
+def _plan(config: AttentionConfig, kind: str, mesh: Any, arg_infos: Any) -> ShardPlan:
+    specs = {}
+    for name, info in zip(operand_names(config, kind), arg_infos):
+        spec = tuple(info.sharding.spec) if isinstance(info.sharding, NamedSharding) else ()
+        specs[name] = spec + (None,) * (len(info.shape) - len(spec))
+    return ShardPlan(config, kind, mesh, specs)
+
+
+def infer_result_shardings(kind: str, config: AttentionConfig, options: KernelOptions, mesh: Any,
+                           arg_infos: Any, result_infos: Any) -> list[NamedSharding]:
+    """Result shardings from the operands' (GSPMD propagation; Shardy uses :func:`sharding_rule`)."""
+    plan = _plan(config, kind, mesh, arg_infos)
+    return [plan.sharding(name, len(info.shape)) for name, info in zip(result_names(config, kind), result_infos)]
+
+
+def partition(primitive: Any, config: AttentionConfig, options: KernelOptions, mesh: Any, arg_infos: Any,
+              result_infos: Any) -> tuple[Any, Any, list[NamedSharding], tuple[NamedSharding, ...]]:
+    """The per-shard computation: the kernel on the local configuration, then :meth:`ShardPlan.reduce`."""
+    kind = primitive.kind
+    plan = _plan(config, kind, mesh, arg_infos)
+    names, results = operand_names(config, kind), result_names(config, kind)
+    arg_shardings = tuple(plan.sharding(name, len(info.shape)) for name, info in zip(names, arg_infos))
+    result_shardings = [plan.sharding(name, len(info.shape)) for name, info in zip(results, result_infos)]
+
+    def shard(*arrays: Any) -> list[Any]:
+        found = primitive.call_kernel(plan.local, options, dict(zip(names, arrays)))
+        return [plan.reduce(name, x) for name, x in found.items()]
+
+    return mesh, shard, result_shardings, arg_shardings

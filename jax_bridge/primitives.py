@@ -1,0 +1,137 @@
+"""The two attention primitives (forward, backward), registered once by :class:`AttentionPrimitive`.
+
+Each kind is a pair of JAX primitives whose only static parameters are the
+:class:`~cudnn_attn.config.AttentionConfig` (what to compute) and the
+:class:`~.kernel.KernelOptions` (dropout seed, backend, CUDA graphs):
+
+* the *outer* primitive carries the transformation rules: abstract evaluation, batching
+  (:mod:`.batching`), and a lowering through ``custom_partitioning`` with Shardy rules
+  (:mod:`.partitioning`), so that under automatic sharding every device runs the kernel on its shard;
+* the *kernel* primitive is the call itself, lowered per platform: on CPU to the reference FFI
+  target (:mod:`.reference_target`), on CUDA to the cuDNN FFI target (:mod:`.cudnn_target`).  With
+  ``Backend.CALLBACK`` the outer primitive lowers to ``jax.pure_callback`` instead (no partitioning).
+
+Operands and results are named (:mod:`.signature`); :meth:`AttentionPrimitive.__call__` takes and
+returns ``name -> array`` dicts, so no rule ever indexes an operand list.
+
+Both primitives are added to ``jax._src.dispatch.prim_requires_devices_during_lowering`` (a private
+set, as in JAX's own cuDNN attention and TransformerEngine): ``custom_partitioning`` needs the device
+assignment while lowering, and so does the cuDNN lowering, which builds the graph for those devices.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping
+
+from jax._src import dispatch
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from cudnn_attn.config import AttentionConfig
+
+from . import cudnn_target, ffi, reference_target
+from . import batching as batching_rules
+from . import partitioning
+from .kernel import Backend, Kernel, KernelOptions
+from .signature import BWD, FWD, GRADIENT_OF, RESULT_FOLLOWS, dimension_roles, operand_names, result_names, result_shapes
+
+
+class AttentionPrimitive:
+    """The forward or backward attention operation as a pair of JAX primitives (see the module doc)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.outer = Primitive(f"cudnn_attention_{kind}")
+        self.kernel = Primitive(f"cudnn_attention_{kind}_kernel")
+        for primitive in (self.outer, self.kernel):
+            primitive.multiple_results = True
+            primitive.def_abstract_eval(self._abstract_eval)
+            primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))
+            dispatch.prim_requires_devices_during_lowering.add(primitive)
+        batching.primitive_batchers[self.outer] = functools.partial(batching_rules.batch, self)
+        mlir.register_lowering(self.outer, self._lower)
+        mlir.register_lowering(self.kernel, functools.partial(reference_target.lower, kind=kind), platform="cpu")
+        mlir.register_lowering(self.kernel, functools.partial(cudnn_target.lower, kind=kind), platform="cuda")
+        self._partitioned = custom_partitioning(self._call_kernel, static_argnums=(0, 1))
+        self._partitioned.def_partition(
+            partition=functools.partial(partitioning.partition, self),
+            infer_sharding_from_operands=functools.partial(partitioning.infer_result_shardings, kind),
+            sharding_rule=functools.partial(partitioning.sharding_rule, kind),
+        )
+
+    def __repr__(self) -> str:
+        return f"AttentionPrimitive({self.kind!r})"
+
+    # -- binding ----------------------------------------------------------------------------------
+    def __call__(self, config: AttentionConfig, options: KernelOptions, operands: Mapping[str, Any]) -> dict[str, Any]:
+        """Bind the outer primitive on named operands; returns the named results."""
+        return self._bind(self.outer, config, options, operands)
+
+    def call_kernel(self, config: AttentionConfig, options: KernelOptions, operands: Mapping[str, Any]) -> dict[str, Any]:
+        """Bind the kernel primitive directly (inside a partitioned computation: no further rules)."""
+        return self._bind(self.kernel, config, options, operands)
+
+    def _bind(self, primitive: Primitive, config: AttentionConfig, options: KernelOptions,
+              operands: Mapping[str, Any]) -> dict[str, Any]:
+        names = operand_names(config, self.kind)
+        if set(operands) != set(names):
+            raise ValueError(f"operands: the {self.kind} of {config.describe()} takes {list(names)}, "
+                             f"got {sorted(operands)}")
+        results = primitive.bind(*(operands[name] for name in names), config=config, options=options)
+        return dict(zip(result_names(config, self.kind), results))
+
+    def _call_kernel(self, config: AttentionConfig, options: KernelOptions, *arrays: Any) -> list[Any]:
+        return self.kernel.bind(*arrays, config=config, options=options)
+
+    # -- rules ------------------------------------------------------------------------------------
+    def _abstract_eval(self, *avals: Any, config: AttentionConfig, options: KernelOptions) -> list[Any]:
+        named = dict(zip(operand_names(config, self.kind), avals))
+        return [_result_aval(config, name, shape, dtype, named)
+                for name, (shape, dtype) in result_shapes(config, self.kind).items()]
+
+    def _lower(self, ctx: Any, *args: Any, config: AttentionConfig, options: KernelOptions) -> Any:
+        if options.backend is Backend.CALLBACK:
+            kernel = Kernel(config, self.kind, options.seed)
+            return mlir.lower_fun(functools.partial(reference_target.reference_callback, kernel),
+                                  multiple_results=True)(ctx, *args)
+        return mlir.lower_fun(functools.partial(self._partitioned, config, options), multiple_results=True)(ctx, *args)
+
+
+def _result_aval(config: AttentionConfig, name: str, shape: tuple[int, ...], dtype: Any,
+                 operands: Mapping[str, Any]) -> Any:
+    """The aval of result ``name``, derived from an operand aval with ``update`` so that it keeps the
+    mesh and the shard_map manual axes (a fresh ``ShapedArray`` would drop them).
+
+    A gradient is placed like its input; on other results the dimensions split on the operands (batch,
+    heads) are split the same way.  The shard_map varying axes are those of all operands together (the
+    result depends on every operand).
+    """
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    query = operands["query"]
+    source = operands.get(RESULT_FOLLOWS.get(name, "query"), query)
+    varying = frozenset().union(*(aval.mat.varying for aval in operands.values()))
+    mat = source.mat if varying == source.mat.varying else source.mat.update(varying=varying)
+    if name in GRADIENT_OF.values() and tuple(shape) == source.shape:      # a gradient: placed like its input
+        return source.update(dtype=dtype, weak_type=False, manual_axis_type=mat)
+    spec_of = {}
+    for operand_name, aval in operands.items():
+        spec = tuple(aval.sharding.spec) + (None,) * aval.ndim
+        for role, entry in zip(dimension_roles(config, operand_name, aval.ndim), spec):
+            if role is not None:
+                spec_of.setdefault(role, entry)
+    spec_of.setdefault("bm", spec_of.get("b"))
+    roles = dimension_roles(config, name, len(shape))
+    sharding = NamedSharding(source.sharding.mesh, PartitionSpec(*(spec_of.get(r) if r else None for r in roles)))
+    return source.update(shape=tuple(shape), dtype=dtype, weak_type=False, sharding=sharding, manual_axis_type=mat)
+
+
+forward = AttentionPrimitive(FWD)
+backward = AttentionPrimitive(BWD)
+
+for _handler in (reference_target.HANDLER,):
+    ffi.register(_handler, "cpu")
+for _handler in cudnn_target.HANDLERS:
+    ffi.register(_handler, "CUDA")

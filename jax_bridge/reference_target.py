@@ -1,0 +1,74 @@
+"""The CPU kernel: the NumPy reference (:mod:`cudnn_attn.reference`) behind the same call sites.
+
+Two ways to reach it from XLA:
+
+* the named FFI target (:data:`TARGET`, platform ``cpu``): the handler views XLA's host buffers as
+  NumPy arrays (zero copy), runs the reference and writes into XLA's result buffers.  This is the
+  mechanism the GPU uses, so CPU tests exercise ``jit``, ``vmap``, ``grad``, ``shard_map`` and
+  automatic partitioning on the very lowering path of the GPU;
+* ``jax.pure_callback`` (:func:`reference_callback`, :attr:`Backend.CALLBACK`), for environments
+  where an FFI target cannot be registered.
+
+Dropout uses NumPy's generator seeded with the kernel's seed (the reference's convention), not
+cuDNN's Philox stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from cudnn_attn import reference
+
+from . import ffi
+from .kernel import TARGET, Kernel, registry
+from .signature import FWD, attention_operands, result_shapes
+
+
+def reference_results(kernel: Kernel, arrays: Sequence[Any]) -> dict[str, np.ndarray]:
+    """Run the reference for ``kernel`` on the bound arrays; ``result name -> array``."""
+    config = kernel.config
+    operands, residuals = attention_operands(config, kernel.kind, arrays)
+    if kernel.kind == FWD:
+        result = reference.forward(config, operands, seed=kernel.seed)
+    else:
+        result = reference.backward(config, operands, residuals["output"], residuals["grad_output"],
+                                    residuals["logsumexp"], seed=kernel.seed)
+    return {name: np.asarray(getattr(result, name)) for name in kernel.results}
+
+
+def _run(call: ffi.Call) -> None:
+    kernel = registry.kernel(call.attributes()["key"])
+    arrays = [ffi.host_array(buffer, writeable=False) for buffer in call.args]
+    results = reference_results(kernel, arrays)
+    for name, buffer in zip(kernel.results, call.rets):
+        value = results[name]
+        if value.dtype != buffer.dtype:
+            raise TypeError(f"{name}: the reference produced {value.dtype}, XLA expects {buffer.dtype}")
+        np.copyto(ffi.host_array(buffer, writeable=True), value.reshape(buffer.shape))
+
+
+HANDLER = ffi.make_handler(TARGET, _run)
+
+
+def lower(ctx: Any, *args: Any, kind: str, config: Any, options: Any) -> Any:
+    """Lowering of the kernel primitive on CPU: one call of the reference FFI target."""
+    import jax
+
+    key = registry.key(Kernel(config, kind, options.seed))
+    return jax.ffi.ffi_lowering(TARGET)(ctx, *args, key=np.int64(key))
+
+
+def reference_callback(kernel: Kernel, *arrays: Any) -> list[Any]:
+    """The kernel as ``jax.pure_callback`` (host copies of the operands; any platform)."""
+    import jax
+
+    shapes = result_shapes(kernel.config, kernel.kind)
+    result_types = [jax.ShapeDtypeStruct(*shapes[name]) for name in kernel.results]
+
+    def host(*values: Any) -> tuple[np.ndarray, ...]:
+        results = reference_results(kernel, [np.asarray(v) for v in values])
+        return tuple(results[name].reshape(shapes[name][0]) for name in kernel.results)
+
+    return list(jax.pure_callback(host, result_types, *arrays))

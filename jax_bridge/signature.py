@@ -1,0 +1,163 @@
+"""The named operands and results of the two attention primitives, derived from the configuration.
+
+A primitive binds a flat list of arrays; which arrays, in which order, follows from the
+:class:`~cudnn_attn.config.AttentionConfig` and the kind (``"fwd"``/``"bwd"``) alone, so the config is
+all the rules need to name every position.  Names are the fields of
+:class:`~cudnn_attn.config.AttentionOperands` (``query``, ``bias``, ``q_seqlen``, ...), the FP8Params
+keys (``descale_q``, ...), ``score_mod_arg_<i>``, and for the backward the residuals ``output``,
+``grad_output``, ``logsumexp``.  Result names are the fields of
+:class:`~cudnn_attn.types.AttentionOutput` / :class:`~cudnn_attn.types.AttentionGrads`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from cudnn_attn.config import AttentionConfig, AttentionOperands
+from cudnn_attn.types import FP8_BWD_KEYS, FP8_FWD_KEYS
+
+FWD = "fwd"
+BWD = "bwd"
+KINDS = (FWD, BWD)
+
+RESIDUALS = ("output", "grad_output", "logsumexp")
+FP8_FWD_AMAX = ("amax_s", "amax_o")
+FP8_BWD_AMAX = ("amax_dq", "amax_dk", "amax_dv", "amax_dp")
+AMAX_SHAPE = (1, 1, 1, 1)
+
+
+def score_mod_arg_name(index: int) -> str:
+    return f"score_mod_arg_{index}"
+
+
+def operand_names(config: AttentionConfig, kind: str) -> tuple[str, ...]:
+    """The operands of the ``kind`` primitive of ``config``, in binding order."""
+    names = ["query", "key", "value"]
+    if config.bias is not None:
+        names.append("bias")
+    if config.mask.padding:
+        names += ["q_seqlen", "kv_seqlen"]
+    if config.packing is not None:
+        names += ["q_offsets", "kv_offsets"]
+    if config.paging is not None:
+        names += ["page_table_k", "page_table_v"]
+    if config.sink:
+        names.append("sink")
+    if config.score_mod is not None:
+        names += [score_mod_arg_name(i) for i in range(len(config.score_mod.arg_shapes))]
+    if config.fp8:
+        names += FP8_FWD_KEYS if kind == FWD else FP8_BWD_KEYS
+    if kind == BWD:
+        names += RESIDUALS
+    return tuple(names)
+
+
+def result_names(config: AttentionConfig, kind: str) -> tuple[str, ...]:
+    """The results of the ``kind`` primitive of ``config``, in order."""
+    if kind == FWD:
+        names = ["output"]
+        if config.training:
+            names.append("logsumexp")
+        if config.fp8:
+            names += FP8_FWD_AMAX
+        return tuple(names)
+    names = ["dq", "dk", "dv"]
+    if config.has_dbias:
+        names.append("dbias")
+    if config.sink:
+        names.append("dsink")
+    if config.fp8:
+        names += FP8_BWD_AMAX
+    return tuple(names)
+
+
+def result_shapes(config: AttentionConfig, kind: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """``name -> (shape, dtype)`` of every result."""
+    io = np.dtype(_io_dtype(config.dtype))
+    f32 = np.dtype(np.float32)
+    known = {
+        "output": (config.o_shape, io), "logsumexp": (config.lse_shape, f32),
+        "dq": (config.q_shape, io), "dk": (config.k_shape, io), "dv": (config.v_shape, io),
+        "dbias": (tuple(config.bias.shape) if config.bias else None, io), "dsink": ((config.q_heads,), f32),
+    }
+    return {name: known.get(name, (AMAX_SHAPE, f32)) for name in result_names(config, kind)}
+
+
+# -- what each dimension is ---------------------------------------------------------------------------
+# Roles: "b" batch, "t" query length, "s" key length, "n" query heads, "k" key/value heads, "h" Q/K head
+# dim, "e" V head dim, "m" segments per row, "bm" batch x segments (packed logsumexp rows), None for a
+# dimension that is never split (size-1 broadcast dimensions, cache blocks, page-table columns, ...).
+
+Q_LIKE = ("query", "output", "grad_output", "dq")
+ATTENTION_TENSORS = Q_LIKE + ("key", "value", "dk", "dv")
+
+
+def dimension_roles(config: AttentionConfig, name: str, ndim: int) -> tuple[str | None, ...]:
+    """The role of every dimension of the operand or result ``name`` (rank ``ndim``)."""
+    btnh = config.layout.name == "BTNH"
+    if name in Q_LIKE or name in ("key", "value", "dk", "dv"):
+        q_like = name in Q_LIKE
+        length = "t" if q_like else "s"
+        heads = "n" if q_like else "k"
+        dim = "e" if name in ("output", "grad_output", "value", "dv") else "h"
+        first = "b"
+        if not q_like and config.paging is not None:
+            first, length = None, None               # a cache of blocks: only its heads split
+        return (first, length, heads, dim) if btnh else (first, heads, length, dim)
+    if name == "logsumexp":
+        return ("bm" if config.packing is not None else "b", "n", "t")
+    if name in ("bias", "dbias"):
+        b, n = config.bias.shape[:2]
+        return ("b" if b == config.batch and b > 1 else None, "n" if n == config.q_heads and n > 1 else None,
+                "t", "s")
+    if name in ("q_seqlen", "kv_seqlen"):
+        return ("b", "m") if config.packing is not None else ("b",)
+    if name in ("q_offsets", "kv_offsets", "page_table_k", "page_table_v"):
+        return ("b",) + (None,) * (ndim - 1)
+    if name in ("sink", "dsink"):
+        return ("n",)
+    return (None,) * ndim                            # FP8 scales and amax, score_mod arguments
+
+
+# The backward results that are gradients, by the operand they differentiate.
+GRADIENT_OF = {"query": "dq", "key": "dk", "value": "dv", "bias": "dbias", "sink": "dsink"}
+# Which operand a result takes its shard_map axes and sharding from.
+RESULT_FOLLOWS = {"output": "query", "logsumexp": "query", **{grad: x for x, grad in GRADIENT_OF.items()}}
+
+
+def _io_dtype(name: str) -> Any:
+    import ml_dtypes
+
+    return getattr(ml_dtypes, name) if name.startswith(("bfloat", "float8")) else np.dtype(name)
+
+
+# -- between AttentionOperands and named arrays ------------------------------------------------------
+
+def named_operands(config: AttentionConfig, kind: str, operands: AttentionOperands,
+                   residuals: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``operands`` (plus the backward's residuals) as ``name -> array``, in binding order."""
+    found = {}
+    for name in operand_names(config, kind):
+        if name.startswith("score_mod_arg_"):
+            found[name] = operands.score_mod_args[int(name.rsplit("_", 1)[1])]
+        elif name in RESIDUALS:
+            found[name] = residuals[name]
+        elif config.fp8 and name in operands.fp8_scales:
+            found[name] = operands.fp8_scales[name]
+        else:
+            found[name] = getattr(operands, name)
+    return found
+
+
+def attention_operands(config: AttentionConfig, kind: str, arrays: Sequence[Any]) -> tuple[AttentionOperands, dict]:
+    """The inverse of :func:`named_operands`: ``(AttentionOperands, residuals)`` from the bound arrays."""
+    named = dict(zip(operand_names(config, kind), arrays))
+    fields = {name: named[name] for name in AttentionOperands.__dataclass_fields__ if name in named}
+    score_mod_args = tuple(named[score_mod_arg_name(i)]
+                           for i in range(len(config.score_mod.arg_shapes) if config.score_mod else 0))
+    fp8_keys = (FP8_FWD_KEYS if kind == FWD else FP8_BWD_KEYS) if config.fp8 else ()
+    operands = AttentionOperands(**fields, score_mod_args=score_mod_args,
+                                 fp8_scales={k: named[k] for k in fp8_keys} if config.fp8 else None)
+    return operands, {name: named[name] for name in RESIDUALS if name in named}
