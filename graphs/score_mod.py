@@ -26,16 +26,24 @@ What cuDNN 9.19 does, as measured on the H200 (sm90), and what follows from it:
   refused.
 * Padding inside the modification needs the per-sequence lengths: the builder gives ``seq_len_q`` /
   ``seq_len_kv`` to the operation (without ``use_padding_mask``), which also makes cuDNN skip the padded
-  tiles, write zeros to padded output rows and zero dQ/dK/dV there; the callbacks read the same tensors.
+  tiles, write zeros to padded output rows and zero dQ/dK/dV there; the callbacks read the same tensors
+  (without them in the operation, the in-callback mask alone gave wrong results on the H200).
 * Constants are runtime scalars of the callback graph (``tensor_scalar(v, RUNTIME_PARAM)``), bound by
   the frontend; arguments are by-value float32 host scalars of the outer graph, in call order (integer
   and boolean arguments are converted inside the program).  Arrays as arguments are refused: on 9.19 a
   column operand ``(..., 1, S)`` gives wrong gradients and a device scalar inside a select fails to
   compile (measured), so only by-value scalars are offered.
+* cuDNN's pattern matcher accepts only some shapes of pointwise graph; :mod:`.score_mod_cudnn` says which
+  and how the emission keeps to them.
 
-Supported with ``score_mod``: causal (top-left and bottom-right), sliding window, padding (also from
-packing and paging), bias (see above), dropout, GQA, both layouts.  Refused: ALiBi (write it in the
-``score_mod``), FP8 (``sdpa_fp8`` has no backward for it; see the support table).
+Combinations (measured on the H200 with cuDNN 9.19, forward and backward against the reference):
+causal and sliding window with the top-left diagonal, causal with the bottom-right diagonal without
+padding (T < S), padding alone and with a top-left causal mask, bias (inside the modification, or given to cuDNN for an
+additive modification, then with dBias), GQA, both layouts, fp16 and bf16.  Refused: ALiBi (write it in
+the ``score_mod``), a bottom-right diagonal together with per-sequence lengths (cuDNN computes that mask
+wrongly inside the modification), a bias gradient with a non-additive modification; FP8 is the support
+table's refusal (the seed's FP8 path has no score_mod).  Masked scores are ``-inf`` (as cuDNN's own masks
+from 9.10 and the reference), so a query with no admissible key has no defined result.
 """
 
 from __future__ import annotations
@@ -121,18 +129,12 @@ def score_shape(config: AttentionConfig) -> tuple[int, int, int, int]:
     return (config.batch, config.q_heads, config.q_len, config.kv_len)
 
 
-def _mask_conditions(b: ProgramBuilder, config: AttentionConfig, backward: bool) -> list[Callable[[str], int]]:
+def _mask_conditions(b: ProgramBuilder, config: AttentionConfig) -> list[Callable[[str], int]]:
     """Builders of the conditions a (query i, key j) pair must meet under ``config.mask`` (see
     :class:`~cudnn_attn.config.MaskSpec`): padding, then the diagonal band.  Each takes a tag that keeps
-    its positions apart from earlier ones.
-
-    In the backward the gradient cuDNN hands over is already 0 wherever the forward masked (``P = 0``
-    there); masking it again only guards against a non-finite derivative of ``score_mod`` at masked
-    positions.  cuDNN refuses a bottom-right band with per-sequence lengths in ``score_mod_bprop``
-    (measured, cuDNN 9.19), so that one guard is left out.
-    """
+    its positions apart from earlier ones.  (A bottom-right band with per-sequence lengths is refused
+    by :func:`score_mod_graph`.)"""
     mask = config.mask
-    padded = mask.padding or config.packing is not None or config.paging is not None
     conditions: list[Callable[[str], int]] = []
 
     def padding(tag: str) -> int:
@@ -143,10 +145,7 @@ def _mask_conditions(b: ProgramBuilder, config: AttentionConfig, backward: bool)
     def band(tag: str) -> int:
         d = b.op("sub", b.leaf("index", I32, 3, tag), b.leaf("index", I32, 2, tag))      # j - i - delta
         if mask.alignment is DiagonalAlignment.BOTTOM_RIGHT:
-            if padded:                                          # delta = S_b - T_b
-                d = b.op("add", b.op("sub", d, b.leaf("seq_len_kv", I32)), b.leaf("seq_len_q", I32))
-            else:
-                d = b.op("sub", d, b.const(config.kv_len - config.q_len, I32))
+            d = b.op("sub", d, b.const(config.kv_len - config.q_len, I32))
         bounds = []
         if mask.right_bound is not None:
             bounds.append(b.op("cmp_le", d, b.const(mask.right_bound, I32)))
@@ -154,15 +153,18 @@ def _mask_conditions(b: ProgramBuilder, config: AttentionConfig, backward: bool)
             bounds.append(b.op("cmp_gt", d, b.const(-mask.left_bound, I32)))
         return functools.reduce(lambda x, y: b.op("logical_and", x, y), bounds)
 
-    if padded:
+    if _padded(config):
         conditions.append(padding)
-    per_sequence_band = mask.alignment is DiagonalAlignment.BOTTOM_RIGHT and padded
-    if (mask.right_bound is not None or mask.left_bound is not None) and not (backward and per_sequence_band):
+    if mask.right_bound is not None or mask.left_bound is not None:
         conditions.append(band)
     return conditions
 
 
-def _with_mask(program: Program, config: AttentionConfig, fill: float, *, backward: bool) -> Program:
+def _padded(config: AttentionConfig) -> bool:
+    return config.mask.padding or config.packing is not None or config.paging is not None
+
+
+def _with_mask(program: Program, config: AttentionConfig, fill: float) -> Program:
     """``program`` followed by ``select(condition, result, fill)`` for each mask condition in turn.
 
     Each condition is built after the previous select, from its own positions: cuDNN wants a mask's
@@ -178,7 +180,7 @@ def _with_mask(program: Program, config: AttentionConfig, fill: float, *, backwa
             ids.append(b.leaf(node.op, node.dtype, node.param, node.tag))
         else:
             ids.append(b.op(node.op, *(ids[i] for i in node.inputs), dtype=node.dtype))
-    conditions = _mask_conditions(b, config, backward)
+    conditions = _mask_conditions(b, config)
     if not conditions:
         return program
     result = ids[program.output]
@@ -194,8 +196,7 @@ def masked_programs(config: AttentionConfig) -> tuple[Program, Program]:
     gradients become 0.
     """
     program = trace_score_mod(config.score_mod, score_shape(config))
-    return (_with_mask(program.forward, config, NEGATIVE_INFINITY, backward=False),
-            _with_mask(program.backward, config, 0.0, backward=True))
+    return _with_mask(program.forward, config, NEGATIVE_INFINITY), _with_mask(program.backward, config, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -278,33 +279,59 @@ class ScoreModGraph:
                         seq_len_q=seq_len_q, seq_len_kv=seq_len_kv)
 
 
+def score_mod_refusals(config: AttentionConfig, kind: str | None = None) -> list[str]:
+    """Why ``config.score_mod`` cannot run in cuDNN with the rest of ``config`` (empty: it can).
+
+    ``kind`` is ``"fwd"`` or ``"bwd"``; ``None`` means the graphs the configuration needs (the backward
+    too when ``config.training``).  For the support table: the reasons :func:`score_mod_graph` raises.
+
+    Raises:
+        ValueError: the function does not return a float array of the score's shape.
+    """
+    if config.score_mod is None:
+        return []
+    reasons = []
+    mask = config.mask
+    if mask.alibi:
+        reasons.append("score_mod with ALiBi: cuDNN refuses its ALiBi next to score_mod; add the ALiBi bias "
+                       "inside score_mod (slopes from lax.broadcasted_iota on the head axis)")
+    if mask.alignment is DiagonalAlignment.BOTTOM_RIGHT and _padded(config) and \
+            (mask.right_bound is not None or mask.left_bound is not None):
+        reasons.append("score_mod with a bottom-right diagonal and per-sequence lengths (padding, packing or "
+                       "paging): inside the modification cuDNN 9.19 computes that mask wrongly (measured on the "
+                       "H200); use the top-left diagonal, or equal lengths without padding")
+    try:
+        program = trace_score_mod(config.score_mod, score_shape(config))
+    except UnsupportedConfigurationError as error:
+        return reasons + error.reasons
+    if config.packing is not None and any(n.op == "index" and n.param == 0
+                                          for p in (program.forward, program.backward) for n in p.nodes):
+        reasons.append("score_mod reads the batch index, but cuDNN sees packed segments as the batch")
+    backward = kind == "bwd" or (kind is None and config.training)
+    if backward and config.has_dbias and not program.is_additive:
+        reasons.append(f"a bias gradient with the non-additive score_mod {program.name!r}: the spec applies "
+                       "score_mod after the bias, so the bias goes inside the modification, where cuDNN "
+                       "cannot produce dBias")
+    return reasons
+
+
 def score_mod_graph(config: AttentionConfig, kind: str) -> ScoreModGraph:
     """The translation of ``config.score_mod`` for its ``kind`` (``"fwd"`` / ``"bwd"``) graph.
 
     Raises:
-        UnsupportedConfigurationError: the function cannot be translated (see :func:`trace_score_mod`),
-            or the configuration combines it with what cuDNN cannot do inside the modification.
+        UnsupportedConfigurationError: the function cannot be translated, or the configuration combines
+            it with what cuDNN cannot do inside the modification (see :func:`score_mod_refusals`).
+        ValueError: no score_mod, a bad ``kind``, or a function that does not return the score's shape.
     """
     if config.score_mod is None:
         raise ValueError("config: has no score_mod")
     if kind not in ("fwd", "bwd"):
         raise ValueError(f"kind: expected 'fwd' or 'bwd', got {kind!r}")
-    reasons = []
-    if config.mask.alibi:
-        reasons.append("score_mod with ALiBi: cuDNN refuses its ALiBi next to score_mod; add the ALiBi bias "
-                       "inside score_mod (slopes from lax.broadcasted_iota on the head axis)")
-    program = trace_score_mod(config.score_mod, score_shape(config))
-    if config.packing is not None and any(n.op == "index" and n.param == 0
-                                          for p in (program.forward, program.backward) for n in p.nodes):
-        reasons.append("score_mod reads the batch index, but cuDNN sees packed segments as the batch")
-    if kind == "bwd" and config.has_dbias and not program.is_additive:
-        reasons.append(f"a bias gradient with the non-additive score_mod {program.name!r}: the spec applies "
-                       "score_mod after the bias, so the bias goes inside the modification, where cuDNN "
-                       "cannot produce dBias")
+    reasons = score_mod_refusals(config, kind)
     if reasons:
         raise UnsupportedConfigurationError(reasons, config)
     forward, backward = masked_programs(config)
-    return ScoreModGraph(config, program, forward, backward)
+    return ScoreModGraph(config, trace_score_mod(config.score_mod, score_shape(config)), forward, backward)
 
 
 def make_score_mod_callbacks(config: AttentionConfig, kind: str, args: Sequence[Any], *, bias: Any = None,

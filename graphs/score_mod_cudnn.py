@@ -84,7 +84,8 @@ class _Emitter:
         deps = frozenset().union(*(v.deps for v in operands.values() if isinstance(v, _Value)))
         tensors = {k: (self.tensor(v) if isinstance(v, _Value) else v) for k, v in operands.items()}
         self._count += 1
-        result = getattr(self.sg, method)(**tensors, compute_data_type=compute, name=f"{self.name}_{self._count}_{method}")
+        name = f"{self.name}_{self._count}_{method}"
+        result = getattr(self.sg, method)(**tensors, compute_data_type=compute, name=name)
         result.set_data_type(_TYPES[dtype])
         if dtype == F32 and _SCORE in deps:
             self.main = result          # positions are generated from the latest score value (see emit)
@@ -143,6 +144,8 @@ class _Emitter:
         if op in _UNARY:
             return self._call(op, dtype, _TYPES[dtype], input=self.lift(x[0]))
         a, b = x
+        if op == "rem":
+            return self.remainder(a, b, dtype)
         if not a.anchored and b.anchored:
             if op in _COMMUTATIVE or op in _MIRRORED:
                 op, a, b = _MIRRORED.get(op, op), b, a
@@ -162,6 +165,16 @@ class _Emitter:
         if op in _INPUT_PAIRS:
             return self._call(method, dtype, _TYPES[dtype], input0=a, input1=b)
         return self._call(method, dtype, _TYPES[dtype], a=a, b=b)
+
+    def remainder(self, a: _Value, b: _Value, dtype: str) -> _Value:
+        """``a - b * trunc(a / b)`` (integer division truncates; floats truncate through floor/ceil)."""
+        quotient = self.op(Node("div", dtype=dtype), [a, b])
+        if dtype == F32:
+            zero = self._const(0.0, F32)
+            quotient = self.select(self._binary("cmp_ge", quotient, zero, BOOL),
+                                   self._call("floor", F32, _DT.FLOAT, input=quotient),
+                                   self._call("ceil", F32, _DT.FLOAT, input=quotient))
+        return self.op(Node("sub", dtype=dtype), [a, self.op(Node("mul", dtype=dtype), [quotient, b])])
 
     def negate(self, mask: _Value) -> _Value:
         """``not mask`` without ``logical_not``: the inverse comparison, or ``int(mask) == 0``."""

@@ -80,6 +80,7 @@ OPS: dict[str, tuple[int, Callable[..., Any]]] = {
     "max": (2, np.maximum),
     "min": (2, np.minimum),
     "pow": (2, np.power),
+    "rem": (2, np.fmod),                       # the sign of the dividend (C, lax.rem)
     "cmp_lt": (2, np.less),
     "cmp_le": (2, np.less_equal),
     "cmp_gt": (2, np.greater),
@@ -151,6 +152,7 @@ class ProgramBuilder:
         self.name = name
         self.nodes: list[Node] = []
         self._index: dict[tuple, int] = {}
+        self._non_negative: set[int] = set()
 
     def _add(self, node: Node) -> int:
         param = node.param.tobytes() if isinstance(node.param, np.generic) else node.param   # -0.0 != 0.0, nan
@@ -166,10 +168,44 @@ class ProgramBuilder:
     def leaf(self, op: str, dtype: str, param: Any = None, tag: str = "") -> int:
         if op not in LEAVES or op == "const":
             raise ValueError(f"leaf: expected one of {LEAVES[:-1]}, got {op!r}")
-        return self._add(Node(op, (), dtype, param, tag))
+        node = self._add(Node(op, (), dtype, param, tag))
+        if op in ("index", "seq_len_q", "seq_len_kv"):      # positions and lengths are never negative
+            self._non_negative.add(node)
+        return node
 
     def const(self, value: Any, dtype: str) -> int:
-        return self._add(Node("const", (), dtype, _as_dtype(value, dtype)[()]))
+        node = self._add(Node("const", (), dtype, _as_dtype(value, dtype)[()]))
+        if self.nodes[node].param >= 0:
+            self._non_negative.add(node)
+        return node
+
+    def _constant(self, node: int) -> Any:
+        return self.nodes[node].param if self.nodes[node].op == "const" else None
+
+    def _simplify(self, op: str, inputs: tuple[int, ...]) -> int | None:
+        """An existing node equal to ``op(*inputs)``, from constant booleans and from the signs known
+        of positions and lengths (what JAX's ``%`` and ``//`` test for negative operands); else None."""
+        known = [self._constant(i) for i in inputs]
+        if op == "select" and known[0] is not None:
+            return inputs[1] if known[0] else inputs[2]
+        if op in ("logical_and", "logical_or"):
+            for mine, other in ((0, 1), (1, 0)):
+                if known[mine] is not None:
+                    absorbing = (op == "logical_and") != bool(known[mine])     # and False / or True
+                    return inputs[mine] if absorbing else inputs[other]
+        if op in ("cmp_ne", "cmp_eq") and self.dtype(inputs[0]) == BOOL:
+            for mine, other in ((0, 1), (1, 0)):                                 # x != False, x == True
+                if known[mine] is not None and bool(known[mine]) == (op == "cmp_eq"):
+                    return inputs[other]
+        if op in ("cmp_lt", "cmp_ge") and inputs[0] in self._non_negative and known[1] is not None and known[1] <= 0:
+            return self.const(op == "cmp_ge", BOOL)                              # x >= 0 > c or x >= 0 >= c
+        return None
+
+    def _track_sign(self, op: str, inputs: tuple[int, ...], node: int) -> None:
+        signs = [i in self._non_negative for i in inputs]
+        if (op in ("add", "mul", "div", "min", "select") and all(signs[-2:])) or \
+                (op in ("rem", "cast") and signs[0]) or op == "abs" or (op == "max" and any(signs)):
+            self._non_negative.add(node)
 
     def op(self, op: str, *inputs: int, dtype: str | None = None) -> int:
         """``op`` on ``inputs``; the result dtype defaults to the first input's (bool for comparisons)."""
@@ -184,7 +220,12 @@ class ProgramBuilder:
             values = [np.asarray(self.nodes[i].param) for i in inputs]
             with np.errstate(all="ignore"):
                 return self.const(_convert(semantics(*values), dtype), dtype)
-        return self._add(Node(op, tuple(inputs), dtype))
+        simpler = self._simplify(op, tuple(inputs))
+        if simpler is not None:
+            return simpler
+        node = self._add(Node(op, tuple(inputs), dtype))
+        self._track_sign(op, tuple(inputs), node)
+        return node
 
     def build(self, output: int) -> Program:
         """The program computing ``output`` (float32), without the nodes it does not need."""

@@ -40,11 +40,12 @@ _ELEMENTWISE = {
     "sqrt": "sqrt", "rsqrt": "rsqrt", "sin": "sin", "cos": "cos", "tan": "tan", "erf": "erf",
     "floor": "floor", "ceil": "ceil",
     "add": "add", "add_any": "add", "sub": "sub", "mul": "mul", "div": "div", "max": "max", "min": "min",
-    "pow": "pow", "lt": "cmp_lt", "le": "cmp_le", "gt": "cmp_gt", "ge": "cmp_ge", "eq": "cmp_eq", "ne": "cmp_ne",
+    "pow": "pow", "rem": "rem",
+    "lt": "cmp_lt", "le": "cmp_le", "gt": "cmp_gt", "ge": "cmp_ge", "eq": "cmp_eq", "ne": "cmp_ne",
 }
 _LOGICAL = {"and": "logical_and", "or": "logical_or", "not": "logical_not", "xor": "cmp_ne"}
 _EXPANDED = frozenset({"iota", "convert_element_type", "select_n", "clamp", "integer_pow", "square",
-                       "one_minus_square", "sign", "rem", "exp2", "log1p", "expm1"})
+                       "one_minus_square", "sign", "exp2", "log1p", "expm1"})
 SUPPORTED_PRIMITIVES = frozenset(_ELEMENTWISE) | frozenset(_LOGICAL) | _EXPANDED | _PASS_THROUGH | _CALLS
 
 
@@ -89,8 +90,8 @@ class _Flattener:
         value = np.asarray(value)
         if value.size != 1:
             raise self.unsupported(
-                f"it uses a constant array of shape {value.shape}; only scalar constants can be embedded "
-                "(pass arrays through score_mod_args)")
+                f"it uses a constant array of shape {value.shape}; only scalar constants reach cuDNN "
+                "(compute per-position values from lax.broadcasted_iota instead)")
         vid = self._new(aval)
         self.literals[vid] = value.reshape(())
         return vid
@@ -231,12 +232,6 @@ class _Translator:
             one, zero = b.const(1, dtype), b.const(0, dtype)
             negative = b.op("select", b.op("cmp_lt", x[0], zero), b.op("neg", one), zero)
             return b.op("select", b.op("cmp_gt", x[0], zero), one, negative)
-        if name == "rem":          # a - b * trunc(a / b), the sign of the dividend (lax.rem)
-            quotient = b.op("div", x[0], x[1])
-            if dtype == F32:
-                zero = b.const(0, F32)
-                quotient = b.op("select", b.op("cmp_ge", quotient, zero), b.op("floor", quotient), b.op("ceil", quotient))
-            return b.op("sub", x[0], b.op("mul", quotient, x[1]))
         if name == "exp2":
             return b.op("exp", b.op("mul", x[0], b.const(math.log(2.0), F32)))
         if name == "log1p":
