@@ -33,7 +33,7 @@ from cudnn_attn.errors import UnsupportedConfigurationError
 from cudnn_attn.types import FP8_PARAM_KEYS
 
 from .kernel import KernelOptions
-from .signature import BWD, FP8_BWD_AMAX, FP8_FWD_AMAX, operand_names
+from .signature import BWD, FP8_BWD_AMAX, FP8_FWD_AMAX, operand_names, result_names
 
 _BATCH_LEADING = ("query", "output", "grad_output", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets",
                   "page_table_k", "page_table_v")
@@ -70,7 +70,8 @@ def _one_by_one(primitive: Any, config: AttentionConfig, options: KernelOptions,
         return primitive(config, options, {**fixed, **instance})
 
     results = jax.lax.map(one, {n: operands[n] for n in batched})
-    return list(results.values()), [0] * len(results)
+    names = result_names(config, primitive.kind)          # (a mapped dict comes back in sorted key order)
+    return [results[name] for name in names], [0] * len(names)
 
 
 class _Fold:
