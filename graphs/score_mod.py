@@ -58,8 +58,8 @@ import numpy as np
 from cudnn_attn.config import AttentionConfig, DiagonalAlignment, ScoreModSpec
 from cudnn_attn.errors import UnsupportedConfigurationError
 
-from .score_mod_ir import BOOL, F32, I32, Program, ProgramBuilder, evaluate
-from .score_mod_trace import _kind, translate
+from .score_mod_ir import F32, I32, Program, ProgramBuilder, evaluate
+from .score_mod_trace import program_dtype, translate
 
 NEGATIVE_INFINITY = -math.inf      # the fill of masked scores: cuDNN's own masks use -inf from cuDNN 9.10
 
@@ -102,7 +102,7 @@ def trace_score_mod(spec: ScoreModSpec, score_shape: tuple[int, int, int, int]) 
                 "score_mod arguments as by-value scalars only (array operands give wrong gradients or fail "
                 "to compile), so build per-position values from lax.broadcasted_iota inside score_mod"])
         try:
-            _kind(dtype)
+            program_dtype(dtype)
         except TypeError:
             raise UnsupportedConfigurationError(
                 [f"score_mod {name!r}: score_mod_args[{position}] has dtype {dtype}"]) from None
@@ -132,8 +132,8 @@ def score_shape(config: AttentionConfig) -> tuple[int, int, int, int]:
 def _mask_conditions(b: ProgramBuilder, config: AttentionConfig) -> list[Callable[[str], int]]:
     """Builders of the conditions a (query i, key j) pair must meet under ``config.mask`` (see
     :class:`~cudnn_attn.config.MaskSpec`): padding, then the diagonal band.  Each takes a tag that keeps
-    its positions apart from earlier ones.  (A bottom-right band with per-sequence lengths is refused
-    by :func:`score_mod_graph`.)"""
+    its positions apart from earlier ones.  (A bottom-right band with per-sequence lengths is refused:
+    :func:`score_mod_refusals`.)"""
     mask = config.mask
     conditions: list[Callable[[str], int]] = []
 

@@ -49,7 +49,7 @@ _EXPANDED = frozenset({"iota", "convert_element_type", "select_n", "clamp", "int
 SUPPORTED_PRIMITIVES = frozenset(_ELEMENTWISE) | frozenset(_LOGICAL) | _EXPANDED | _PASS_THROUGH | _CALLS
 
 
-def _kind(dtype: Any) -> str:
+def program_dtype(dtype: Any) -> str:
     """The program dtype of a JAX dtype: float32 for floats, int32 for integers, bool."""
     dtype = np.dtype(dtype)
     if dtype == np.bool_:
@@ -81,7 +81,7 @@ class _Flattener:
         self.dtypes: dict[int, Any] = {}
         self.literals: dict[int, np.ndarray] = {}
 
-    def _new(self, aval: Any) -> int:
+    def new_value(self, aval: Any) -> int:
         vid = len(self.shapes)
         self.shapes[vid], self.dtypes[vid] = tuple(aval.shape), aval.dtype
         return vid
@@ -92,7 +92,7 @@ class _Flattener:
             raise self.unsupported(
                 f"it uses a constant array of shape {value.shape}; only scalar constants reach cuDNN "
                 "(compute per-position values from lax.broadcasted_iota instead)")
-        vid = self._new(aval)
+        vid = self.new_value(aval)
         self.literals[vid] = value.reshape(())
         return vid
 
@@ -116,7 +116,7 @@ class _Flattener:
             if name in _CALLS:
                 outputs = self._call(eqn, inputs_)
             else:
-                outputs = [self._new(v.aval) for v in eqn.outvars]
+                outputs = [self.new_value(v.aval) for v in eqn.outvars]
                 self.eqns.append(_Eqn(name, dict(eqn.params), inputs_, outputs))
             env.update(zip(eqn.outvars, outputs))
         return [read(a) for a in jaxpr.outvars]
@@ -186,7 +186,7 @@ class _Translator:
 
     def value(self, vid: int) -> int:
         if vid not in self.env:
-            self.env[vid] = self.b.const(self.flat.literals[vid], _kind(self.flat.dtypes[vid]))
+            self.env[vid] = self.b.const(self.flat.literals[vid], program_dtype(self.flat.dtypes[vid]))
         return self.env[vid]
 
     def run(self, eqns: list[_Eqn]) -> None:
@@ -195,7 +195,7 @@ class _Translator:
                 raise self.unsupported(f"the primitive {eqn.primitive!r} has {len(eqn.outputs)} results")
             out = eqn.outputs[0]
             try:
-                dtype = _kind(self.flat.dtypes[out])
+                dtype = program_dtype(self.flat.dtypes[out])
             except TypeError:
                 raise self.unsupported(f"{eqn.primitive!r} produces {self.flat.dtypes[out]} values") from None
             self.env[out] = self._emit(eqn, [self.value(v) for v in eqn.inputs], dtype)
@@ -277,7 +277,7 @@ def translate(fn: Callable[..., Any], inputs: Sequence[tuple[str, Any]], score_s
 
     closed = jax.make_jaxpr(fn)(*(aval for _, aval in inputs))
     flat = _Flattener(unsupported)
-    leaves = [flat._new(aval) for _, aval in inputs]
+    leaves = [flat.new_value(aval) for _, aval in inputs]
     outputs = flat.inline(closed.jaxpr, closed.consts, leaves)
     output = outputs[0]
     if len(outputs) != 1 or flat.shapes[output] != tuple(score_shape) or _safe_kind(flat.dtypes[output]) != F32:
@@ -292,7 +292,8 @@ def translate(fn: Callable[..., Any], inputs: Sequence[tuple[str, Any]], score_s
     for vid, (leaf, aval) in zip(leaves, inputs):
         if leaf == "arg":
             # By-value scalars reach cuDNN as float32; integer and bool arguments are converted back.
-            translator.env[vid] = builder.op("cast", builder.leaf("arg", F32, arg_position), dtype=_kind(aval.dtype))
+            value = builder.leaf("arg", F32, arg_position)
+            translator.env[vid] = builder.op("cast", value, dtype=program_dtype(aval.dtype))
             arg_position += 1
         else:
             translator.env[vid] = builder.leaf(leaf, F32)
@@ -302,6 +303,6 @@ def translate(fn: Callable[..., Any], inputs: Sequence[tuple[str, Any]], score_s
 
 def _safe_kind(dtype: Any) -> str | None:
     try:
-        return _kind(dtype)
+        return program_dtype(dtype)
     except TypeError:
         return None
