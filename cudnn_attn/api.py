@@ -10,12 +10,20 @@ and add keyword-only extensions after them:
 * ``stream`` - where to run (default: the current CuPy stream of the query's device; see
   :mod:`cudnn_attn.runtime`);
 * ``autotune`` - time every cuDNN plan once per configuration and keep the fastest (``None``: the
-  global :func:`set_autotune` setting, off by default).
+  global :func:`set_autotune` setting, off by default);
+* ``fp8_dtype`` (with ``use_fp8``) - the FP8 format of the uint8 operands: ``"float8_e4m3fn"``
+  (default) or ``"float8_e5m2"``.
 
 Inputs are CuPy arrays or any ``__dlpack__`` GPU array (torch tensors, JAX arrays), zero-copy; every
 array of a call lives on the query's device.  Results are CuPy arrays (convert zero-copy with
 ``torch.from_dlpack`` / ``jax.dlpack.from_dlpack``).  bfloat16 is CuPy's ``ml_dtypes.bfloat16``.
 Rows cuDNN does not compute (padding, tokens outside packed segments) are returned as zeros.
+
+FP8 (``use_fp8=True``): CuPy has no float8 dtype, so FP8 Q/K/V (and, for the backward, O and dO)
+are uint8 arrays holding the FP8 bytes (``x.view(ml_dtypes.float8_e4m3fn)`` on the host, or
+``tensor.view(torch.uint8)`` before handing a torch FP8 tensor over), in the format ``fp8_dtype``
+names; the FP8 results (output, dq, dk, dv) come back the same way.  The scales and amax values are
+float32 arrays.
 
 Errors, before any GPU work: :class:`ValueError` for invalid arguments,
 :class:`~cudnn_attn.errors.UnsupportedConfigurationError` for valid calls this GPU / cuDNN cannot run,
@@ -26,7 +34,9 @@ Errors, before any GPU work: :class:`ValueError` for invalid arguments,
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
+
+import numpy as np
 
 from . import execution, runtime
 from .execution import set_autotune
@@ -101,12 +111,45 @@ class _ValidationMemo:
 _validated = _ValidationMemo()
 
 
-def _prepared(arrays: dict[str, Any], static: dict[str, Any]) -> tuple[Any, Any]:
+FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")
+
+
+class _FP8Operand(NamedTuple):
+    """What validation reads of an FP8 operand held in a uint8 CuPy array: its shape and FP8 dtype."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def _fp8_described(x: Any, fp8_dtype: str) -> Any:
+    """A uint8 array as the FP8 operand it holds (anything else unchanged: validation judges it)."""
+    if x is None or np.dtype(x.dtype) != np.uint8:
+        return x
+    return _FP8Operand(tuple(x.shape), np.dtype(fp8_dtype))
+
+
+def _check_fp8_dtype(fp8_dtype: str) -> None:
+    import ml_dtypes  # noqa: F401  (registers the float8 names with NumPy)
+
+    if fp8_dtype not in FP8_FORMATS:
+        raise ValueError(f"fp8_dtype: the FP8 format of the uint8 operands must be one of {', '.join(FP8_FORMATS)}, "
+                         f"got {fp8_dtype!r}")
+
+
+def _prepared(arrays: dict[str, Any], static: dict[str, Any], fp8_dtype: str | None = None) -> tuple[Any, Any]:
     """Validate (through the memo) on the query's device.  The bias cuDNN reads must be dense and in
     the io dtype: a mask folded by ``prepare`` may be neither (CuPy 14's bfloat16 ``where`` computes in
-    float32), so it is converted here."""
+    float32), so it is converted here.  With ``fp8_dtype``, uint8 Q/K/V are validated as that FP8
+    format and bound as they are."""
     with runtime.on_device(arrays["query"].device.id):
-        config, operands = _validated.prepare(arrays, static)
+        if fp8_dtype is None:
+            config, operands = _validated.prepare(arrays, static)
+        else:
+            _check_fp8_dtype(fp8_dtype)
+            qkv = {n: arrays[n] for n in ("query", "key", "value")}
+            config, operands = _validated.prepare(
+                {**arrays, **{n: _fp8_described(x, fp8_dtype) for n, x in qkv.items()}}, static)
+            operands = operands.replace(**qkv)
         bias, io = operands.bias, operands.query.dtype
         if bias is not None and (bias.dtype != io or not bias.flags.c_contiguous):
             operands = operands.replace(bias=_cupy().ascontiguousarray(bias.astype(io, copy=False)))
@@ -128,6 +171,7 @@ def dot_product_attention(
     seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH", sliding_window_length: int | None = None,
     score_mod: Callable[..., Any] | None = None, use_fp8: bool = False, return_residual: bool = False,
     diagonal_alignment: str = "top_left", sink: Any = None, stream: Any = None, autotune: bool | None = None,
+    fp8_dtype: str = "float8_e4m3fn",
 ) -> Any:
     """cuDNN scaled dot-product attention (forward).
 
@@ -137,7 +181,7 @@ def dot_product_attention(
 
     Returns the output (the query's layout, ``v``'s head dim), ``(output, logsumexp)`` with
     ``return_residual`` (logsumexp float32 ``(B, N, T)``, ``(B*M, N, T)`` packed), or
-    ``(output, amax_s, amax_o)`` with ``use_fp8``.
+    ``(output, amax_s, amax_o)`` with ``use_fp8`` (FP8 output as uint8 bytes, see the module doc).
     """
     arrays = _gpu_arrays(stream, query=query, key=key, value=value, bias=bias, mask=mask, q_seqlen=q_seqlen,
                          kv_seqlen=kv_seqlen, q_offsets=q_offsets, kv_offsets=kv_offsets, fp8_params=fp8_params,
@@ -145,7 +189,7 @@ def dot_product_attention(
     config, operands = _prepared(arrays, dict(
         scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8,
-        training=return_residual, diagonal_alignment=diagonal_alignment))
+        training=return_residual, diagonal_alignment=diagonal_alignment), fp8_dtype if use_fp8 else None)
     result = execution.forward(config, operands, seed=seed, stream=stream, autotune=autotune)
     return _seed_result(result, use_fp8, return_residual)
 
@@ -182,14 +226,16 @@ def dot_product_attention_bwd(
     sliding_window_length: int | None = None, score_mod: Callable[..., Any] | None = None, use_fp8: bool = False,
     return_residual: bool = False, diagonal_alignment: str = "top_left", sink: Any = None,
     deterministic: bool = False, stream: Any = None, autotune: bool | None = None,
+    fp8_dtype: str = "float8_e4m3fn",
 ) -> AttentionGrads:
     """Backward of :func:`dot_product_attention` called with the same arguments (and the same ``seed``).
 
     ``output`` and ``logsumexp`` are the forward's results (``return_residual=True``), ``grad_output``
     the gradient of the output.  Returns :class:`AttentionGrads` ``(dq, dk, dv, dbias, dsink, ...)``:
     ``dbias`` when the bias is differentiable (an explicit bias, or a non-boolean mask), reduced to the
-    bias's own broadcast shape; ``dsink`` with a sink.  ``return_residual`` is accepted for signature
-    parity and ignored.
+    bias's own broadcast shape; ``dsink`` with a sink; with ``use_fp8`` the FP8 gradients (uint8 bytes,
+    like ``output`` and ``grad_output``) and ``amax_dq/dk/dv/dp``.  ``return_residual`` is accepted
+    for signature parity and ignored.
     """
     del return_residual
     arrays = _gpu_arrays(stream, query=query, key=key, value=value, bias=bias, mask=mask, q_seqlen=q_seqlen,
@@ -200,8 +246,12 @@ def dot_product_attention_bwd(
     config, operands = _prepared(arrays, dict(
         scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8, training=True,
-        diagonal_alignment=diagonal_alignment, deterministic=deterministic))
-    prepare_backward(config, output, grad_output, logsumexp)
+        diagonal_alignment=diagonal_alignment, deterministic=deterministic), fp8_dtype if use_fp8 else None)
+    if config.fp8:
+        prepare_backward(config, _fp8_described(output, config.dtype), _fp8_described(grad_output, config.dtype),
+                         logsumexp)
+    else:
+        prepare_backward(config, output, grad_output, logsumexp)
     return execution.backward(config, operands, output, grad_output, logsumexp,
                               seed=seed, stream=stream, autotune=autotune)
 
