@@ -171,6 +171,19 @@ class ShardPlan:
         return x
 
 
+def check_types(config: AttentionConfig, kind: str, avals: Mapping[str, Any]) -> None:
+    """With Explicit mesh axes the operands' shardings are part of their types: check them when the call
+    is traced, so that a refused sharding is a ``ValueError`` at the call site (with Auto axes it is
+    only known, and refused, when XLA partitions the program)."""
+    query = avals["query"]
+    mesh = query.sharding.mesh
+    if mesh.empty or all(entry is None for aval in avals.values() for entry in aval.sharding.spec):
+        return
+    specs = {name: tuple(aval.sharding.spec) + (None,) * (aval.ndim - len(aval.sharding.spec))
+             for name, aval in avals.items()}
+    ShardPlan(config, kind, mesh, specs)
+
+
 def _plan(config: AttentionConfig, kind: str, mesh: Any, arg_infos: Any) -> ShardPlan:
     specs = {}
     for name, info in zip(operand_names(config, kind), arg_infos):

@@ -88,6 +88,7 @@ class AttentionPrimitive:
     # -- rules ------------------------------------------------------------------------------------
     def _abstract_eval(self, *avals: Any, config: AttentionConfig, options: KernelOptions) -> list[Any]:
         named = dict(zip(operand_names(config, self.kind), avals))
+        partitioning.check_types(config, self.kind, named)      # Explicit mesh axes: refuse bad sharding now
         return [_result_aval(config, name, shape, dtype, named)
                 for name, (shape, dtype) in result_shapes(config, self.kind).items()]
 
