@@ -1,0 +1,101 @@
+"""The ctypes XLA FFI layer on CPU: zero-copy buffers, attributes, dtypes, errors, the kernel registry."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cudnn_attn import jax_bridge  # noqa: F401  (registers the attention targets)
+from cudnn_attn.jax_bridge import ffi
+from cudnn_attn.jax_bridge.kernel import Kernel, KernelRegistry
+
+seen: dict = {}
+
+
+def _axpy(call: ffi.Call) -> None:
+    """out = alpha * x + y, recording what the handler saw."""
+    (x, y), (out,) = call.args, call.rets
+    attributes = call.attributes()
+    seen.update(args=call.args, rets=call.rets, attributes=attributes, addresses=call.arg_addresses())
+    ffi.host_array(out, writeable=True)[...] = (
+        attributes["alpha"] * ffi.host_array(x, writeable=False).astype(np.float32)
+        + ffi.host_array(y, writeable=False).astype(np.float32)).astype(out.dtype)
+
+
+def _fail(call: ffi.Call) -> None:
+    kind = call.attributes()["kind"]
+    if kind == 0:
+        raise ValueError("bad operand from the handler")
+    if kind == 1:
+        raise NotImplementedError("not here")
+    if kind == 2:
+        call.stream()                     # CPU calls have no stream
+    raise RuntimeError("internal trouble")
+
+
+_HANDLERS = [ffi.make_handler("cudnn_attn_test_axpy", _axpy), ffi.make_handler("cudnn_attn_test_fail", _fail)]
+for _handler in _HANDLERS:
+    ffi.register(_handler, "cpu")
+
+
+def _axpy_call(x, y, alpha):
+    return jax.ffi.ffi_call("cudnn_attn_test_axpy", jax.ShapeDtypeStruct(x.shape, x.dtype))(
+        x, y, alpha=np.float32(alpha), tag=np.int64(7))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float8_e4m3fn"])
+def test_buffers_attributes_and_dtypes(dtype):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.uniform(-2, 2, (3, 5)), jnp.float32).astype(dtype)
+    y = jnp.asarray(rng.uniform(-2, 2, (3, 5)), jnp.float32).astype(dtype)
+    out = jax.jit(_axpy_call, static_argnums=2)(x, y, 0.5)
+    expected = (0.5 * np.asarray(x, np.float32) + np.asarray(y, np.float32)).astype(np.dtype(x.dtype))
+    np.testing.assert_array_equal(np.asarray(out), expected)
+    assert [b.shape for b in seen["args"]] == [(3, 5), (3, 5)] and seen["rets"][0].dtype == np.dtype(x.dtype)
+    assert seen["attributes"] == {"alpha": 0.5, "tag": 7}
+
+
+def test_arguments_are_xla_buffers_not_copies():
+    x = jnp.arange(8, dtype=jnp.float32)
+    y = jnp.ones(8, jnp.float32)
+    jax.block_until_ready(jax.jit(_axpy_call, static_argnums=2)(x, y, 2.0))
+    assert seen["addresses"] == [x.unsafe_buffer_pointer(), y.unsafe_buffer_pointer()]
+
+
+def test_host_array_views_are_read_only_for_arguments():
+    buffer = ffi.Buffer(np.zeros(4, np.float32).ctypes.data, (4,), np.dtype(np.float32))
+    with pytest.raises(ValueError, match="read-only"):
+        ffi.host_array(buffer, writeable=False)[0] = 1.0
+    assert ffi.host_array(ffi.Buffer(0, (0, 3), np.dtype(np.float16)), writeable=True).shape == (0, 3)
+
+
+@pytest.mark.parametrize("kind, code, message", [
+    (0, "INVALID_ARGUMENT", "ValueError: bad operand from the handler"),
+    (1, "UNIMPLEMENTED", "NotImplementedError: not here"),
+    (2, "INTERNAL", "RuntimeError: XLA_FFI_Stream_Get failed"),
+    (3, "INTERNAL", "RuntimeError: internal trouble"),
+], ids=["value_error", "not_implemented", "no_stream_on_cpu", "runtime_error"])
+def test_python_errors_become_xla_errors(kind, code, message):
+    x = jnp.ones(4, jnp.float32)
+    call = jax.jit(lambda x: jax.ffi.ffi_call("cudnn_attn_test_fail", jax.ShapeDtypeStruct(x.shape, x.dtype))(
+        x, kind=np.int64(kind)))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=f"{code}: {message}"):
+        jax.block_until_ready(call(x))
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: x + 1)(x)), 2.0)   # the runtime is fine
+
+
+def test_kernel_registry_is_stable_and_explains_unknown_keys():
+    from cudnn_attn.validation import prepare
+
+    config, _ = prepare(*(np.empty((1, 8, 2, 8), np.float16) for _ in range(3)), xp=np)
+    registry = KernelRegistry()
+    first = registry.key(Kernel(config, "fwd"))
+    assert registry.key(Kernel(config, "fwd")) == first
+    assert registry.key(Kernel(config, "bwd")) != first
+    assert registry.kernel(first) == Kernel(config, "fwd")
+    with pytest.raises(LookupError, match="lowered in another process"):
+        registry.kernel(first + 5)
+    with pytest.raises(ValueError, match="kind"):
+        Kernel(config, "sideways")
