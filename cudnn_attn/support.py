@@ -247,13 +247,19 @@ def _window_lengths(c: AttentionConfig, env: Environment) -> str | None:
     return _long_queries(c) if c.mask.left_bound is not None else None
 
 
-def _score_mod_exclusions(c: AttentionConfig, env: Environment) -> str | None:
-    if c.score_mod is None:
+def _score_mod_limits(c: AttentionConfig, env: Environment) -> str | None:
+    """What the score_mod translation cannot express with the rest of the configuration (built-in masks
+    are folded into the modification; see :func:`cudnn_attn.graphs.score_mod.score_mod_refusals`)."""
+    if c.score_mod is None or _score_mod_args(c, env):
         return None
-    found = _present(("causal", c.mask.right_bound is not None), ("sliding window", c.mask.left_bound is not None),
-                     ("padding", c.mask.padding), ("ALiBi", c.mask.alibi))
-    return (f"cannot be combined with built-in masks (found {found}; packing and paging imply padding); "
-            "express them inside score_mod") if found else None
+    from .graphs.score_mod import score_mod_refusals   # imports JAX: only when score_mod is used
+
+    try:
+        refusals = score_mod_refusals(c)
+    except TypeError as error:
+        raise ValueError(f"score_mod: calling {c.score_mod.name!r} on the float32 scores and "
+                         f"{len(c.score_mod.arg_shapes)} score_mod_args failed: {error}") from error
+    return "; ".join(refusals) or None
 
 
 def _sink_needs_queries(c: AttentionConfig, env: Environment) -> str | None:
@@ -375,7 +381,6 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     Restriction("bottom-right causal mask", _bottom_right_exclusions, CUDNN),
     Restriction("bottom-right causal mask", _bottom_right_lengths, CUDNN),
     Restriction("sliding window", _window_lengths, CUDNN),
-    Restriction("score_mod", _score_mod_exclusions, CUDNN),
     Restriction("attention sink", _sink_needs_queries, CUDNN),
     Restriction("backward", _backward_single_token, CUDNN),
     Restriction("deterministic backward", _deterministic_sm100, CUDNN),
@@ -395,6 +400,7 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     Restriction("packed segments", _packed_layout, LIBRARY),
     Restriction("packed segments", _packed_extras, LIBRARY),
     Restriction("score_mod", _score_mod_args, LIBRARY),
+    Restriction("score_mod", _score_mod_limits, LIBRARY),
     Restriction("GPU", _sm103_cudnn, LIBRARY),
 )
 

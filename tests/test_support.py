@@ -37,6 +37,12 @@ def score_mod(score):
     return score
 
 
+def scaled_score_mod(score, *factors):
+    for factor in factors:
+        score = score * factor
+    return score
+
+
 SCORE_MOD = ScoreModSpec(fn=score_mod)
 
 
@@ -191,10 +197,9 @@ CASES = [
     ("window-T>S", BASE.replace(mask=WINDOW, q_len=192), SM90,
      "sliding window: needs T <= S without padding, found T=192 > S=128", CUDNN,
      BASE.replace(mask=WINDOW, q_len=128)),
-    ("score_mod-causal-packed", BASE.replace(score_mod=SCORE_MOD, packing=PackingSpec(2),
-                                             mask=MaskSpec(right_bound=0, padding=True)), SM90,
-     "score_mod: cannot be combined with built-in masks (found causal, padding;", CUDNN,
-     BASE.replace(score_mod=SCORE_MOD)),
+    ("score_mod-alibi", BASE.replace(score_mod=SCORE_MOD, mask=MaskSpec(right_bound=0, alibi=True)), SM90,
+     "score_mod: score_mod with ALiBi: cuDNN refuses its ALiBi next to score_mod", LIBRARY,
+     BASE.replace(score_mod=SCORE_MOD, mask=MaskSpec(right_bound=0, padding=True))),
     ("sink-decode", BASE.replace(sink=True, q_len=1), SM90,
      "attention sink: not supported with a single query (T == 1)", CUDNN, BASE.replace(sink=True, q_len=2)),
     ("backward-T1-S1", BASE.replace(q_len=1, kv_len=1, training=True), SM90,
@@ -238,13 +243,13 @@ CASES = [
      LIBRARY, BASE.replace(**PACKED)),
     ("packed-paged", BASE.replace(paging=PAGED["paging"], **PACKED), SM90,
      "packed segments: cannot be combined with paged K/V", LIBRARY, BASE.replace(**PACKED)),
-    ("score_mod-9-args", BASE.replace(score_mod=ScoreModSpec(score_mod, (((), "float32"),) * 9)), SM90,
+    ("score_mod-9-args", BASE.replace(score_mod=ScoreModSpec(scaled_score_mod, (((), "float32"),) * 9)), SM90,
      "score_mod: takes at most 8 arguments, found 9", LIBRARY,
-     BASE.replace(score_mod=ScoreModSpec(score_mod, (((), "float32"),) * 8))),
+     BASE.replace(score_mod=ScoreModSpec(scaled_score_mod, (((), "float32"),) * 8))),
     ("score_mod-vector-arg",
-     BASE.replace(score_mod=ScoreModSpec(score_mod, (((1, 1, 1, 1), "float32"), ((4,), "float32")))), SM90,
+     BASE.replace(score_mod=ScoreModSpec(scaled_score_mod, (((1, 1, 1, 1), "float32"), ((4,), "float32")))), SM90,
      "score_mod: arguments must be scalars (bound by value), found shapes [(1, 1, 1, 1), (4,)]", LIBRARY,
-     BASE.replace(score_mod=ScoreModSpec(score_mod, (((1, 1, 1, 1), "float32"),)))),
+     BASE.replace(score_mod=ScoreModSpec(scaled_score_mod, (((1, 1, 1, 1), "float32"),)))),
     ("sm103-old-cudnn", BASE, env(91000, (10, 3)), "GPU: sm103 needs cuDNN >= 9.11.0, found 9.10.0", LIBRARY,
      env(91100, (10, 3))),
 ]
