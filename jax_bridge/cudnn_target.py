@@ -81,23 +81,40 @@ def _check_expressible(kernel: Kernel) -> None:
         raise UnsupportedConfigurationError(reasons, config)
 
 
-# -- the prebuilt state of one (kernel, device) --------------------------------------------------------
+# -- the prebuilt state of one kernel -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Binding:
+    """How the FFI call of one kernel binds the graph's tensors (fixed when it is lowered)."""
+
+    kernel: Kernel
+    arg_ids: tuple[TensorId, ...]           # the call's operands, in order
+    result_ids: tuple[TensorId, ...]        # its results, in order (the workspace follows them)
+    result_bytes: tuple[int, ...]
+
 
 @dataclass(frozen=True)
 class _Launch:
     """Everything the handler needs for one kernel on one device."""
 
-    graph: Any                              # the cache entry (holds the BuiltGraph and its fast launcher)
-    arg_ids: tuple[TensorId, ...]
-    result_ids: tuple[TensorId, ...]
+    binding: _Binding
+    graph: Any                              # the cache entry: the BuiltGraph and its fast launcher
     zeroed: tuple[tuple[int, int], ...]     # (result position, bytes) to zero before the launch
     host_scalars: Mapping[TensorId, int]    # host addresses of the by-value scalars
     keep_alive: tuple[Any, ...]             # the arrays behind ``host_scalars``
 
 
-_launches: dict[tuple[int, int], _Launch] = {}      # (kernel key, device) -> prepared launch
+_bindings: dict[int, _Binding] = {}                  # kernel key -> binding
+_launches: dict[tuple[int, int], _Launch] = {}       # (kernel key, device) -> launch
 _warmed: set[tuple[int, int]] = set()
-_launches_lock = threading.Lock()
+_lock = threading.Lock()
+
+
+def host_scalars(kernel: Kernel) -> dict[TensorId, np.ndarray]:
+    """The by-value scalars of ``kernel``'s graph: the dropout seed (static) and offset (0)."""
+    if not kernel.config.has_dropout:
+        return {}
+    return {TensorId.SEED: np.full((1,), kernel.seed, np.int64), TensorId.OFFSET: np.zeros((1,), np.int64)}
 
 
 def _build(graph_key: Any) -> Any:
@@ -109,35 +126,38 @@ def _build(graph_key: Any) -> Any:
     return cache.build_on_device(graph_key)
 
 
-def _prepare(kernel: Kernel, key: int, device: int, arg_ids: tuple, result_ids: tuple,
-             sizes: Mapping[TensorId, int]) -> _Launch:
+def _prepare(key: int, device: int) -> _Launch:
+    """The launch of kernel ``key`` on ``device``: its graph built (or found in the cache), the fast
+    launcher and this thread's cuDNN handle created, the host scalars allocated."""
     from cudnn_attn import runtime
     from cudnn_attn.cache import graph_cache
 
-    with _launches_lock:
+    with _lock:
         launch = _launches.get((key, device))
+        binding = _bindings[key]
     if launch is not None:
         return launch
-    runtime.context(device)                                  # this thread's cuDNN handle, created now
+    kernel = binding.kernel
+    runtime.context(device)
     entry = graph_cache.entry(graph_cache.key(kernel.config, kernel.kind, device), _build)
-    host = {}
-    if kernel.config.has_dropout:
-        host = {TensorId.SEED: np.full((1,), kernel.seed, np.int64), TensorId.OFFSET: np.zeros((1,), np.int64)}
-    bound = set(arg_ids) | set(result_ids) | set(host)
+    entry.launcher                                                   # noqa: B018  (created now, not in a call)
+    host = host_scalars(kernel)
+    bound = set(binding.arg_ids) | set(binding.result_ids) | set(host)
     if bound != set(entry.graph.uids):
         raise RuntimeError(f"the JAX bridge binds {sorted(t.name for t in bound)} but the cuDNN {kernel.kind} graph "
                            f"of {kernel.config.describe()} has {sorted(t.name for t in entry.graph.uids)}")
     zero = _zeroed(kernel.config, kernel.kind)
     launch = _Launch(
-        graph=entry, arg_ids=arg_ids, result_ids=result_ids,
-        zeroed=tuple((i, sizes[t]) for i, t in enumerate(result_ids) if t in zero),
+        binding=binding, graph=entry,
+        zeroed=tuple((i, n) for i, (t, n) in enumerate(zip(binding.result_ids, binding.result_bytes)) if t in zero),
         host_scalars={t: a.ctypes.data for t, a in host.items()}, keep_alive=tuple(host.values()),
     )
-    with _launches_lock:
+    with _lock:
         return _launches.setdefault((key, device), launch)
 
 
 def _run(call: ffi.Call) -> None:
+    """The handler: bind XLA's buffers and stream, zero the unwritten rows, launch."""
     from cudnn_attn import runtime
 
     key = call.attributes()["key"]
@@ -148,12 +168,14 @@ def _run(call: ffi.Call) -> None:
         device = cupy.cuda.runtime.getDevice()
     launch = _launches.get((key, device))
     if launch is None:
-        raise RuntimeError(f"{registry.kernel(key).kind} kernel {key} was not prepared for GPU {device} when it was "
-                           "lowered (the executable runs on a device outside its lowering's device assignment)")
+        if key not in _bindings:
+            registry.kernel(key)                 # raises the "lowered in another process" error
+        launch = _prepare(key, device)           # a device the lowering did not list: prepared once, now
+    binding = launch.binding
     stream = call.stream()
     results = call.ret_addresses()
-    buffers = dict(zip(launch.arg_ids, call.arg_addresses()))
-    buffers.update(zip(launch.result_ids, results))
+    buffers = dict(zip(binding.arg_ids, call.arg_addresses()))
+    buffers.update(zip(binding.result_ids, results))
     buffers.update(launch.host_scalars)
     if launch.zeroed:
         import cupy
@@ -172,7 +194,8 @@ HANDLERS = (ffi.make_handler(TARGET, _run), ffi.make_handler(CUDA_GRAPH_TARGET, 
 # -- lowering ---------------------------------------------------------------------------------------
 
 def _lowering_devices(ctx: Any) -> list[int]:
-    """CUDA ordinals of this process's devices in the lowering's device assignment."""
+    """CUDA ordinals of this process's GPUs in the lowering's device assignment (all local GPUs when the
+    lowering context names none, e.g. an abstract mesh)."""
     import jax
 
     context = ctx.module_context.axis_context
@@ -181,12 +204,12 @@ def _lowering_devices(ctx: Any) -> list[int]:
         mesh_devices = getattr(getattr(context, "mesh", None), "devices", None)
         devices = None if mesh_devices is None else tuple(np.asarray(mesh_devices).flat)
     if not devices:
-        devices = jax.local_devices(backend="gpu")[:1]
+        devices = jax.local_devices(backend="gpu")
     here = jax.process_index()
-    return sorted({d.local_hardware_id for d in devices if d.process_index == here})
+    return sorted({d.local_hardware_id for d in devices if d.process_index == here and d.platform == "gpu"})
 
 
-def _gpu_operands(kernel: Kernel, named: Mapping[str, Any]) -> tuple[dict[TensorId, Any], Any]:
+def graph_operands(kernel: Kernel, named: Mapping[str, Any]) -> tuple[dict[TensorId, Any], Any]:
     """The graph's input tensors by id (packed segments converted with jax.numpy) and the segments."""
     import jax.numpy as jnp
 
@@ -210,7 +233,9 @@ def _gpu_operands(kernel: Kernel, named: Mapping[str, Any]) -> tuple[dict[Tensor
     return bound, segments
 
 
-def _result_types(kernel: Kernel) -> dict[TensorId, tuple[tuple[int, ...], Any]]:
+def graph_results(kernel: Kernel) -> dict[TensorId, tuple[tuple[int, ...], Any]]:
+    """The graph's output tensors by id: ``(shape, dtype)`` of the FFI call's results (packed statistics
+    are token-major, as the graph writes them)."""
     from .signature import result_shapes
 
     config = kernel.config
@@ -235,16 +260,18 @@ def lower(ctx: Any, *args: Any, kind: str, config: AttentionConfig, options: Any
     key = registry.key(kernel)
     devices = _lowering_devices(ctx)
     target = CUDA_GRAPH_TARGET if options.cuda_graph else TARGET
-    result_types = _result_types(kernel)
+    result_types = graph_results(kernel)
     result_ids = tuple(sorted(result_types))
     by_name = {name: _RESULT_IDS[name] for name in kernel.results}
 
     def call(*arrays: Any) -> list[Any]:
-        bound, segments = _gpu_operands(kernel, dict(zip(kernel.operands, arrays)))
-        arg_ids = tuple(sorted(bound))
-        sizes = {t: int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-                 for t, (shape, dtype) in result_types.items()}
-        launches = [_prepare(kernel, key, device, arg_ids, result_ids, sizes) for device in devices]
+        bound, segments = graph_operands(kernel, dict(zip(kernel.operands, arrays)))
+        sizes = tuple(int(np.prod(result_types[t][0], dtype=np.int64)) * np.dtype(result_types[t][1]).itemsize
+                      for t in result_ids)
+        binding = _Binding(kernel, tuple(sorted(bound)), result_ids, sizes)
+        with _lock:
+            _bindings.setdefault(key, binding)
+        launches = [_prepare(key, device) for device in devices]
         workspace = max(launch.graph.graph.workspace_size for launch in launches)
         if options.cuda_graph:
             for device, launch in zip(devices, launches):
@@ -253,7 +280,7 @@ def lower(ctx: Any, *args: Any, kind: str, config: AttentionConfig, options: Any
         outs = jax.ffi.ffi_call(
             target, [jax.ShapeDtypeStruct(*result_types[t]) for t in result_ids]
             + [jax.ShapeDtypeStruct((max(workspace, 1),), jnp.uint8)],
-        )(*(bound[t] for t in arg_ids), key=np.int64(key))
+        )(*(bound[t] for t in binding.arg_ids), key=np.int64(key))
         found = dict(zip(result_ids, outs))
         results = []
         for name in kernel.results:
@@ -263,6 +290,10 @@ def lower(ctx: Any, *args: Any, kind: str, config: AttentionConfig, options: Any
             results.append(value)
         return results
 
+    # The conversions above are traced on plain avals: the call is per device, so the operands' mesh
+    # shardings and shard_map axes (which sharding-in-types checks would apply to them) do not matter here.
+    plain = [jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_in]
+    ctx = ctx.replace(avals_in=plain, avals_out=[jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_out])
     return mlir.lower_fun(call, multiple_results=True)(ctx, *args)
 
 
@@ -278,7 +309,8 @@ def _warm_up(key: int, device: int, launch: _Launch, args: Mapping[TensorId, tup
     with cupy.cuda.Device(device):
         stream = cupy.cuda.Stream(non_blocking=True)
         with stream:
-            scratch = {t: cupy.zeros(shape, np.dtype(dtype)) for t, (shape, dtype) in {**args, **results}.items()}
+            scratch = {t: cupy.zeros(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize, cupy.uint8)
+                       for t, (shape, dtype) in {**args, **results}.items()}
             space = cupy.zeros((max(workspace, 1),), cupy.uint8)
         buffers = {t: a.data.ptr for t, a in scratch.items()}
         buffers.update(launch.host_scalars)

@@ -1,0 +1,123 @@
+"""The GPU lowering's binding, checked on CPU against the cuDNN graphs the library declares.
+
+The CUDA lowering (``jax_bridge.cudnn_target``) turns a call's named operands into the graph's tensors
+by :class:`~cudnn_attn.graphs.tensors.TensorId` (converting packed segments with ``jax.numpy``) and
+asks for the graph's outputs as the FFI call's results.  cuDNN refuses to execute unless exactly the
+graph's tensors are bound, so here, for every feature, the bound ids (operands + results + host
+scalars) must equal the ids of the graph ``graphs.declare_graph`` declares - no GPU and no cuDNN
+library needed - and the shapes must be the ones the graph reads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from cudnn_attn import MaskType
+from cudnn_attn.graphs import declare_graph
+from cudnn_attn.graphs import tensors as tt
+from cudnn_attn.graphs.tensors import TensorId
+from cudnn_attn.jax_bridge import cudnn_target
+from cudnn_attn.jax_bridge.kernel import Kernel
+from cudnn_attn.jax_bridge.signature import BWD, FWD, operand_names, result_shapes
+from cudnn_attn.types import FP8_PARAM_KEYS
+from cudnn_attn.validation import prepare
+
+B, T, S, N, K, H = 2, 32, 48, 4, 2, 64
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _config(case: str, training: bool):
+    f16 = jnp.float16
+    dtype = jnp.float8_e4m3fn if case == "fp8" else f16
+    arrays = [_sds((B, T, N, H), dtype), _sds((B, S, K, H), dtype), _sds((B, S, K, H), dtype)]
+    kwargs: dict = {"training": training}
+    if case == "bias_dbias":
+        kwargs["bias"] = _sds((1, N, T, S), f16)
+    if case == "mask_only":
+        kwargs["mask"] = _sds((B, 1, T, S), jnp.bool_)
+    if case == "padding_causal":
+        kwargs.update(q_seqlen=_sds((B,), jnp.int32), kv_seqlen=_sds((B,), jnp.int32),
+                      mask_type=MaskType.PADDING_CAUSAL)
+    if case == "packed":
+        kwargs.update(q_seqlen=_sds((B, 3), jnp.int32), kv_seqlen=_sds((B, 3), jnp.int32),
+                      q_offsets=_sds((B, 4), jnp.int32), kv_offsets=_sds((B, 4), jnp.int32))
+    if case == "paged":
+        arrays[1:] = [_sds((7, 16, K, H), f16), _sds((7, 16, K, H), f16)]
+        kwargs.update(q_seqlen=_sds((B,), jnp.int32), kv_seqlen=_sds((B,), jnp.int32),
+                      page_table_k=_sds((B, 1, 3, 1), jnp.int32), page_table_v=_sds((B, 1, 3, 1), jnp.int32))
+    if case == "dropout_sink":
+        kwargs.update(dropout_rate=0.1, sink=_sds((N,), jnp.float32))
+    if case == "alibi_window":
+        kwargs.update(mask_type=MaskType.ALIBI, sliding_window_length=8)
+    if case == "fp8":
+        kwargs.update(fp8_params={k: _sds((1, 1, 1, 1), jnp.float32) for k in FP8_PARAM_KEYS}, use_fp8=True,
+                      mask_type=MaskType.CAUSAL)
+    return prepare(*arrays, xp=jnp, **kwargs)
+
+
+CASES = ["plain", "bias_dbias", "mask_only", "padding_causal", "packed", "paged", "dropout_sink", "alibi_window", "fp8"]
+KINDS = [(FWD, False), (FWD, True), (BWD, True)]
+
+
+@pytest.mark.parametrize("kind, training", KINDS, ids=["inference", "training_forward", "backward"])
+@pytest.mark.parametrize("case", CASES)
+def test_bound_tensors_are_the_graphs_tensors(case, kind, training):
+    if case == "paged" and kind == BWD:
+        pytest.skip("paged attention has no backward")
+    config, operands = _config(case, training)
+    kernel = Kernel(config, kind, seed=7)
+    named = {}
+    for name in operand_names(config, kind):
+        if name in ("output", "grad_output"):
+            named[name] = _sds(config.o_shape, operands.query.dtype)
+        elif name == "logsumexp":
+            named[name] = _sds(config.lse_shape, jnp.float32)
+        elif name in FP8_PARAM_KEYS:
+            named[name] = operands.fp8_scales[name]
+        else:
+            value = getattr(operands, name)
+            named[name] = _sds(value.shape, value.dtype)
+    bound = jax.eval_shape(lambda named: cudnn_target.graph_operands(kernel, named)[0], named)
+    results = cudnn_target.graph_results(kernel)
+    host = cudnn_target.host_scalars(kernel)
+    expected = declare_graph(config, kind).uids
+    assert set(bound) | set(results) | set(host) == set(expected)
+    assert not set(bound) & set(results)
+
+    # Shapes the graph reads (a few representative tensors).
+    if config.packing is None:
+        assert tuple(bound[TensorId.Q].shape) == config.q_shape
+        if TensorId.STATS in results:
+            assert results[TensorId.STATS][0] == tt.stats_tensor(B, N, T, ragged=False)[0][:3]
+    else:
+        segments = config.segments
+        assert bound[TensorId.SEQ_LEN_Q].shape == (segments,) and bound[TensorId.RAGGED_Q].shape == (segments + 1,)
+        if TensorId.STATS in results:
+            assert results[TensorId.STATS][0] == (B * T, N)              # token-major statistics
+    if config.has_dropout:
+        assert int(host[TensorId.SEED][0]) == 7
+    expected_results = result_shapes(config, kind)
+    assert len(results) == len(expected_results)
+
+
+def test_rows_cudnn_leaves_unwritten_are_zeroed():
+    padded, _ = _config("padding_causal", True)
+    plain, _ = _config("bias_dbias", True)
+    assert cudnn_target._zeroed(padded, FWD) == {TensorId.O, TensorId.STATS}
+    assert cudnn_target._zeroed(padded, BWD) >= {TensorId.DQ, TensorId.DK, TensorId.DV}
+    assert cudnn_target._zeroed(plain, FWD) == frozenset()
+    assert TensorId.DBIAS in cudnn_target._zeroed(plain, BWD)        # cuDNN accumulates dbias
+
+
+def test_score_mod_arguments_are_refused_on_the_gpu_path():
+    from cudnn_attn import UnsupportedConfigurationError
+
+    q = _sds((B, T, N, H), jnp.float16)
+    config, _ = prepare(q, q, q, score_mod=lambda s, c: s * c, score_mod_args=(_sds((), jnp.float32),), xp=jnp)
+    with pytest.raises(UnsupportedConfigurationError, match="score_mod arguments are traced arrays"):
+        cudnn_target._check_expressible(Kernel(config, FWD))
