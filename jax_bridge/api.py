@@ -42,13 +42,14 @@ from cudnn_attn.validation import prepare
 
 from . import primitives
 from .kernel import Backend, KernelOptions
-from .signature import BWD, FWD, RESIDUALS, named_operands, operand_names, result_names
+from .signature import BWD, FWD, GRADIENT_OF, RESIDUALS, named_operands, operand_names, result_names
 
 __all__ = ["attention", "dot_product_attention", "kernel_options", "paged_attention"]
 
-# Gradient of each differentiable input, by the backward result that carries it.
-_GRADIENTS = {"query": "dq", "key": "dk", "value": "dv", "bias": "dbias", "sink": "dsink",
-              "amax_dQ": "amax_dq", "amax_dK": "amax_dk", "amax_dV": "amax_dv", "amax_dP": "amax_dp"}
+# The backward result that is the cotangent of each input: the gradients, and the FP8 amax placeholders
+# whose "gradient" is the backward's amax (JAX's convention).
+_COTANGENT_OF = {**GRADIENT_OF, "amax_dQ": "amax_dq", "amax_dK": "amax_dk", "amax_dV": "amax_dv",
+                 "amax_dP": "amax_dp"}
 
 
 def kernel_options(config: AttentionConfig, *, seed: Any = 42, backend: str | Backend = Backend.FFI,
@@ -77,10 +78,12 @@ def _select(config: AttentionConfig, kind: str, inputs: Mapping[str, Any], **res
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention(config: AttentionConfig, options: KernelOptions, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The forward's named results; ``inputs`` holds every array of the call (see :func:`_inputs`)."""
     return primitives.forward(config, options, _select(config, FWD, inputs))
 
 
 def _attention_fwd(config: AttentionConfig, options: KernelOptions, inputs: dict[str, Any]) -> tuple[dict, tuple]:
+    """The training forward (with the logsumexp); residuals: the inputs, the output, the logsumexp."""
     if config.paging is not None:
         raise UnsupportedConfigurationError(["paged attention has no backward (cuDNN provides none)"], config)
     training = config.replace(training=True)
@@ -90,13 +93,15 @@ def _attention_fwd(config: AttentionConfig, options: KernelOptions, inputs: dict
 
 
 def _attention_bwd(config: AttentionConfig, options: KernelOptions, residuals: tuple, cotangents: dict) -> tuple:
+    """One cotangent per input: the gradients and FP8 amax values of :data:`_COTANGENT_OF`, ``None`` (zero)
+    for the rest (sequence lengths, offsets, scale factors, a boolean mask's bias)."""
     inputs, output, logsumexp = residuals
     training = config.replace(training=True)
     grads = primitives.backward(training, options, _select(
         training, BWD, inputs, output=output, grad_output=cotangents["output"], logsumexp=logsumexp))
     found = {}
     for name, x in inputs.items():
-        grad = grads.get(_GRADIENTS.get(name))
+        grad = grads.get(_COTANGENT_OF.get(name))
         found[name] = None if grad is None else grad.reshape(x.shape).astype(x.dtype)
     return (found,)
 
@@ -105,6 +110,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _varying_axes(x: Any) -> frozenset:
+    """The shard_map manual axes ``x`` varies over (``aval.mat.varying``; a frozenset ``aval.vma`` before
+    jax 0.11)."""
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None) or getattr(aval, "vma", None)
     return frozenset(getattr(mat, "varying", mat) or ())
@@ -129,7 +136,8 @@ def attention(config: AttentionConfig, operands: AttentionOperands, options: Ker
     return AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
 
 
-def _seed_result(result: AttentionOutput, use_fp8: bool, return_residual: bool) -> Any:
+def seed_result(result: AttentionOutput, use_fp8: bool, return_residual: bool) -> Any:
+    """The seed's return form: ``output``, ``(output, logsumexp)`` or ``(output, amax_s, amax_o)``."""
     if use_fp8:
         return result.output, result.amax_s, result.amax_o
     if return_residual:
@@ -164,7 +172,7 @@ def dot_product_attention(
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8, training=return_residual,
         diagonal_alignment=diagonal_alignment, deterministic=deterministic, xp=jnp)
     options = kernel_options(config, seed=seed, backend=backend, cuda_graph=cuda_graph)
-    return _seed_result(attention(config, operands, options), use_fp8, return_residual)
+    return seed_result(attention(config, operands, options), use_fp8, return_residual)
 
 
 def paged_attention(
@@ -187,4 +195,4 @@ def paged_attention(
         sliding_window_length=sliding_window_length, use_fp8=use_fp8, training=return_residual,
         diagonal_alignment=diagonal_alignment, xp=jnp)
     options = kernel_options(config, seed=seed, backend=backend, cuda_graph=cuda_graph)
-    return _seed_result(attention(config, operands, options), use_fp8, return_residual)
+    return seed_result(attention(config, operands, options), use_fp8, return_residual)

@@ -17,7 +17,8 @@ problem (one kernel launch, nested ``vmap`` folds level by level).  By operand:
 
 Operands that are per-head or per-call rather than per-example - a batched attention sink, batched
 ``score_mod`` arguments - and the sink gradient (a sum over the batch that every instance needs
-separately) cannot be folded; those calls run the instances one after another with ``lax.map``.
+separately) cannot be folded; those calls run the instances one after another with ``lax.map`` (every
+result, FP8 amax included, is then per instance).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def batch(primitive: Any, args: list[Any], dims: list[int | None], *, config: At
     if scales:
         raise UnsupportedConfigurationError(
             [f"vmap over the FP8 scale factors {scales}: the kernel takes one scale per tensor"], config)
-    if batched & set(_PER_CALL) or any(n.startswith("score_mod_arg_") for n in batched) or (kind == BWD and config.sink):
+    per_call = batched & set(_PER_CALL) or any(n.startswith("score_mod_arg_") for n in batched)
+    if per_call or (kind == BWD and config.sink):          # the sink gradient sums over the batch
         return _one_by_one(primitive, config, options, operands, batched, size)
 
     folding = _Fold(config, size, operands, batched, kind)

@@ -227,7 +227,8 @@ class Call:
 
     def _check(self, error: int | None, what: str) -> None:
         if error:
-            _ERROR_DESTROY(self._api.Error_Destroy)(C.byref(_ErrorDestroyArgs(C.sizeof(_ErrorDestroyArgs), None, error)))
+            args = _ErrorDestroyArgs(C.sizeof(_ErrorDestroyArgs), None, error)
+            _ERROR_DESTROY(self._api.Error_Destroy)(C.byref(args))
             raise RuntimeError(f"{what} failed (is this a GPU call?)")
 
 

@@ -35,7 +35,9 @@ from . import cudnn_target, ffi, reference_target
 from . import batching as batching_rules
 from . import partitioning
 from .kernel import Backend, Kernel, KernelOptions
-from .signature import BWD, FWD, GRADIENT_OF, RESULT_FOLLOWS, dimension_roles, operand_names, result_names, result_shapes
+from .signature import (
+    BWD, FWD, GRADIENT_OF, RESULT_FOLLOWS, dimension_roles, operand_names, result_names, result_shapes,
+)
 
 
 class AttentionPrimitive:
@@ -69,7 +71,8 @@ class AttentionPrimitive:
         """Bind the outer primitive on named operands; returns the named results."""
         return self._bind(self.outer, config, options, operands)
 
-    def call_kernel(self, config: AttentionConfig, options: KernelOptions, operands: Mapping[str, Any]) -> dict[str, Any]:
+    def call_kernel(self, config: AttentionConfig, options: KernelOptions,
+                    operands: Mapping[str, Any]) -> dict[str, Any]:
         """Bind the kernel primitive directly (inside a partitioned computation: no further rules)."""
         return self._bind(self.kernel, config, options, operands)
 
@@ -132,7 +135,7 @@ def _result_aval(config: AttentionConfig, name: str, shape: tuple[int, ...], dty
 forward = AttentionPrimitive(FWD)
 backward = AttentionPrimitive(BWD)
 
-for _handler in (reference_target.HANDLER,):
-    ffi.register(_handler, "cpu")
+# The FFI targets the kernel primitive lowers to (CUDA registrations wait for the CUDA plugin, if any).
+ffi.register(reference_target.HANDLER, "cpu")
 for _handler in cudnn_target.HANDLERS:
     ffi.register(_handler, "CUDA")

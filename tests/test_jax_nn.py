@@ -73,8 +73,10 @@ def test_gradients_match_jax_nn_xla(case):
 
     argnums = (0, 1, 2) + ((3,) if bias is not None else ())
     got = jax.jit(jax.grad(loss(jb.dot_product_attention_nn), argnums=argnums))(q, k, v, bias)
-    nn = lambda q, k, v, bias, **kw: jax.nn.dot_product_attention(q, k, v, bias, implementation="xla", **kw)  # noqa: E731
-    expected = jax.grad(loss(nn), argnums=argnums)(q, k, v, bias)
+    def xla(q, k, v, bias, **kw):
+        return jax.nn.dot_product_attention(q, k, v, bias, implementation="xla", **kw)
+
+    expected = jax.grad(loss(xla), argnums=argnums)(q, k, v, bias)
     for name, g, e in zip(("dq", "dk", "dv", "dbias"), got, expected):
         assert_close(g, e, "float16", f"{case} {name}", factor=2.0)
 
