@@ -7,8 +7,10 @@
 # package index: the cuDNN frontend wheel is brought in .whl/ (../shared/gpu/fetch-wheels.sh) and
 # installed into /tmp/site; the project is installed editable (graphs/ and jax_bridge/ map to
 # cudnn_attn.graphs / cudnn_attn.jax_bridge, so the checkout alone is not importable).
-# Time limits per phase: GPU_RUN_TEST_SECONDS (default 360), GPU_RUN_BENCH_SECONDS (default 220);
-# GPU_RUN_BENCH_ARGS is passed to the benchmark (e.g. --quick).
+# The defaults fit one 600 s device call: GPU_RUN_TEST_SECONDS (default 300) for the tests,
+# GPU_RUN_BENCH_SECONDS (default 240) for the three benchmarks together (bench_attention, bench_fp8,
+# bench_decode, in that order; each may use what is left but the 60 s kept for each one after it).
+# GPU_RUN_BENCH_ARGS goes to every benchmark (default --quick; set it empty for the full runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"; shift || true
@@ -29,14 +31,21 @@ python3 -c "import cudnn, cudnn_attn; print('cuDNN', cudnn.backend_version(), 'c
 status=0
 if [ "$what" != bench ]; then
   echo "== GPU tests (log: $OUT/gpu_tests.log)"
-  timeout "${GPU_RUN_TEST_SECONDS:-360}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+  timeout "${GPU_RUN_TEST_SECONDS:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider \
     --junitxml="$OUT/gpu_tests.xml" -o junit_family=xunit1 "${@:-tests}" > "$OUT/gpu_tests.log" 2>&1 || status=1
   tail -n 40 "$OUT/gpu_tests.log"
 fi
 if [ "$what" != tests ]; then
-  echo "== benchmarks (log: $OUT/bench.log)"
-  timeout "${GPU_RUN_BENCH_SECONDS:-220}" python3 benchmarks/bench_attention.py --out "$OUT" ${GPU_RUN_BENCH_ARGS:-} \
-    > "$OUT/bench.log" 2>&1 || status=1
+  benches=(attention fp8 decode)
+  bench_end=$((SECONDS + ${GPU_RUN_BENCH_SECONDS:-240}))
+  for i in "${!benches[@]}"; do
+    name=${benches[$i]}
+    limit=$((bench_end - SECONDS - 60 * (${#benches[@]} - i - 1)))   # keep 60 s for each one still to come
+    if [ "$limit" -le 0 ]; then echo "== bench_$name: no time left"; status=1; continue; fi
+    echo "== bench_$name (log: $OUT/bench_$name.log, at most ${limit} s)"
+    timeout "$limit" python3 "benchmarks/bench_$name.py" --out "$OUT" ${GPU_RUN_BENCH_ARGS---quick} \
+      > "$OUT/bench_$name.log" 2>&1 || status=1
+  done
 fi
 
 python3 - "$OUT" "$what" <<'PY'
@@ -60,10 +69,14 @@ if what != "bench" and os.path.exists(xml):
         print("  FAILED", name)
 elif what != "bench":
     print("no test report (see gpu_tests.log)")
-log = os.path.join(out, "bench.log")
-if what != "tests" and os.path.exists(log):
+# Each benchmark prints its table last, from a header of its own.
+for name, header in (("attention", "shape "), ("fp8", "== FP8"), ("decode", "== decode")):
+    log = os.path.join(out, f"bench_{name}.log")
+    if what == "tests" or not os.path.exists(log):
+        continue
     text = open(log).read()
-    start = text.rfind("shape ")
-    print(text[start:] if start >= 0 else text[-3000:])
+    start = text.rfind(header)
+    print(text[start:].rstrip() if start >= 0 else f"bench_{name}: no table (timed out or failed), log tail:\n"
+          + "\n".join(text.rstrip().splitlines()[-3:]))
 PY
 exit $status
