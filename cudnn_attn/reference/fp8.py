@@ -23,6 +23,10 @@ Backward (``sdpa_fp8_backward``; O and dO are the FP8 forward output and incomin
 ``exp(S - running max)`` of flash attention rather than the normalised P, so they round P at slightly
 different points: compare with FP8 tolerances (about 0.08 absolute + 0.2 relative on values of order
 one, as the cuDNN frontend's own FP8 tests do).  Not emulated: bias, ALiBi, dropout, score_mod.
+
+The amax values follow cuDNN 9.19 as read (not yet measured on the GPU): the sm90 forward kernel
+reports ``amax_s`` as the maximum over rows of ``1 / sum_j exp(s_ij - max_j s_ij)``, which is ``max P``;
+the frontend's ``sdpa_fp8_backward`` reduces ``amax_dP`` over ``dS`` after the attention scale, as above.
 """
 
 from __future__ import annotations
