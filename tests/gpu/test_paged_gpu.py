@@ -10,7 +10,7 @@ result means a leak.  Everything cuDNN does read but masks - the tail of a seque
 the query rows past ``q_seqlen`` - holds a large finite constant instead (NaN there propagates through
 the masked tile arithmetic; measured on the H200 with cuDNN 9.19, see :mod:`cudnn_attn.execution`).
 The public call allocates its own output, so every element of it is checked finite and against the
-reference; the native call into a NaN-filled buffer must write the same bytes.
+reference; so is the native call's output, written into a NaN-filled buffer.
 
 Tolerances: the tier's (``_checks``): relative Frobenius error 2e-3 fp16, 1e-2 bf16.
 ``tests/gpu/test_api_gpu.py`` already covers a small BTNH fp16 case with no NaN at all.
@@ -92,7 +92,7 @@ def to_gpu(operands):
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_paged_attention_matches_the_reference_and_never_reads_unused_blocks(case):
     """The public call against the reference (every element finite), rows past ``q_seqlen`` exactly 0,
-    and the native call into a NaN-filled buffer writing the same bytes."""
+    and the native call into a NaN-filled buffer (every element written)."""
     call = dict(CASES[case])
     shared_prefix = call.pop("shared_prefix", False)
     rng = np.random.default_rng()
@@ -104,9 +104,10 @@ def test_paged_attention_matches_the_reference_and_never_reads_unused_blocks(cas
         scale=config.scale, qkv_layout=config.layout.name,
         mask_type=MaskType.PADDING_CAUSAL if config.mask.causal else MaskType.PADDING,
         diagonal_alignment=config.mask.alignment.value)
-    assert_close("output", output, reference.forward(config, operands).output, config.dtype)
+    expected = reference.forward(config, operands).output
+    assert_close("output", output, expected, config.dtype)
     rows = cp.asnumpy(output) if config.layout.name == "BTNH" else cp.asnumpy(output).transpose(0, 2, 1, 3)
     for b, length in enumerate(operands.q_seqlen):
         assert (rows[b, length:] == 0).all(), f"sequence {b}: output rows past q_seqlen = {length} are not 0"
     native = execution.forward(config, gpu, output=poisoned(config.o_shape, output.dtype))
-    assert cp.array_equal(native.output, output), "the native call into a NaN-filled buffer differs"
+    assert_close("output (native call, NaN-filled buffer)", native.output, expected, config.dtype)
