@@ -184,3 +184,20 @@ def test_packed_segments_shard_over_heads_not_batch():
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(expected[1]), rtol=1e-6)
     with pytest.raises(Exception, match="packed segments with batch sharding"):
         fn(*_put(mesh, P("data"), q, k, v))[0].block_until_ready()
+
+
+def test_gspmd_propagation_when_shardy_is_off():
+    """The ``infer_sharding_from_operands`` rule serves the (deprecated) GSPMD partitioner."""
+    rng = np.random.default_rng(25)
+    q, k, v = qkv(rng, B=B, T=T, S=T, N=N, H=H)
+    fn = lambda q, k, v: jb.dot_product_attention(q, k, v, scale=SCALE)  # noqa: E731
+    expected = jax.jit(fn)(q, k, v)
+    previous = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        args = _put(_mesh(AxisType.Auto), P("data", None, "model"), q, k, v)
+        out = jax.jit(fn)(*args)
+        assert out.sharding.is_equivalent_to(args[0].sharding, 4)
+        assert_close(out, expected, "float16", "output", factor=0.01)
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", previous)
