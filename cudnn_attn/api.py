@@ -247,11 +247,8 @@ def dot_product_attention_bwd(
         scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8, training=True,
         diagonal_alignment=diagonal_alignment, deterministic=deterministic), fp8_dtype if use_fp8 else None)
-    if config.fp8:
-        prepare_backward(config, _fp8_described(output, config.dtype), _fp8_described(grad_output, config.dtype),
-                         logsumexp)
-    else:
-        prepare_backward(config, output, grad_output, logsumexp)
+    residuals = (output, grad_output)      # FP8 O and dO are uint8 bytes like Q/K/V
+    prepare_backward(config, *(_fp8_described(x, config.dtype) if config.fp8 else x for x in residuals), logsumexp)
     return execution.backward(config, operands, output, grad_output, logsumexp,
                               seed=seed, stream=stream, autotune=autotune)
 
