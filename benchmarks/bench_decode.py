@@ -156,8 +156,8 @@ def run(quick: bool, dry_run: bool) -> list[Row]:
 def table(rows: list[Row]) -> str:
     lines = [f"== decode: B={BATCH}, {Q_HEADS} q / {KV_HEADS} kv heads, d={DIM}, bf16, paged blocks of {BLOCK} "
              f"(bandwidth in TB/s; H200 copy ~{H200_COPY_TBPS} TB/s)",
-             f"{'kv len':>6s} {'GB/call':>7s} {'paged us':>9s} {'TB/s':>5s} {'%copy':>5s} {'contig us':>9s} {'TB/s':>5s} "
-             f"{'torch us':>9s} {'TB/s':>5s} {'copy TB/s':>9s}"]
+             f"{'kv len':>6s} {'GB/call':>7s} {'paged us':>9s} {'TB/s':>5s} {'%copy':>5s} {'contig us':>9s} "
+             f"{'TB/s':>5s} {'torch us':>9s} {'TB/s':>5s} {'copy TB/s':>9s}"]
     for r in rows:
         paged = r.tbps("paged")
         share = None if paged is None else 100 * paged / H200_COPY_TBPS

@@ -196,9 +196,9 @@ def table(rows: list[Row]) -> str:
              f"{'shape':22s} {'impl':9s} {'fwd ms':>8s} {'TF/s':>6s} {'x bf16':>6s} {'bwd ms':>8s} {'TF/s':>6s} "
              f"{'x bf16':>6s}"]
     for r in rows:
-        lines.append(f"{r.shape:22s} {r.impl:9s} {_f(r.fwd_ms):>8s} {_f(r.fwd_tflops, 0):>6s} {_f(r.fwd_speedup, 2):>6s} "
-                     f"{_f(r.bwd_ms):>8s} {_f(r.bwd_tflops, 0):>6s} {_f(r.bwd_speedup, 2):>6s}"
-                     + (f"  {r.error}" if r.error else ""))
+        forward = f"{_f(r.fwd_ms):>8s} {_f(r.fwd_tflops, 0):>6s} {_f(r.fwd_speedup, 2):>6s}"
+        backward = f"{_f(r.bwd_ms):>8s} {_f(r.bwd_tflops, 0):>6s} {_f(r.bwd_speedup, 2):>6s}"
+        lines.append(f"{r.shape:22s} {r.impl:9s} {forward} {backward}" + (f"  {r.error}" if r.error else ""))
     best = max((r.fwd_tflops for r in rows if r.impl != "bf16" and r.fwd_tflops), default=None)
     if best is not None:
         lines.append(f"best FP8 forward: {best:.0f} TFLOP/s = {best / PUBLISHED_FP8_FWD_TFLOPS:.0%} of the published "

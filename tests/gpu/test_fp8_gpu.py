@@ -158,7 +158,8 @@ def softmax_facts(exact_config, exact_operands) -> tuple[float, float, float]:
     problem = load(exact_config, exact_operands)
     s, _ = scores(problem, exact_config.scale)
     p, _ = softmax(s, problem.sink)
-    return float(p.max()), float(np.einsum("bnts,bnsd->bntd", p, np.abs(problem.v)).max()), float(np.abs(problem.v).max())
+    spread = np.einsum("bnts,bnsd->bntd", p, np.abs(problem.v)).max()
+    return float(p.max()), float(spread), float(np.abs(problem.v).max())
 
 
 def assert_amax_s(got: float, max_p: float, config, descale_s: float) -> None:
