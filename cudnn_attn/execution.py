@@ -186,7 +186,7 @@ class _Call:
             from .graphs import build_graph
             from .support import check_supported
 
-            check_supported(key.config, self.context.environment)
+            check_supported(key.config, self.context.environment, kind=key.kind)
 
             def build_with(plan: str | None = None) -> Any:
                 with self.cupy.cuda.Device(self.device):

@@ -174,6 +174,7 @@ class Restriction:
     feature: str
     check: Check
     enforced_by: str
+    kinds: tuple[str, ...] = ("fwd", "bwd")   # the graphs the rule concerns
 
     def unmet(self, config: AttentionConfig, env: Environment) -> list[str]:
         found = self.check(config, env)
@@ -338,9 +339,7 @@ def _training_bias_odd_lengths(c: AttentionConfig, env: Environment) -> str | No
 
 
 def _paged_forward_only(c: AttentionConfig, env: Environment) -> str | None:
-    if c.paging and c.training:
-        return "forward only (cuDNN has no paged backward), but training=True"
-    return None
+    return "no backward (cuDNN's sdpa_backward takes no page tables)" if c.paging else None
 
 
 def _packed_layout(c: AttentionConfig, env: Environment) -> str | None:
@@ -389,7 +388,7 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     Restriction("FP8 attention", _fp8_sink, CUDNN),
     Restriction("FP8 attention", _fp8_head_dim, CUDNN),
     Restriction("FP8 attention", _fp8_backward_hopper, CUDNN),
-    Restriction("paged K/V cache", _paged_forward_only, CUDNN),   # sdpa_backward takes no page tables
+    Restriction("paged K/V cache", _paged_forward_only, CUDNN, kinds=("bwd",)),
     # This library's policy (the seed's rules) or a path it does not have; cuDNN may build these.
     Restriction("head dim", _head_dim_limit, LIBRARY),
     Restriction("FP8 attention", _fp8_masks, LIBRARY),
@@ -408,13 +407,16 @@ RESTRICTIONS: tuple[Restriction, ...] = (
 # -- public -----------------------------------------------------------------------------------------
 
 def not_supported_reasons(config: AttentionConfig, env: Environment | None = None, *,
-                          enforced_by: str | None = None) -> list[str]:
+                          kind: str | None = None, enforced_by: str | None = None) -> list[str]:
     """Every reason ``config`` cannot run in ``env`` (detected when ``None``); empty when it can.
 
-    ``enforced_by`` (``CUDNN`` or ``LIBRARY``) keeps only the rules of that kind (the missing GPU or
-    cuDNN is reported by neither).
+    ``kind`` (``"fwd"`` or ``"bwd"``) asks about one graph; ``None`` asks about every graph the
+    configuration needs (the backward too when ``config.training``): a paged forward that returns the
+    logsumexp is fine, its backward is not.  ``enforced_by`` (``CUDNN`` or ``LIBRARY``) keeps only the
+    rules of that kind (the missing GPU or cuDNN is reported by neither).
     """
     env = Environment.detect() if env is None else env
+    kinds = (kind,) if kind is not None else (("fwd", "bwd") if config.training else ("fwd",))
     reasons = []
     if enforced_by is None:
         if env.cudnn_version is None:
@@ -422,14 +424,18 @@ def not_supported_reasons(config: AttentionConfig, env: Environment | None = Non
         if env.compute_capability is None:
             reasons.append("no CUDA GPU with cuDNN found")
     for rule in (*REQUIREMENTS, *RESTRICTIONS):
-        if enforced_by is None or rule.enforced_by == enforced_by:
-            reasons += rule.unmet(config, env)
+        if enforced_by is not None and rule.enforced_by != enforced_by:
+            continue
+        if isinstance(rule, Restriction) and not set(rule.kinds) & set(kinds):
+            continue
+        reasons += rule.unmet(config, env)
     return reasons
 
 
-def check_supported(config: AttentionConfig, env: Environment | None = None) -> None:
-    """Raise :class:`UnsupportedConfigurationError` listing every reason ``config`` cannot run."""
+def check_supported(config: AttentionConfig, env: Environment | None = None, *, kind: str | None = None) -> None:
+    """Raise :class:`UnsupportedConfigurationError` listing every reason ``config`` (or its ``kind``
+    graph) cannot run."""
     env = Environment.detect() if env is None else env
-    reasons = not_supported_reasons(config, env)
+    reasons = not_supported_reasons(config, env, kind=kind)
     if reasons:
         raise UnsupportedConfigurationError(reasons, config, env)

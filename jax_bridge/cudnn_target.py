@@ -122,7 +122,7 @@ def _build(graph_key: Any) -> Any:
     from cudnn_attn import cache, runtime
     from cudnn_attn.support import check_supported
 
-    check_supported(graph_key.config, runtime.context(graph_key.device).environment)
+    check_supported(graph_key.config, runtime.context(graph_key.device).environment, kind=graph_key.kind)
     return cache.build_on_device(graph_key)
 
 
@@ -160,7 +160,7 @@ def _run(call: ffi.Call) -> None:
     """The handler: bind XLA's buffers and stream, zero the unwritten rows, launch."""
     from cudnn_attn import runtime
 
-    key = call.attributes()["key"]
+    key = call.int64_attribute("key")
     device = call.device_ordinal()
     if device is None:
         import cupy

@@ -220,7 +220,7 @@ CASES = [
     ("fp8-backward-packed-hopper", FP8.replace(training=True, packing=PackingSpec(2)), SM90,
      "FP8 attention: the sm90 backward does not support packed segments", CUDNN, FP8.replace(training=True)),
     ("paged-training", BASE.replace(training=True, **PAGED), SM90,
-     "paged K/V cache: forward only (cuDNN has no paged backward), but training=True", CUDNN, BASE.replace(**PAGED)),
+     "paged K/V cache: no backward (cuDNN's sdpa_backward takes no page tables)", CUDNN, BASE.replace(**PAGED)),
     # RESTRICTIONS of this library (the seed's policy)
     ("head-dim-320-inference", BASE.replace(qk_dim=320, v_dim=320), SM90, "head dim: 320 > 256 (sm90 maximum)",
      LIBRARY, BASE.replace(qk_dim=256, v_dim=256)),
@@ -306,3 +306,12 @@ def test_every_table_row_names_its_enforcer():
 def test_score_mod_argument_limit_matches_the_graph_tensor_ids():
     tensors = pytest.importorskip("cudnn_attn.graphs.tensors")
     assert SCORE_MOD_MAX_ARGS == len([tid for tid in tensors.TensorId if tid.name.startswith("SCORE_MOD_ARG_")])
+
+
+def test_kind_selects_the_graphs_asked_about():
+    """A paged forward may return the logsumexp (training=True); only its backward is refused."""
+    paged = BASE.replace(training=True, **PAGED)
+    assert support.not_supported_reasons(paged, SM90, kind="fwd") == []
+    assert support.not_supported_reasons(paged, SM90, kind="bwd") == [
+        "paged K/V cache: no backward (cuDNN's sdpa_backward takes no page tables)"]
+    assert support.not_supported_reasons(paged, SM90) == support.not_supported_reasons(paged, SM90, kind="bwd")
