@@ -34,6 +34,9 @@ from __future__ import annotations
 
 import atexit
 import ctypes as C
+import functools
+import struct
+import traceback
 from typing import Any, Callable, NamedTuple
 
 import ml_dtypes
@@ -78,9 +81,9 @@ class _Attrs(C.Structure):
 
 
 class _CallFrame(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.POINTER(_InternalExtension)),
-                ("api", C.c_void_p), ("ctx", C.c_void_p), ("stage", C.c_int), ("args", _List),
-                ("rets", _List), ("attrs", _Attrs), ("future", C.c_void_p)]
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p), ("api", C.c_void_p),
+                ("ctx", C.c_void_p), ("stage", C.c_int), ("args", _List), ("rets", _List), ("attrs", _Attrs),
+                ("future", C.c_void_p)]
 
 
 class _Buffer(C.Structure):
@@ -124,11 +127,46 @@ class _Api(C.Structure):
                 ("internal_api", C.c_void_p)] + [(name, C.c_void_p) for name in _FUNCTIONS]
 
 
-_HANDLER = C.CFUNCTYPE(C.c_void_p, C.POINTER(_CallFrame))
+_HANDLER = C.CFUNCTYPE(C.c_void_p, C.c_void_p)       # XLA_FFI_Error* (*)(XLA_FFI_CallFrame*)
 _ERROR_CREATE = C.CFUNCTYPE(C.c_void_p, C.POINTER(_ErrorCreateArgs))
 _ERROR_DESTROY = C.CFUNCTYPE(None, C.POINTER(_ErrorDestroyArgs))
 _CONTEXT_GET = C.CFUNCTYPE(C.c_void_p, C.POINTER(_ContextArgs))
 _DEVICE_ORDINAL_GET = C.CFUNCTYPE(C.c_void_p, C.POINTER(_DeviceOrdinalArgs))
+
+# Byte offsets of the fields read on every call.  A handler runs once per execution, so the hot path
+# reads raw memory (``ctypes.string_at`` + ``struct``) instead of materialising ctypes structures.
+_FRAME_API = _CallFrame.api.offset
+_FRAME_CTX = _CallFrame.ctx.offset
+_FRAME_STAGE = _CallFrame.stage.offset
+_FRAME_EXTENSION = _CallFrame.extension_start.offset
+_FRAME_ARGS = _CallFrame.args.offset
+_FRAME_RETS = _CallFrame.rets.offset
+_FRAME_ATTRS = _CallFrame.attrs.offset
+_LIST_SIZE = _List.size.offset               # size, types, items follow each other
+_ATTRS_SIZE = _Attrs.size.offset             # size, types, names, attrs follow each other
+_BUFFER_DATA = _Buffer.data.offset
+_VOID_P = C.c_void_p
+_LIST_HEADER = struct.Struct("qPP")           # XLA_FFI_Args/Rets: size, types, items
+_ATTRS_HEADER = struct.Struct("qPPP")         # XLA_FFI_Attrs: size, types, names, attrs
+_POINTER_BYTES = C.sizeof(C.c_void_p)
+_INT_BYTES = C.sizeof(C.c_int)
+_S64 = 5                                      # XLA_FFI_DataType_S64
+
+
+def _read(fmt: struct.Struct, address: int) -> tuple:
+    """Several fields at once (one copy of the bytes, one unpack)."""
+    return fmt.unpack(C.string_at(address, fmt.size))
+
+
+def _word(address: int) -> int:
+    """One pointer-sized field (``from_address`` beats a copy for a single word)."""
+    return _VOID_P.from_address(address).value or 0
+
+
+@functools.lru_cache(maxsize=None)
+def _pointers(count: int) -> struct.Struct:
+    return struct.Struct(f"{count}P")
+
 
 _EXTENSION_METADATA = 1
 _STAGE_EXECUTE = 3
@@ -173,81 +211,127 @@ def host_array(buffer: Buffer, *, writeable: bool) -> np.ndarray:
     return array
 
 
+class _Functions(NamedTuple):
+    """The XLA FFI API functions a handler calls (one table per process, so built once)."""
+
+    error_create: Any
+    error_destroy: Any
+    stream_get: Any
+    device_ordinal_get: Any       # None before the API had it
+
+
+@functools.lru_cache(maxsize=None)
+def _functions(api_address: int) -> _Functions:
+    api = _Api.from_address(api_address)
+    has_ordinal = api.struct_size > _Api.DeviceOrdinal_Get.offset and api.DeviceOrdinal_Get
+    return _Functions(_ERROR_CREATE(api.Error_Create), _ERROR_DESTROY(api.Error_Destroy),
+                      _CONTEXT_GET(api.Stream_Get),
+                      _DEVICE_ORDINAL_GET(api.DeviceOrdinal_Get) if has_ordinal else None)
+
+
 class Call:
     """One execution of a target: its buffers, attributes and (GPU) stream and device."""
 
-    __slots__ = ("_frame", "_api")
+    __slots__ = ("_frame",)
 
-    def __init__(self, frame: _CallFrame):
+    def __init__(self, frame: int):
         self._frame = frame
-        self._api = C.cast(frame.api, C.POINTER(_Api)).contents
 
     @property
     def args(self) -> tuple[Buffer, ...]:
-        return _buffers(self._frame.args)
+        return _buffers(self._frame + _FRAME_ARGS)
 
     @property
     def rets(self) -> tuple[Buffer, ...]:
-        return _buffers(self._frame.rets)
+        return _buffers(self._frame + _FRAME_RETS)
 
     def arg_addresses(self) -> list[int]:
-        """The argument addresses only (cheaper than :attr:`args` when shapes are known)."""
-        return _addresses(self._frame.args)
+        """The argument addresses only (much cheaper than :attr:`args` when the shapes are known)."""
+        return _addresses(self._frame + _FRAME_ARGS)
 
     def ret_addresses(self) -> list[int]:
-        return _addresses(self._frame.rets)
+        return _addresses(self._frame + _FRAME_RETS)
 
     def attributes(self) -> dict[str, Any]:
         """The scalar attributes of the call site, by name."""
-        attrs, found = self._frame.attrs, {}
+        attrs = _Attrs.from_address(self._frame + _FRAME_ATTRS)
+        found = {}
         for i in range(attrs.size):
             if attrs.types[i] != _ATTR_SCALAR:
                 continue
             span = attrs.names[i].contents
-            name = C.string_at(span.ptr, span.len).decode()
             scalar = C.cast(attrs.attrs[i], C.POINTER(_Scalar)).contents
             dtype = DTYPES[scalar.dtype]
-            found[name] = np.frombuffer(C.string_at(scalar.value, dtype.itemsize), dtype)[0].item()
+            found[C.string_at(span.ptr, span.len).decode()] = np.frombuffer(
+                C.string_at(scalar.value, dtype.itemsize), dtype)[0].item()
         return found
+
+    def int64_attribute(self, name: str) -> int:
+        """The int64 scalar attribute ``name`` - the fast path of :meth:`attributes` for a handler that
+        knows its call sites."""
+        count, types, names, values = _read(_ATTRS_HEADER, self._frame + _FRAME_ATTRS + _ATTRS_SIZE)
+        wanted = name.encode()
+        for i in range(count):
+            span = _ByteSpan.from_address(_word(names + i * _POINTER_BYTES))
+            if C.string_at(span.ptr, span.len) != wanted:
+                continue
+            scalar = _Scalar.from_address(_word(values + i * _POINTER_BYTES))
+            if C.c_int.from_address(types + i * _INT_BYTES).value != _ATTR_SCALAR or scalar.dtype != _S64:
+                raise TypeError(f"attribute {name!r}: expected an int64 scalar")
+            return C.c_int64.from_address(scalar.value).value
+        raise KeyError(f"attribute {name!r}: not set at this call site")
 
     def stream(self) -> int:
         """XLA's ``cudaStream_t`` for this call (GPU only)."""
-        args = _ContextArgs(C.sizeof(_ContextArgs), None, self._frame.ctx, None)
-        self._check(_CONTEXT_GET(self._api.Stream_Get)(C.byref(args)), "XLA_FFI_Stream_Get")
+        functions = self._functions()
+        args = _ContextArgs(C.sizeof(_ContextArgs), None, self._context(), None)
+        self._check(functions, functions.stream_get(C.byref(args)), "XLA_FFI_Stream_Get")
         return int(args.out or 0)
 
     def device_ordinal(self) -> int | None:
         """The device this call runs on, or ``None`` when the runtime predates the query."""
-        offset = _Api.DeviceOrdinal_Get.offset
-        if self._api.struct_size <= offset or not self._api.DeviceOrdinal_Get:
+        functions = self._functions()
+        if functions.device_ordinal_get is None:
             return None
-        args = _DeviceOrdinalArgs(C.sizeof(_DeviceOrdinalArgs), None, self._frame.ctx, 0)
-        self._check(_DEVICE_ORDINAL_GET(self._api.DeviceOrdinal_Get)(C.byref(args)), "XLA_FFI_DeviceOrdinal_Get")
+        args = _DeviceOrdinalArgs(C.sizeof(_DeviceOrdinalArgs), None, self._context(), 0)
+        self._check(functions, functions.device_ordinal_get(C.byref(args)), "XLA_FFI_DeviceOrdinal_Get")
         return int(args.device_ordinal)
 
-    def _check(self, error: int | None, what: str) -> None:
+    def _functions(self) -> _Functions:
+        return _functions(_word(self._frame + _FRAME_API))
+
+    def _context(self) -> int:
+        return _word(self._frame + _FRAME_CTX)
+
+    @staticmethod
+    def _check(functions: _Functions, error: int | None, what: str) -> None:
         if error:
-            args = _ErrorDestroyArgs(C.sizeof(_ErrorDestroyArgs), None, error)
-            _ERROR_DESTROY(self._api.Error_Destroy)(C.byref(args))
+            functions.error_destroy(C.byref(_ErrorDestroyArgs(C.sizeof(_ErrorDestroyArgs), None, error)))
             raise RuntimeError(f"{what} failed (is this a GPU call?)")
 
 
-def _buffers(items: _List) -> tuple[Buffer, ...]:
+def _item_addresses(items: int) -> tuple[int, ...]:
+    """The buffer addresses of the ``XLA_FFI_Args``/``XLA_FFI_Rets`` at address ``items``."""
+    count, _, table = _read(_LIST_HEADER, items + _LIST_SIZE)
+    return _read(_pointers(count), table) if count else ()
+
+
+def _buffers(items: int) -> tuple[Buffer, ...]:
     found = []
-    for i in range(items.size):
-        b = C.cast(items.items[i], C.POINTER(_Buffer)).contents
+    for address in _item_addresses(items):
+        b = _Buffer.from_address(address)
         found.append(Buffer(int(b.data or 0), tuple(b.dims[j] for j in range(b.rank)), DTYPES[b.dtype]))
     return tuple(found)
 
 
-def _addresses(items: _List) -> list[int]:
-    return [C.cast(items.items[i], C.POINTER(_Buffer)).contents.data or 0 for i in range(items.size)]
+def _addresses(items: int) -> list[int]:
+    return [_word(address + _BUFFER_DATA) for address in _item_addresses(items)]
 
 
 # -- handlers --------------------------------------------------------------------------------------
 
 class Handler(NamedTuple):
-    """A Python function as an XLA FFI handler.  Keep it alive as long as XLA may call it."""
+    """A Python function as an XLA FFI handler (:func:`register` keeps registered ones alive)."""
 
     name: str
     callback: Any           # the ctypes callback object (owns the C function pointer)
@@ -255,10 +339,11 @@ class Handler(NamedTuple):
 
 
 def _error(api_address: int, exc: BaseException) -> int:
+    """An ``XLA_FFI_Error`` carrying ``exc``'s type and message (its code from :data:`_ERROR_CODES`)."""
     code = next((c for kind, c in _ERROR_CODES if isinstance(exc, kind)), _INTERNAL)
-    api = C.cast(api_address, C.POINTER(_Api)).contents
     message = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")
-    return _ERROR_CREATE(api.Error_Create)(C.byref(_ErrorCreateArgs(C.sizeof(_ErrorCreateArgs), None, message, code)))
+    args = _ErrorCreateArgs(C.sizeof(_ErrorCreateArgs), None, message, code)
+    return _functions(api_address).error_create(C.byref(args))
 
 
 _exit_hook_registered = False
@@ -285,23 +370,23 @@ def make_handler(name: str, fn: Callable[[Call], None], *, command_buffer_compat
     """
     traits = _TRAIT_COMMAND_BUFFER_COMPATIBLE if command_buffer_compatible else 0
 
-    def handler(frame_pointer: Any) -> int | None:
+    def handler(frame: int) -> int | None:
         try:
-            frame = frame_pointer.contents
-            extension = frame.extension_start
-            if extension and extension.contents.type == _EXTENSION_METADATA:
-                metadata = C.cast(extension, C.POINTER(_MetadataExtension)).contents.metadata.contents
+            extension = _word(frame + _FRAME_EXTENSION)
+            if extension and _InternalExtension.from_address(extension).type == _EXTENSION_METADATA:
+                metadata = _MetadataExtension.from_address(extension).metadata.contents
                 metadata.api_version.major_version, metadata.api_version.minor_version = _API_VERSION
                 metadata.traits = traits
                 return None
-            if frame.stage != _STAGE_EXECUTE:
+            if C.c_int.from_address(frame + _FRAME_STAGE).value != _STAGE_EXECUTE:
                 return None
             fn(Call(frame))
             return None
         except BaseException as exc:      # nothing may unwind through XLA's C++ frames
             try:
-                return _error(frame_pointer.contents.api, exc)
+                return _error(_word(frame + _FRAME_API), exc)
             except BaseException:
+                traceback.print_exc()
                 return None
 
     global _exit_hook_registered
@@ -314,12 +399,17 @@ def make_handler(name: str, fn: Callable[[Call], None], *, command_buffer_compat
     return Handler(name, callback, C.cast(callback, C.c_void_p).value)
 
 
+_registered: list[Handler] = []        # XLA holds raw function pointers: their callbacks must never be freed
+
+
 def register(handler: Handler, platform: str) -> None:
-    """Register ``handler`` as the XLA FFI target ``handler.name`` for ``platform`` (``"cpu"``, ``"CUDA"``).
+    """Register ``handler`` as the XLA FFI target ``handler.name`` for ``platform`` (``"cpu"``, ``"CUDA"``),
+    and keep it alive for the rest of the process.
 
     Registering for a platform whose plugin is not loaded (CUDA on a CPU-only install) is queued by
     jaxlib until the plugin appears.
     """
     import jax
 
+    _registered.append(handler)
     jax.ffi.register_ffi_target(handler.name, jax.ffi.pycapsule(handler.address), platform=platform)

@@ -39,7 +39,7 @@ def reference_results(kernel: Kernel, arrays: Sequence[Any]) -> dict[str, np.nda
 
 
 def _run(call: ffi.Call) -> None:
-    kernel = registry.kernel(call.attributes()["key"])
+    kernel = registry.kernel(call.int64_attribute("key"))
     arrays = [ffi.host_array(buffer, writeable=False) for buffer in call.args]
     results = reference_results(kernel, arrays)
     for name, buffer in zip(kernel.results, call.rets):
