@@ -53,7 +53,8 @@ HANDLER = ffi.make_handler(TARGET, _run)
 
 
 def lower(ctx: Any, *args: Any, kind: str, config: Any, options: Any) -> Any:
-    """Lowering of the kernel primitive on CPU: one call of the reference FFI target."""
+    """Lowering of the kernel primitive on CPU: one call of the reference FFI target (``cuda_graph`` has no
+    meaning here: command buffers are a GPU feature)."""
     import jax
 
     key = registry.key(Kernel(config, kind, options.seed))
