@@ -40,7 +40,6 @@ from . import ffi
 from .kernel import CUDA_GRAPH_TARGET, TARGET, Kernel, registry
 from .signature import FWD
 
-_WORKSPACE = "workspace"
 
 # -- which tensors a call binds -----------------------------------------------------------------------
 

@@ -40,7 +40,6 @@ from .signature import (
     ATTENTION_TENSORS, BWD, FP8_BWD_AMAX, FP8_FWD_AMAX, dimension_roles, operand_names, result_names,
 )
 
-_SPLIT_ROLES = ("b", "bm", "n", "k")            # dimensions that may be sharded
 _REFUSED_ROLES = {"t": "query sequence", "s": "key/value sequence", "h": "head", "e": "value head"}
 
 
