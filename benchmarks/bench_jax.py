@@ -1,6 +1,6 @@
 """The JAX bridge against JAX's own cuDNN attention, under ``jax.jit`` on one GPU (not a test).
 
-    python benchmarks/bench_jax.py OUT_DIR [--quick] [--chain 16] [--rounds 5]
+    python benchmarks/bench_jax.py [--out OUT_DIR] [--quick] [--chain 16] [--rounds 5]
 
 Implementations (bf16, BTNH):
 
@@ -183,7 +183,7 @@ def table(rows: list[Row]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", help="directory for bench_jax.json")
+    parser.add_argument("--out", default="bench_out", help="directory for bench_jax.json")
     parser.add_argument("--quick", action="store_true", help="T=S in {1k, 4k} only")
     parser.add_argument("--chain", type=int, default=16, help="dependent calls per jitted program")
     parser.add_argument("--rounds", type=int, default=5, help="timed runs per row (median)")
@@ -212,7 +212,7 @@ def main() -> int:
     with open(os.path.join(args.out, "bench_jax.json"), "w") as f:
         json.dump(report, f, indent=2)
     print()
-    print(f"JAX bridge vs jax.nn cuDNN attention on {device.device_kind} (jax {jax.__version__}, cuDNN "
+    print(f"== JAX bridge vs jax.nn cuDNN attention on {device.device_kind} (jax {jax.__version__}, cuDNN "
           f"{report['cudnn']}, chain of {args.chain} calls per program)")
     print(table(rows))
     return 1 if any(r.error for r in rows) else 0

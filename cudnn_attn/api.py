@@ -156,12 +156,6 @@ def _prepared(arrays: dict[str, Any], static: dict[str, Any], fp8_dtype: str | N
     return config, operands
 
 
-def _seed_result(result: Any, use_fp8: bool, return_residual: bool) -> Any:
-    if use_fp8:
-        return result.output, result.amax_s, result.amax_o
-    if return_residual:
-        return result.output, result.logsumexp
-    return result.output
 
 
 def dot_product_attention(
@@ -191,7 +185,7 @@ def dot_product_attention(
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8,
         training=return_residual, diagonal_alignment=diagonal_alignment), fp8_dtype if use_fp8 else None)
     result = execution.forward(config, operands, seed=seed, stream=stream, autotune=autotune)
-    return _seed_result(result, use_fp8, return_residual)
+    return result.seed_form(use_fp8, return_residual)
 
 
 def paged_attention(
@@ -215,7 +209,7 @@ def paged_attention(
         sliding_window_length=sliding_window_length, use_fp8=use_fp8, training=return_residual,
         diagonal_alignment=diagonal_alignment))
     result = execution.forward(config, operands, seed=seed, stream=stream, autotune=autotune)
-    return _seed_result(result, use_fp8, return_residual)
+    return result.seed_form(use_fp8, return_residual)
 
 
 def dot_product_attention_bwd(

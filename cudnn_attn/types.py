@@ -90,6 +90,14 @@ class AttentionOutput(NamedTuple):
     amax_s: Any = None
     amax_o: Any = None
 
+    def seed_form(self, use_fp8: bool, return_residual: bool) -> Any:
+        """The seed's return form: ``output``, ``(output, logsumexp)`` or ``(output, amax_s, amax_o)``."""
+        if use_fp8:
+            return self.output, self.amax_s, self.amax_o
+        if return_residual:
+            return self.output, self.logsumexp
+        return self.output
+
 
 class AttentionGrads(NamedTuple):
     """Result of the backward.  ``dbias`` is present when the bias is differentiable, ``dsink`` when a

@@ -136,13 +136,6 @@ def attention(config: AttentionConfig, operands: AttentionOperands, options: Ker
     return AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
 
 
-def seed_result(result: AttentionOutput, use_fp8: bool, return_residual: bool) -> Any:
-    """The seed's return form: ``output``, ``(output, logsumexp)`` or ``(output, amax_s, amax_o)``."""
-    if use_fp8:
-        return result.output, result.amax_s, result.amax_o
-    if return_residual:
-        return result.output, result.logsumexp
-    return result.output
 
 
 # -- the seed-compatible front door ----------------------------------------------------------------
@@ -172,7 +165,7 @@ def dot_product_attention(
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8, training=return_residual,
         diagonal_alignment=diagonal_alignment, deterministic=deterministic, xp=jnp)
     options = kernel_options(config, seed=seed, backend=backend, cuda_graph=cuda_graph)
-    return seed_result(attention(config, operands, options), use_fp8, return_residual)
+    return attention(config, operands, options).seed_form(use_fp8, return_residual)
 
 
 def paged_attention(
@@ -195,4 +188,4 @@ def paged_attention(
         sliding_window_length=sliding_window_length, use_fp8=use_fp8, training=return_residual,
         diagonal_alignment=diagonal_alignment, xp=jnp)
     options = kernel_options(config, seed=seed, backend=backend, cuda_graph=cuda_graph)
-    return seed_result(attention(config, operands, options), use_fp8, return_residual)
+    return attention(config, operands, options).seed_form(use_fp8, return_residual)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from cudnn_attn.types import MaskType
 from cudnn_attn.validation import prepare
 
-from .api import attention, kernel_options, seed_result
+from .api import attention, kernel_options
 
 
 def _window(local_window_size: Any, is_causal: bool) -> tuple[int, int] | None:
@@ -91,7 +91,6 @@ def dot_product_attention_nn(query: Any, key: Any, value: Any, bias: Any = None,
         left, right = window
         # Keys with i - left <= j <= i + right:  d = j - i <= right  and  -d < left + 1.
         config = config.replace(mask=dataclasses.replace(config.mask, right_bound=right, left_bound=left + 1))
-    output = seed_result(attention(config, operands, kernel_options(config, backend=backend, cuda_graph=cuda_graph)),
-                          use_fp8=False, return_residual=False)
+    output = attention(config, operands, kernel_options(config, backend=backend, cuda_graph=cuda_graph)).output
     return output[0] if unbatched else output
 

@@ -31,12 +31,12 @@ python3 -c "import cudnn, cudnn_attn; print('cuDNN', cudnn.backend_version(), 'c
 status=0
 if [ "$what" != bench ]; then
   echo "== GPU tests (log: $OUT/gpu_tests.log)"
-  timeout "${GPU_RUN_TEST_SECONDS:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+  timeout -s INT -k 20 "${GPU_RUN_TEST_SECONDS:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider \
     --junitxml="$OUT/gpu_tests.xml" -o junit_family=xunit1 "${@:-tests}" > "$OUT/gpu_tests.log" 2>&1 || status=1
   tail -n 40 "$OUT/gpu_tests.log"
 fi
 if [ "$what" != tests ]; then
-  benches=(attention fp8 decode)
+  benches=(attention fp8 decode jax)
   bench_end=$((SECONDS + ${GPU_RUN_BENCH_SECONDS:-240}))
   for i in "${!benches[@]}"; do
     name=${benches[$i]}
@@ -70,7 +70,7 @@ if what != "bench" and os.path.exists(xml):
 elif what != "bench":
     print("no test report (see gpu_tests.log)")
 # Each benchmark prints its table last, from a header of its own.
-for name, header in (("attention", "shape "), ("fp8", "== FP8"), ("decode", "== decode")):
+for name, header in (("attention", "shape "), ("fp8", "== FP8"), ("decode", "== decode"), ("jax", "== JAX")):
     log = os.path.join(out, f"bench_{name}.log")
     if what == "tests" or not os.path.exists(log):
         continue

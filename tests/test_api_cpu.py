@@ -11,7 +11,6 @@ import pytest
 
 import cudnn_attn
 from cudnn_attn import MaskType, NoGPUError, UnsupportedConfigurationError, execution, launch, runtime
-from cudnn_attn.api import _seed_result
 from cudnn_attn.cache import GraphKey, PlanChoice
 from cudnn_attn.config import AttentionConfig
 from cudnn_attn.graphs.tensors import TensorId
@@ -255,9 +254,9 @@ def test_autotune_setting(default, per_call, expected):
 
 def test_seed_return_forms():
     result = AttentionOutput("o", "lse", "amax_s", "amax_o")
-    assert _seed_result(result, use_fp8=False, return_residual=False) == "o"
-    assert _seed_result(result, use_fp8=False, return_residual=True) == ("o", "lse")
-    assert _seed_result(result, use_fp8=True, return_residual=False) == ("o", "amax_s", "amax_o")
+    assert result.seed_form(use_fp8=False, return_residual=False) == "o"
+    assert result.seed_form(use_fp8=False, return_residual=True) == ("o", "lse")
+    assert result.seed_form(use_fp8=True, return_residual=False) == ("o", "amax_s", "amax_o")
 
 
 # -- the validation memo -----------------------------------------------------------------------------

@@ -17,12 +17,6 @@ from ..validation import prepare, prepare_backward
 from .core import backward, forward
 
 
-def _seed_result(result: Any, use_fp8: bool, return_residual: bool) -> Any:
-    if use_fp8:
-        return result.output, result.amax_s, result.amax_o
-    if return_residual:
-        return result.output, result.logsumexp
-    return result.output
 
 
 def dot_product_attention(
@@ -40,7 +34,7 @@ def dot_product_attention(
         score_mod_args, sink, scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8,
         training=return_residual, diagonal_alignment=diagonal_alignment, xp=np)
-    return _seed_result(forward(config, operands, seed=seed, dropout_mask=dropout_mask), use_fp8, return_residual)
+    return forward(config, operands, seed=seed, dropout_mask=dropout_mask).seed_form(use_fp8, return_residual)
 
 
 def paged_attention(
@@ -57,7 +51,7 @@ def paged_attention(
         (), sink, scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, use_fp8=use_fp8, training=return_residual,
         diagonal_alignment=diagonal_alignment, xp=np)
-    return _seed_result(forward(config, operands, seed=seed, dropout_mask=dropout_mask), use_fp8, return_residual)
+    return forward(config, operands, seed=seed, dropout_mask=dropout_mask).seed_form(use_fp8, return_residual)
 
 
 def dot_product_attention_bwd(
