@@ -92,7 +92,8 @@ class StreamEvents:
 
     def _record(self, call: ffi.Call) -> None:
         slot = call.attributes()["slot"]
-        cp.cuda.runtime.eventRecord(self.events[slot].ptr, call.stream())
+        with cp.cuda.Device(call.device_ordinal() or 0):   # XLA's threads need not have the device current
+            cp.cuda.runtime.eventRecord(self.events[slot].ptr, call.stream())
 
     def mark(self, x: jax.Array, slot: int) -> jax.Array:
         return jax.ffi.ffi_call("cudnn_attn_bench_event", jax.ShapeDtypeStruct(x.shape, x.dtype),

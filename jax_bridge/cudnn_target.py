@@ -264,7 +264,8 @@ def lower(ctx: Any, *args: Any, kind: str, config: AttentionConfig, options: Any
     by_name = {name: _RESULT_IDS[name] for name in kernel.results}
 
     def call(*arrays: Any) -> list[Any]:
-        bound, segments = graph_operands(kernel, dict(zip(kernel.operands, arrays)))
+        operands = dict(zip(kernel.operands, arrays))
+        bound, segments = graph_operands(kernel, operands)
         sizes = tuple(int(np.prod(result_types[t][0], dtype=np.int64)) * np.dtype(result_types[t][1]).itemsize
                       for t in result_ids)
         binding = _Binding(kernel, tuple(sorted(bound)), result_ids, sizes)
@@ -286,6 +287,11 @@ def lower(ctx: Any, *args: Any, kind: str, config: AttentionConfig, options: Any
             value = found[by_name[name]]
             if name == "logsumexp" and segments is not None:
                 value = packing.lse_from_tokens(jnp, value, segments, config.q_len)
+            elif name == "logsumexp" and config.mask.padding:
+                # cuDNN writes non-finite values into the rows of padded queries (measured on the H200
+                # with cuDNN 9.19): zero them after the call, as the CuPy path does.
+                rows = jnp.arange(config.q_len, dtype=jnp.int32)[None, None, :]
+                value = jnp.where(rows < operands["q_seqlen"].reshape(-1, 1, 1), value, 0.0)
             results.append(value)
         return results
 
