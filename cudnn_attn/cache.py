@@ -305,6 +305,18 @@ class GraphCache:
                      e.build_seconds, e.hits)
             for i, e in enumerate(items))
 
+    def _summary(self) -> str:
+        st = self.stats()
+        return (f"GraphCache: {st.entries}/{st.maxsize} graphs, {st.hits} hits, {st.misses} misses, "
+                f"{st.evictions} evictions, {st.build_seconds:.2f} s building")
+
+    def __repr__(self) -> str:
+        """The statistics line and the listing, so that a notebook cell or a print shows both."""
+        return f"{self._summary()}\n{self.entries()!r}"
+
+    def _repr_html_(self) -> str:
+        return f"<p>{html.escape(self._summary())}</p>{self.entries()._repr_html_()}"
+
     def dump(self, which: GraphKey | int) -> str:
         """The cuDNN graph (JSON text) of one entry, by :class:`GraphKey` or by its row index in
         :meth:`entries`."""

@@ -225,3 +225,14 @@ def test_module_instance_is_exported():
 
     assert isinstance(cudnn_attn.graph_cache, GraphCache)
     assert cudnn_attn.graph_cache is cudnn_attn.cache.graph_cache
+
+
+def test_the_cache_itself_shows_its_statistics_and_listing():
+    cache = GraphCache(builder=CountingBuilder())
+    cache.entry(key())
+    cache.entry(key())
+    text = repr(cache)
+    assert text.splitlines()[0].startswith("GraphCache: 1/") and "1 hits, 1 misses" in text
+    assert "mask=none" in text
+    page = cache._repr_html_()
+    assert "1 hits, 1 misses" in page and page.count("<tr>") == 2
