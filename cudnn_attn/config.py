@@ -2,8 +2,9 @@
 
 :class:`AttentionConfig` is frozen and hashable.  It is built once at the public boundary (see
 :func:`cudnn_attn.validation.prepare`) and then crosses every layer unchanged: it is the graph-cache
-key (with device and cuDNN version), the only static argument of the JAX primitives, and the input of
-the support table, the reference, the graph builder and the batching/sharding rules.
+key (with device and cuDNN version), the static description the JAX primitives carry (next to their
+kernel options: the dropout seed, the backend), and the input of the support table, the reference, the
+graph builder and the batching/sharding rules.
 
 Runtime values are *not* part of it: the arrays (in :class:`AttentionOperands`), the dropout seed,
 the FP8 scale values and the ``score_mod`` argument values.
