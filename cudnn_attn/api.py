@@ -1,4 +1,4 @@
-"""cuDNN fused attention on GPU arrays: the seed-compatible public functions.
+"""cuDNN fused attention on GPU arrays: the seed-compatible public functions and pre-bound calls.
 
 ``dot_product_attention``, ``paged_attention`` and ``dot_product_attention_bwd`` keep the argument
 names, defaults and return forms of JAX's cuDNN attention module (and of :mod:`cudnn_attn.reference`),
@@ -12,12 +12,20 @@ and add keyword-only extensions after them:
 * ``autotune`` - time every cuDNN plan once per configuration and keep the fastest (``None``: the
   global :func:`set_autotune` setting, off by default);
 * ``fp8_dtype`` (with ``use_fp8``) - the FP8 format of the uint8 operands: ``"float8_e4m3fn"``
-  (default) or ``"float8_e5m2"``.
+  (default) or ``"float8_e5m2"``;
+* ``out_type`` - the array type of the results: ``None`` (default) returns them in the query's
+  framework (CuPy arrays for CuPy, torch tensors for torch, JAX arrays for JAX, zero-copy through
+  DLPack), ``"cupy"`` always returns CuPy arrays.
 
 Inputs are CuPy arrays or any ``__dlpack__`` GPU array (torch tensors, JAX arrays), zero-copy; every
-array of a call lives on the query's device.  Results are CuPy arrays (convert zero-copy with
-``torch.from_dlpack`` / ``jax.dlpack.from_dlpack``).  bfloat16 is CuPy's ``ml_dtypes.bfloat16``.
-Rows cuDNN does not compute (padding, tokens outside packed segments) are returned as zeros.
+array of a call lives on the query's device.  bfloat16 is CuPy's ``ml_dtypes.bfloat16``.  Rows cuDNN
+does not compute (padding, tokens outside packed segments) are returned as zeros.
+
+Speed.  Validation (:func:`cudnn_attn.validation.prepare`) runs in full for every new call signature
+(shapes, dtypes, strides, device and every static argument) and is reused only for an identical one.
+A repeated CuPy call of Q/K/V alone (the common training and benchmarking case) takes a direct path:
+one dictionary lookup of its signature, the results allocated, one launch.  :func:`bind` goes further
+for a fixed signature: it validates once and its calls only check that the arrays still match.
 
 FP8 (``use_fp8=True``): CuPy has no float8 dtype, so FP8 Q/K/V (and, for the backward, O and dO)
 are uint8 arrays holding the FP8 bytes (``x.view(ml_dtypes.float8_e4m3fn)`` on the host, or
@@ -34,18 +42,33 @@ Errors, before any GPU work: :class:`ValueError` for invalid arguments,
 
 from __future__ import annotations
 
+import numbers
+import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from . import execution, runtime
+from .config import AttentionConfig, AttentionOperands
 from .execution import set_autotune
-from .config import AttentionOperands
+from .plan import BWD, FWD
 from .types import AttentionGrads, FP8Params, MaskType
 from .validation import prepare, prepare_backward
 
-__all__ = ["dot_product_attention", "dot_product_attention_bwd", "paged_attention", "set_autotune"]
+__all__ = ["BoundAttention", "bind", "dot_product_attention", "dot_product_attention_bwd", "paged_attention",
+           "set_autotune"]
 
+_INT64_MAX = 2**63 - 1
+
+
+def check_seed(seed: Any) -> int:
+    """The dropout ``seed`` as an int, or a ValueError naming it."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= _INT64_MAX:
+        raise ValueError(f"seed: must be an int in [0, 2**63 - 1] (the dropout seed), got {seed!r}")
+    return int(seed)
+
+
+# -- arrays in, arrays out ------------------------------------------------------------------------------
 
 def _gpu_arrays(stream: Any, **arrays: Any) -> dict[str, Any]:
     """Every array argument as a CuPy array on the query's device (``None`` stays ``None``).
@@ -54,7 +77,8 @@ def _gpu_arrays(stream: Any, **arrays: Any) -> dict[str, Any]:
     """
     runtime.require_gpu()
     device = runtime.device_of("query", arrays["query"])
-    on_stream = None if stream is None else runtime.context(device).stream(runtime.stream_pointer(stream, device))
+    on_stream = None if stream is None else \
+        runtime.device_context(device).stream(runtime.stream_pointer(stream, device))
     converted = {}
     for name, x in arrays.items():
         if x is None:
@@ -68,48 +92,37 @@ def _gpu_arrays(stream: Any, **arrays: Any) -> dict[str, Any]:
     return converted
 
 
-_OPERAND_FIELDS = ("query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets",
-                   "page_table_k", "page_table_v", "sink")
+def _framework(x: Any) -> str:
+    root = type(x).__module__.partition(".")[0]
+    return {"torch": "torch", "jax": "jax", "jaxlib": "jax"}.get(root, "cupy")
 
 
-class _ValidationMemo:
-    """:func:`~cudnn_attn.validation.prepare` for repeated call signatures, without re-running it.
+def _exporter(query: Any, out_type: str | None) -> Callable[[Any], Any] | None:
+    """How results return to the caller's framework (``None``: they stay CuPy arrays)."""
+    if out_type not in (None, "cupy"):
+        raise ValueError(f"out_type: must be None (the query's framework) or 'cupy', got {out_type!r}")
+    framework = "cupy" if out_type == "cupy" else _framework(query)
+    if framework == "torch":
+        import torch
 
-    ``prepare`` reads nothing but shapes, dtypes and the static arguments, so its verdict and its
-    configuration hold for every call with the same signature (shape and dtype of every array plus
-    every static argument).  When it passed the arrays through unchanged (no mask folded into the
-    bias, no FP8 scales, no score_mod arguments), a repeated signature reuses the configuration *object*
-    - which also lets the graph cache reuse its key - and only rebinds the new arrays.  It takes
-    ``prepare`` tens of microseconds to check a call; a cache-hit call must stay under 20.
-    """
+        return lambda x: None if x is None else torch.from_dlpack(x)
+    if framework == "jax":
+        import jax
 
-    def __init__(self, maxsize: int = 256):
-        self._maxsize = maxsize
-        self._known: dict[tuple, tuple[Any, frozenset]] = {}
-
-    def prepare(self, arrays: dict[str, Any], static: dict[str, Any]) -> tuple[Any, Any]:
-        if arrays.get("mask") is not None or arrays.get("fp8_params") or arrays.get("score_mod_args"):
-            return prepare(**arrays, **static, xp=_cupy())
-        shapes = tuple(None if arrays.get(n) is None else (arrays[n].shape, arrays[n].dtype) for n in _OPERAND_FIELDS)
-        signature = (shapes, tuple(static.items()))
-        try:
-            known = self._known.get(signature)
-        except TypeError:                         # an unhashable argument: prepare explains what is wrong
-            return prepare(**arrays, **static, xp=_cupy())
-        if known is not None:
-            config, kept = known
-            return config, AttentionOperands(**{n: arrays[n] for n in kept})
-        config, operands = prepare(**arrays, **static, xp=_cupy())
-        kept = frozenset(n for n in _OPERAND_FIELDS if getattr(operands, n) is not None)
-        if all(getattr(operands, n) is arrays.get(n) for n in kept):
-            if len(self._known) >= self._maxsize:
-                self._known.clear()
-            self._known[signature] = (config, kept)
-        return config, operands
+        return lambda x: None if x is None else jax.dlpack.from_dlpack(x)
+    return None
 
 
-_validated = _ValidationMemo()
+def _export(result: Any, exporter: Callable[[Any], Any] | None) -> Any:
+    if exporter is None:
+        return result
+    if isinstance(result, tuple):
+        return type(result)(*(exporter(x) for x in result)) if hasattr(result, "_fields") else \
+            tuple(exporter(x) for x in result)
+    return exporter(result)
 
+
+# -- validation, once per signature ---------------------------------------------------------------------
 
 FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")
 
@@ -136,6 +149,53 @@ def _check_fp8_dtype(fp8_dtype: str) -> None:
                          f"got {fp8_dtype!r}")
 
 
+_OPERAND_FIELDS = ("query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets",
+                   "page_table_k", "page_table_v", "sink")
+
+
+class _ValidationMemo:
+    """:func:`~cudnn_attn.validation.prepare` for repeated call signatures, without re-running it.
+
+    ``prepare`` reads nothing but shapes, dtypes and the static arguments, so its verdict and its
+    configuration hold for every call with the same signature (shape, dtype and strides of every array,
+    the device, every static argument).  When it passed the arrays through unchanged (no mask folded
+    into the bias, no FP8 scales, no score_mod arguments), a repeated signature reuses the configuration
+    *object* and only rebinds the new arrays.
+    """
+
+    def __init__(self, maxsize: int = 256):
+        self._maxsize = maxsize
+        self._known: dict[tuple, tuple[Any, frozenset]] = {}
+
+    def prepare(self, arrays: dict[str, Any], static: dict[str, Any]) -> tuple[Any, Any]:
+        if arrays.get("mask") is not None or arrays.get("fp8_params") or arrays.get("score_mod_args"):
+            return prepare(**arrays, **static, xp=_cupy())
+        shapes = tuple(None if arrays.get(n) is None else (arrays[n].shape, arrays[n].dtype, _strides(arrays[n]))
+                       for n in _OPERAND_FIELDS)
+        signature = (shapes, tuple(static.items()))
+        try:
+            known = self._known.get(signature)
+        except TypeError:                         # an unhashable argument: prepare explains what is wrong
+            return prepare(**arrays, **static, xp=_cupy())
+        if known is not None:
+            config, kept = known
+            return config, AttentionOperands(**{n: arrays[n] for n in kept})
+        config, operands = prepare(**arrays, **static, xp=_cupy())
+        kept = frozenset(n for n in _OPERAND_FIELDS if getattr(operands, n) is not None)
+        if all(getattr(operands, n) is arrays.get(n) for n in kept):
+            if len(self._known) >= self._maxsize:
+                self._known.clear()
+            self._known[signature] = (config, kept)
+        return config, operands
+
+
+def _strides(x: Any) -> Any:
+    return getattr(x, "strides", None)
+
+
+_validated = _ValidationMemo()
+
+
 def _prepared(arrays: dict[str, Any], static: dict[str, Any], fp8_dtype: str | None = None) -> tuple[Any, Any]:
     """Validate (through the memo) on the query's device.  The bias cuDNN reads must be dense and in
     the io dtype: a mask folded by ``prepare`` may be neither (CuPy 14's bfloat16 ``where`` computes in
@@ -156,7 +216,79 @@ def _prepared(arrays: dict[str, Any], static: dict[str, Any], fp8_dtype: str | N
     return config, operands
 
 
+# -- the direct path of repeated Q/K/V calls ---------------------------------------------------------------
 
+class _Direct:
+    """A validated signature whose arrays are exactly the graph's operands (Q, K, V and, for the
+    backward, O, dO and the logsumexp): each call binds them, allocates the results and launches.
+
+    It refers to its :class:`~cudnn_attn.plan.CallPlan` weakly, so evicting the plan from the graph
+    cache frees it; the next call fetches (or rebuilds) it.
+    """
+
+    __slots__ = ("config", "kind", "device", "autotune", "order", "dropout", "training", "signature", "_plan",
+                 "__weakref__")
+
+    def __init__(self, config: AttentionConfig, kind: str, arrays: tuple, autotune: bool | None,
+                 names: Sequence[str]):
+        from .plan import DIRECT_IDS
+
+        self.config, self.kind, self.autotune = config, kind, autotune
+        self.device = arrays[0].data.device_id
+        self.signature = tuple((x.shape, x.dtype, x.strides) for x in arrays)
+        self.dropout = config.has_dropout
+        self.training = config.training
+        plan = self.plan()
+        position = {DIRECT_IDS[name]: i for i, name in enumerate(names)}
+        self.order = tuple(position[t] for t in plan.operand_ids)
+
+    def plan(self) -> Any:
+        plan = execution.plan_for(self.config, self.kind, self.device, self.autotune)
+        self._plan = weakref.ref(plan)
+        return plan
+
+    def __call__(self, arrays: tuple, seed: int) -> list[Any]:
+        plan = self._plan() or self.plan()
+        cupy = _cupy()
+        with runtime.on_device(self.device):
+            stream = cupy.cuda.get_current_stream().ptr
+            results = [cupy.empty(spec.shape, spec.dtype) for spec in plan.results]
+            pointers = [arrays[i].data.ptr for i in self.order]
+            pointers += [r.data.ptr for r in results]
+            plan.launch(pointers, stream, scalars=(seed, 0) if self.dropout else ())
+        return results
+
+
+_direct: dict[tuple, _Direct] = {}
+_DIRECT_MAX = 1024
+
+
+def _direct_signature(kind: str, arrays: tuple, static: tuple) -> tuple:
+    signature = [kind]
+    for x in arrays:
+        signature += (x.shape, x.dtype, x.strides)
+    signature.append(arrays[0].data.device_id)
+    signature += static
+    signature.append(execution._autotune_default)
+    return tuple(signature)
+
+
+def _remember_direct(kind: str, arrays: tuple, static: tuple, config: AttentionConfig, autotune: bool | None,
+                     names: Sequence[str]) -> None:
+    """After a successful generic call: make its signature take the direct path next time."""
+    if config.packing is not None or config.fp8 or config.score_mod is not None or config.mask.padding:
+        return
+    if len(_direct) >= _DIRECT_MAX:
+        _direct.clear()
+    _direct[_direct_signature(kind, arrays, static)] = _Direct(config, kind, arrays, autotune, names)
+
+
+def _is_cupy(*arrays: Any) -> bool:
+    ndarray = _cupy_ndarray()
+    return all(type(x) is ndarray for x in arrays)
+
+
+# -- the seed-compatible functions ----------------------------------------------------------------------------
 
 def dot_product_attention(
     query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, q_seqlen: Any = None,
@@ -165,7 +297,7 @@ def dot_product_attention(
     seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH", sliding_window_length: int | None = None,
     score_mod: Callable[..., Any] | None = None, use_fp8: bool = False, return_residual: bool = False,
     diagonal_alignment: str = "top_left", sink: Any = None, stream: Any = None, autotune: bool | None = None,
-    fp8_dtype: str = "float8_e4m3fn",
+    fp8_dtype: str = "float8_e4m3fn", out_type: str | None = None,
 ) -> Any:
     """cuDNN scaled dot-product attention (forward).
 
@@ -177,6 +309,21 @@ def dot_product_attention(
     ``return_residual`` (logsumexp float32 ``(B, N, T)``, ``(B*M, N, T)`` packed), or
     ``(output, amax_s, amax_o)`` with ``use_fp8`` (FP8 output as uint8 bytes, see the module doc).
     """
+    static = (scale, mask_type, dropout_rate, qkv_layout, sliding_window_length, score_mod, use_fp8,
+              return_residual, diagonal_alignment, autotune, fp8_dtype)
+    plain = (bias is None and mask is None and q_seqlen is None and kv_seqlen is None and q_offsets is None
+             and kv_offsets is None and fp8_params is None and sink is None and not score_mod_args
+             and stream is None and out_type is None and _is_cupy(query, key, value))
+    if plain:
+        try:
+            direct = _direct.get(_direct_signature(FWD, (query, key, value), static))
+        except TypeError:                                     # an unhashable argument: validation explains
+            direct = None
+        if direct is not None:
+            seed = check_seed(seed) if direct.dropout else seed
+            results = direct((query, key, value), seed)
+            return (results[0], results[1]) if direct.training else results[0]
+    exporter = _exporter(query, out_type)
     arrays = _gpu_arrays(stream, query=query, key=key, value=value, bias=bias, mask=mask, q_seqlen=q_seqlen,
                          kv_seqlen=kv_seqlen, q_offsets=q_offsets, kv_offsets=kv_offsets, fp8_params=fp8_params,
                          score_mod_args=score_mod_args, sink=sink)
@@ -184,8 +331,11 @@ def dot_product_attention(
         scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8,
         training=return_residual, diagonal_alignment=diagonal_alignment), fp8_dtype if use_fp8 else None)
+    seed = check_seed(seed)
     result = execution.forward(config, operands, seed=seed, stream=stream, autotune=autotune)
-    return result.seed_form(use_fp8, return_residual)
+    if plain:
+        _remember_direct(FWD, (query, key, value), static, config, autotune, ("query", "key", "value"))
+    return _export(result.seed_form(use_fp8, return_residual), exporter)
 
 
 def paged_attention(
@@ -194,6 +344,7 @@ def paged_attention(
     mask_type: MaskType = MaskType.NO_MASK, seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH",
     sliding_window_length: int | None = None, use_fp8: bool = False, return_residual: bool = False,
     diagonal_alignment: str = "top_left", sink: Any = None, stream: Any = None, autotune: bool | None = None,
+    out_type: str | None = None,
 ) -> Any:
     """cuDNN attention over paged K/V caches (forward only).
 
@@ -201,6 +352,7 @@ def paged_attention(
     (BNTH); ``page_table_k``/``page_table_v`` int32 ``(B, 1, blocks_per_seq, 1)`` map each sequence's
     logical blocks to cache blocks.  Returns the output, or ``(output, logsumexp)`` with ``return_residual``.
     """
+    exporter = _exporter(query, out_type)
     arrays = _gpu_arrays(stream, query=query, key=key, value=value, q_seqlen=q_seqlen, kv_seqlen=kv_seqlen,
                          page_table_k=page_table_k, page_table_v=page_table_v, bias=bias, mask=mask,
                          fp8_params=fp8_params, sink=sink)
@@ -208,8 +360,8 @@ def paged_attention(
         scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, use_fp8=use_fp8, training=return_residual,
         diagonal_alignment=diagonal_alignment))
-    result = execution.forward(config, operands, seed=seed, stream=stream, autotune=autotune)
-    return result.seed_form(use_fp8, return_residual)
+    result = execution.forward(config, operands, seed=check_seed(seed), stream=stream, autotune=autotune)
+    return _export(result.seed_form(use_fp8, return_residual), exporter)
 
 
 def dot_product_attention_bwd(
@@ -220,7 +372,7 @@ def dot_product_attention_bwd(
     sliding_window_length: int | None = None, score_mod: Callable[..., Any] | None = None, use_fp8: bool = False,
     return_residual: bool = False, diagonal_alignment: str = "top_left", sink: Any = None,
     deterministic: bool = False, stream: Any = None, autotune: bool | None = None,
-    fp8_dtype: str = "float8_e4m3fn",
+    fp8_dtype: str = "float8_e4m3fn", out_type: str | None = None,
 ) -> AttentionGrads:
     """Backward of :func:`dot_product_attention` called with the same arguments (and the same ``seed``).
 
@@ -232,6 +384,22 @@ def dot_product_attention_bwd(
     for signature parity and ignored.
     """
     del return_residual
+    static = (scale, mask_type, dropout_rate, qkv_layout, sliding_window_length, score_mod, use_fp8,
+              diagonal_alignment, deterministic, autotune, fp8_dtype)
+    residual_arrays = (query, key, value, output, grad_output, logsumexp)
+    plain = (bias is None and mask is None and q_seqlen is None and kv_seqlen is None and q_offsets is None
+             and kv_offsets is None and fp8_params is None and sink is None and not score_mod_args
+             and stream is None and out_type is None and _is_cupy(*residual_arrays))
+    if plain:
+        try:
+            direct = _direct.get(_direct_signature(BWD, residual_arrays, static))
+        except TypeError:
+            direct = None
+        if direct is not None:
+            seed = check_seed(seed) if direct.dropout else seed
+            dq, dk, dv = direct(residual_arrays, seed)
+            return AttentionGrads(dq, dk, dv)
+    exporter = _exporter(query, out_type)
     arrays = _gpu_arrays(stream, query=query, key=key, value=value, bias=bias, mask=mask, q_seqlen=q_seqlen,
                          kv_seqlen=kv_seqlen, q_offsets=q_offsets, kv_offsets=kv_offsets, fp8_params=fp8_params,
                          score_mod_args=score_mod_args, sink=sink, output=output, grad_output=grad_output,
@@ -243,11 +411,110 @@ def dot_product_attention_bwd(
         diagonal_alignment=diagonal_alignment, deterministic=deterministic), fp8_dtype if use_fp8 else None)
     residuals = (output, grad_output)      # FP8 O and dO are uint8 bytes like Q/K/V
     prepare_backward(config, *(_fp8_described(x, config.dtype) if config.fp8 else x for x in residuals), logsumexp)
-    return execution.backward(config, operands, output, grad_output, logsumexp,
-                              seed=seed, stream=stream, autotune=autotune)
+    seed = check_seed(seed)
+    grads = execution.backward(config, operands, output, grad_output, logsumexp,
+                               seed=seed, stream=stream, autotune=autotune)
+    if plain and not config.has_dbias and not config.sink:
+        _remember_direct(BWD, residual_arrays, static, config, autotune,
+                         ("query", "key", "value", "output", "grad_output", "logsumexp"))
+    return _export(grads, exporter)
+
+
+# -- pre-bound calls ----------------------------------------------------------------------------------
+
+class BoundAttention:
+    """A forward (and its backward) validated once for fixed Q/K/V shapes, dtypes, strides and static
+    arguments; made by :func:`bind`.
+
+    ``bound(q, k, v)`` returns what :func:`dot_product_attention` returns; ``bound.backward(q, k, v, o,
+    do, lse)`` returns :class:`~cudnn_attn.types.AttentionGrads` (validated and built on its first call).
+    Each call only checks that the arrays are CuPy arrays of the bound signature on the bound device (a
+    mismatch is a ValueError: cuDNN would read out of bounds), then allocates the results and launches on
+    the current CuPy stream.
+    """
+
+    _FWD_NAMES = ("query", "key", "value")
+    _BWD_NAMES = _FWD_NAMES + ("output", "grad_output", "logsumexp")
+
+    def __init__(self, query: Any, key: Any, value: Any, *, seed: int, static: dict):
+        self._static = dict(static)
+        self._seed = check_seed(seed)
+        self._forward = self._make(FWD, (query, key, value))
+        self._backward: _Direct | None = None
+        self.config: AttentionConfig = self._forward.config
+
+    def _make(self, kind: str, arrays: tuple) -> _Direct:
+        static = dict(self._static)
+        deterministic = static.pop("deterministic")
+        training = static.pop("return_residual") if kind == FWD else True
+        config, operands = _prepared(dict(zip(self._FWD_NAMES, arrays[:3])), dict(
+            static, training=training, deterministic=deterministic and kind == BWD))
+        if kind == BWD:
+            prepare_backward(config, *arrays[3:])
+        return _Direct(config, kind, arrays, None, self._BWD_NAMES[:len(arrays)])
+
+    def _check(self, direct: _Direct, arrays: tuple) -> None:
+        ndarray = _cupy_ndarray()
+        if all(type(x) is ndarray for x in arrays) and arrays[0].data.device_id == direct.device \
+                and tuple((x.shape, x.dtype, x.strides) for x in arrays) == direct.signature:
+            return
+        for name, x, (shape, dtype, strides) in zip(self._BWD_NAMES, arrays, direct.signature):
+            if type(x) is not ndarray or (x.shape, x.dtype, x.strides) != (shape, dtype, strides) \
+                    or x.data.device_id != direct.device:
+                raise ValueError(f"{name}: this bound call takes a CuPy array {dtype}{list(shape)} with strides "
+                                 f"{strides} on GPU {direct.device}, got {type(x).__name__}"
+                                 + (f" {x.dtype}{list(x.shape)}" if hasattr(x, "shape") else ""))
+
+    def __call__(self, query: Any, key: Any, value: Any) -> Any:
+        arrays = (query, key, value)
+        self._check(self._forward, arrays)
+        results = self._forward(arrays, self._seed)
+        return (results[0], results[1]) if self._forward.training else results[0]
+
+    def backward(self, query: Any, key: Any, value: Any, output: Any, grad_output: Any,
+                 logsumexp: Any) -> AttentionGrads:
+        arrays = (query, key, value, output, grad_output, logsumexp)
+        if self._backward is None:
+            self._check(self._forward, arrays[:3])
+            self._backward = self._make(BWD, arrays)
+        self._check(self._backward, arrays)
+        dq, dk, dv = self._backward(arrays, self._seed)
+        return AttentionGrads(dq, dk, dv)
+
+
+def bind(query: Any, key: Any, value: Any, *, scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK,
+         seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH",
+         sliding_window_length: int | None = None, return_residual: bool = False,
+         diagonal_alignment: str = "top_left", deterministic: bool = False) -> BoundAttention:
+    """A pre-bound attention call for these Q/K/V (CuPy arrays; their shapes, dtypes, strides and device)
+    and static arguments (those of :func:`dot_product_attention`).  Validates and builds now; each call of
+    the returned :class:`BoundAttention` only checks the arrays and launches."""
+    if not _is_cupy(query, key, value):
+        raise ValueError(f"query/key/value: bind takes CuPy arrays, got {type(query).__name__}, "
+                         f"{type(key).__name__}, {type(value).__name__} (convert with cupy.from_dlpack)")
+    runtime.require_gpu()
+    static = dict(scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
+                  sliding_window_length=sliding_window_length, return_residual=return_residual,
+                  diagonal_alignment=diagonal_alignment, deterministic=deterministic)
+    return BoundAttention(query, key, value, seed=seed, static=static)
 
 
 def _cupy() -> Any:
     import cupy
 
     return cupy
+
+
+_NDARRAY = None
+
+
+def _cupy_ndarray() -> Any:
+    global _NDARRAY
+    if _NDARRAY is None:
+        try:
+            import cupy
+
+            _NDARRAY = cupy.ndarray
+        except ImportError:              # pragma: no cover - cupy is a dependency
+            _NDARRAY = type(None)
+    return _NDARRAY

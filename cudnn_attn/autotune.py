@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from typing import Any, Callable, Mapping, NamedTuple
-
-from .launch import Launcher
+from typing import Any, Callable, NamedTuple
 
 logger = logging.getLogger("cudnn_attn")
 
@@ -26,39 +24,53 @@ class PlanTiming(NamedTuple):
     milliseconds: float
 
 
-def time_plans(built: Any, buffers: Mapping[Any, int], workspace: Callable[[int], int], handle: Any,
-               stream: Any, *, repeats: int = 5) -> list[PlanTiming]:
-    """Median device time of every plan in ``built.plans`` (fastest first).
+def time_plans(candidates: Any, launch_arguments: Callable[[Any], tuple], *, repeats: int = 5) -> list[PlanTiming]:
+    """Median device time of every plan of the all-plans graph ``candidates.built`` (fastest first).
 
-    ``workspace(nbytes)`` returns a device address of at least ``nbytes`` ordered on ``stream`` (a
-    CuPy stream object, already bound to ``handle``).
+    ``candidates`` is a :class:`~cudnn_attn.plan.CallPlan` of that graph; ``launch_arguments(plan)``
+    returns ``(pointers, stream, scalars)`` for a launch of ``plan``.
     """
     import cupy
 
+    from .plan import CallPlan
+
     timings = []
-    for plan in built.plans:
-        launch = Launcher(built, plan_index=plan.index)
-        scratch = workspace(plan.workspace_size)
-        launch(buffers, scratch, handle)                       # warm-up (first-launch costs)
+    for info in candidates.built.plans:
+        plan = CallPlan(candidates.built, candidates.context, plan_index=info.index)
+        pointers, stream, scalars = launch_arguments(plan)
+        external = candidates.context.stream(stream)
+        plan.launch(pointers, stream, scalars=scalars)                   # warm-up (first-launch costs)
         samples = []
         for _ in range(repeats):
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            launch(buffers, scratch, handle)
-            end.record(stream)
+            start.record(external)
+            plan.launch(pointers, stream, scalars=scalars)
+            end.record(external)
             end.synchronize()
             samples.append(cupy.cuda.get_elapsed_time(start, end))
-        timings.append(PlanTiming(plan.index, plan.name, statistics.median(samples)))
+        timings.append(PlanTiming(info.index, info.name, statistics.median(samples)))
     return sorted(timings, key=lambda t: t.milliseconds)
 
 
-def tuned_graph(build: Callable[..., Any], buffers: Mapping[Any, int], workspace: Callable[[int], int],
-                handle: Any, stream: Any) -> Any:
-    """Build all plans with ``build(plan=ALL_PLANS)``, time them, and return ``build(plan=<fastest>)``."""
-    from .graphs.builder import ALL_PLANS
+def tuned_plan(key: Any, launch_arguments: Callable[[Any], tuple]) -> Any:
+    """Cache builder for ``PlanChoice.AUTOTUNED`` keys: build every plan, time them, return the
+    :class:`~cudnn_attn.plan.CallPlan` pinned to the fastest (support checked first)."""
+    import cupy
 
-    candidates = build(plan=ALL_PLANS)
-    timings = time_plans(candidates, buffers, workspace, handle, stream)
-    logger.info("autotuned %s %s (heuristic choice %s): %s", candidates.kind, candidates.config.describe(),
-                candidates.plan_name, ", ".join(f"{t.name} {t.milliseconds:.3f} ms" for t in timings))
-    return build(plan=timings[0].name)
+    from . import runtime
+    from .cache import build_plan
+    from .graphs.builder import ALL_PLANS
+    from .plan import CallPlan
+    from .support import check_supported
+
+    context = runtime.device_context(key.device)
+    check_supported(key.config, context.environment, kind=key.kind)
+    with cupy.cuda.Device(key.device):
+        from .graphs import build_graph
+
+        built = build_graph(key.config, key.kind, context.handle, rng_dump=key.rng_dump, plan=ALL_PLANS)
+    candidates = CallPlan(built, context, rng_dump=key.rng_dump)
+    timings = time_plans(candidates, launch_arguments)
+    logger.info("autotuned %s %s (heuristic choice %s): %s", key.kind, key.config.describe(), built.plan_name,
+                ", ".join(f"{t.name} {t.milliseconds:.3f} ms" for t in timings))
+    return build_plan(key, plan_name=timings[0].name)

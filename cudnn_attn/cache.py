@@ -1,4 +1,4 @@
-"""The graph cache: built cuDNN graphs, keyed by everything that defines them.
+"""The graph cache: call plans of built cuDNN graphs, keyed by everything that defines them.
 
 A cuDNN graph costs 0.05-1.5 s to build (NVRTC compiles the kernels of a new engine configuration),
 and executing one costs microseconds, so every graph is built once per process and reused.
@@ -8,14 +8,17 @@ and executing one costs microseconds, so every graph is built once per process a
   the cuDNN version, the plan choice (cuDNN's heuristic or autotuned) and the debug ``rng_dump``
   output.  Strides are implied by the layout and the scale is in the config, so two calls share a
   graph exactly when cuDNN would build the same one.
+* An entry holds the :class:`~cudnn_attn.plan.CallPlan` of the graph: the built graph and everything a
+  launch needs on its device.  Evicting the entry frees them (a caller holding the plan keeps it alive).
 * :class:`GraphCache` is a bounded, thread-safe LRU with statistics.  Two threads missing the same
-  key build it once (the second waits).  Failed builds are not cached.
+  key build it once (the second waits).  Failed builds are not cached.  The default builder checks
+  support (:func:`cudnn_attn.support.check_supported`) before any GPU work.
 * ``entries()`` lists what is cached - a table in Jupyter (``_repr_html_``) and in a terminal
   (``repr``) - and ``dump(key_or_index)`` returns one entry's cuDNN graph (JSON text).
 * Each build is logged on the ``cudnn_attn`` logger at INFO with its duration.
 
 ``graph_cache`` is the process-wide instance used by :mod:`cudnn_attn.api` and the JAX bridge
-(``graph_cache.get(config, kind, device) -> BuiltGraph``).
+(``graph_cache.plan(config, kind, device) -> CallPlan``).
 """
 
 from __future__ import annotations
@@ -120,25 +123,20 @@ def _shapes(config: AttentionConfig) -> str:
 
 
 class CacheEntry:
-    """A built graph with its key and bookkeeping.  ``launcher`` is the fast execute path for it,
-    created on first use (see :mod:`cudnn_attn.launch`)."""
+    """A cached :class:`~cudnn_attn.plan.CallPlan` (what the builder returned) with its key and bookkeeping."""
 
-    __slots__ = ("key", "graph", "build_seconds", "hits", "_launcher")
+    __slots__ = ("key", "plan", "build_seconds", "hits")
 
-    def __init__(self, key: GraphKey, graph: Any, build_seconds: float):
+    def __init__(self, key: GraphKey, plan: Any, build_seconds: float):
         self.key = key
-        self.graph = graph
+        self.plan = plan
         self.build_seconds = build_seconds
         self.hits = 0
-        self._launcher = None
 
     @property
-    def launcher(self):
-        if self._launcher is None:
-            from .launch import Launcher
-
-            self._launcher = Launcher(self.graph)
-        return self._launcher
+    def graph(self) -> Any:
+        """The built graph (``BuiltGraph``) of the plan."""
+        return getattr(self.plan, "built", self.plan)
 
 
 class _Pending:
@@ -153,21 +151,28 @@ class _Pending:
 Builder = Callable[[GraphKey], Any]
 
 
-def build_on_device(key: GraphKey) -> Any:
-    """Default builder: ``graphs.build_graph`` with this thread's handle for ``key.device``.
+def build_plan(key: GraphKey, *, plan_name: str | None = None) -> Any:
+    """Default builder: the support check for ``key.device`` first (no GPU work for a refused
+    configuration), then the cuDNN graph and its :class:`~cudnn_attn.plan.CallPlan`.
 
-    ``PlanChoice.AUTOTUNED`` needs real buffers to time the plans, so it is built by
-    :mod:`cudnn_attn.autotune` through the ``build=`` argument of :meth:`GraphCache.get`.
+    ``plan_name`` pins cuDNN's plan (an autotuned winner).  ``PlanChoice.AUTOTUNED`` needs real
+    buffers to time the plans, so it is built by :mod:`cudnn_attn.autotune` through the ``build=``
+    argument of :meth:`GraphCache.entry`.
     """
     import cupy
 
     from . import runtime
     from .graphs import build_graph
+    from .plan import CallPlan
+    from .support import check_supported
 
-    if key.plan is not PlanChoice.HEURISTIC:
+    if key.plan is not PlanChoice.HEURISTIC and plan_name is None:
         raise ValueError(f"plan: {key.plan.value} graphs are built by cudnn_attn.autotune, not by the default builder")
+    context = runtime.device_context(key.device)
+    check_supported(key.config, context.environment, kind=key.kind)
     with cupy.cuda.Device(key.device):
-        return build_graph(key.config, key.kind, runtime.context(key.device).handle, rng_dump=key.rng_dump)
+        built = build_graph(key.config, key.kind, context.handle, rng_dump=key.rng_dump, plan=plan_name)
+    return CallPlan(built, context, rng_dump=key.rng_dump)
 
 
 class GraphCache:
@@ -182,23 +187,22 @@ class GraphCache:
         if not isinstance(maxsize, int) or maxsize < 1:
             raise ValueError(f"maxsize: must be a positive int, got {maxsize!r}")
         self._maxsize = maxsize
-        self._builder = builder or build_on_device
+        self._builder = builder or build_plan
         self._lock = threading.Lock()
         self._entries: OrderedDict[GraphKey, CacheEntry] = OrderedDict()
         self._pending: dict[GraphKey, _Pending] = {}
-        self._recent_keys: dict[tuple, GraphKey] = {}
         self._hits = self._misses = self._evictions = 0
         self._build_seconds = 0.0
 
     # -- lookup -----------------------------------------------------------------------------------
-    def get(self, config: AttentionConfig, kind: str, device: int | None = None, *,
-            plan: PlanChoice = PlanChoice.HEURISTIC, rng_dump: bool = False, build: Builder | None = None) -> Any:
-        """The built graph for ``(config, kind, device)``, building it on a miss.
+    def plan(self, config: AttentionConfig, kind: str, device: int | None = None, *,
+             plan: PlanChoice = PlanChoice.HEURISTIC, rng_dump: bool = False, build: Builder | None = None) -> Any:
+        """The :class:`~cudnn_attn.plan.CallPlan` for ``(config, kind, device)``, built on a miss.
 
         ``device`` defaults to the current CuPy device; ``plan`` and ``rng_dump`` are the other
         :class:`GraphKey` fields; ``build`` replaces the cache's builder for this key.
         """
-        return self.entry(self.key(config, kind, device, plan=plan, rng_dump=rng_dump), build).graph
+        return self.entry(self.key(config, kind, device, plan=plan, rng_dump=rng_dump), build).plan
 
     def key(self, config: AttentionConfig, kind: str, device: int | None = None, *,
             plan: PlanChoice = PlanChoice.HEURISTIC, rng_dump: bool = False) -> GraphKey:
@@ -207,17 +211,9 @@ class GraphCache:
             import cupy
 
             device = cupy.cuda.Device().id
-        # A call that reuses its config object (the API's validation memo does) reuses its key too.
-        recent = self._recent_keys.get((id(config), kind, device, plan, rng_dump))
-        if recent is not None and recent.config is config:
-            return recent
         if kind not in KINDS:
             raise ValueError(f"kind: must be one of {KINDS}, got {kind!r}")
-        key = GraphKey(config, kind, device, _cudnn_version(), plan, rng_dump)
-        if len(self._recent_keys) >= 4 * self._maxsize:
-            self._recent_keys.clear()
-        self._recent_keys[(id(config), kind, device, plan, rng_dump)] = key
-        return key
+        return GraphKey(config, kind, device, _cudnn_version(), plan, rng_dump)
 
     def entry(self, key: GraphKey, build: Builder | None = None) -> CacheEntry:
         """The :class:`CacheEntry` of ``key``, built with ``build`` (default: the cache's builder) on a miss."""
@@ -248,7 +244,7 @@ class GraphCache:
     def _build(self, key: GraphKey, pending: _Pending, build: Builder) -> CacheEntry:
         start = time.perf_counter()
         try:
-            graph = build(key)
+            plan = build(key)
         except BaseException as exc:
             with self._lock:
                 self._misses += 1
@@ -257,7 +253,7 @@ class GraphCache:
             pending.done.set()
             raise
         seconds = time.perf_counter() - start
-        entry = CacheEntry(key, graph, seconds)
+        entry = CacheEntry(key, plan, seconds)
         with self._lock:
             self._misses += 1
             self._build_seconds += seconds
@@ -269,7 +265,7 @@ class GraphCache:
         pending.entry = entry
         pending.done.set()
         logger.info("built cuDNN %s graph in %.3f s (plan %s, workspace %s): %s", key.kind, seconds,
-                    _plan_label(entry), _bytes(_workspace(graph)), key.config.describe())
+                    _plan_label(entry), _bytes(_workspace(entry.graph)), key.config.describe())
         return entry
 
     # -- inspection -------------------------------------------------------------------------------
@@ -359,3 +355,12 @@ def _cudnn_version() -> int:
 
 
 graph_cache = GraphCache()
+
+
+def _release_at_exit() -> None:
+    from . import runtime
+
+    runtime.on_release(graph_cache.clear)
+
+
+_release_at_exit()

@@ -6,54 +6,55 @@ works out - which uids the backend needs, in which order, which plan - is fixed 
 built, so :class:`Launcher` works it out once:
 
 * the variant-pack order (ascending uids, exactly what cuDNN's C++ graph expects - read from the
-  lowered graph), as a slot per :class:`~cudnn_attn.graphs.tensors.TensorId`;
-* the backend plan index of the selected plan;
+  lowered graph), as a permutation of the caller's fixed tensor order;
+* the backend plan index of the selected (or a given) plan;
 
-and each call only writes the pointers into a ``void*`` array and hands it to the lowered graph's
-``_execute_with_raw_ptrs`` (one C++ call that builds the variant pack and calls
-``cudnnBackendExecute``): about 9 us on the H200, measured in ``benchmarks/bench_attention.py``.
+and each call only permutes the addresses into a preallocated ``void*`` array and hands it to the
+lowered graph's ``_execute_with_raw_ptrs`` (one C++ call that builds the variant pack and calls
+``cudnnBackendExecute``).
 
 That entry point is private to ``nvidia-cudnn-frontend`` (verified with 1.32.0).  When it is absent,
-or the selected plan is one of the frontend's python engines, or ``CUDNN_ATTN_EXECUTE=frontend`` is
-set, :class:`Launcher` uses the public ``BuiltGraph.execute`` (the frontend's ordered path) instead;
-``Launcher.path`` says which one is in use.
+the graph came back from a form that lacks it, the selected plan is one of the frontend's python
+engines, or ``path=FRONTEND`` is asked for, :class:`Launcher` uses the public ordered
+``BuiltGraph.execute`` instead; ``Launcher.path`` says which one is in use.
+
+A launcher is not thread-safe (it reuses one pointer array): callers hold the device lock
+(:class:`cudnn_attn.runtime.DeviceContext`), as they must for the cuDNN handle anyway.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
-from typing import Any, Mapping
+import operator
+from typing import Any, Sequence
 
 FAST = "fast"
 FRONTEND = "frontend"
 
 
-def _default_path() -> str:
-    path = os.environ.get("CUDNN_ATTN_EXECUTE", FAST)
-    if path not in (FAST, FRONTEND):
-        raise ValueError(f"CUDNN_ATTN_EXECUTE: must be {FAST!r} or {FRONTEND!r}, got {path!r}")
-    return path
-
-
 class Launcher:
-    """Runs one :class:`~cudnn_attn.graphs.builder.BuiltGraph` from ``{TensorId: address}`` maps.
+    """Runs one :class:`~cudnn_attn.graphs.builder.BuiltGraph` from addresses given in a fixed order.
 
     Args:
         built: the graph.
+        ids: the :class:`~cudnn_attn.graphs.tensors.TensorId` of each address a call passes, in the
+            order it passes them; exactly the graph's tensors.
         plan_index: an index of ``built.plans`` to run instead of the selected plan (autotuning).
-        path: :data:`FAST` or :data:`FRONTEND`; default from ``CUDNN_ATTN_EXECUTE`` (``fast``).
+        path: :data:`FAST` (default; falls back to :data:`FRONTEND` where it cannot be used) or
+            :data:`FRONTEND`.
     """
 
-    def __init__(self, built: Any, *, plan_index: int | None = None, path: str | None = None):
+    def __init__(self, built: Any, ids: Sequence[Any], *, plan_index: int | None = None, path: str = FAST):
+        if path not in (FAST, FRONTEND):
+            raise ValueError(f"path: must be {FAST!r} or {FRONTEND!r}, got {path!r}")
         self.built = built
+        self.ids = tuple(ids)
+        if set(self.ids) != set(built.uids) or len(self.ids) != len(built.uids):
+            raise ValueError(f"ids: the {built.kind} graph binds exactly {sorted(t.name for t in built.uids)}, "
+                             f"got {[getattr(t, 'name', t) for t in self.ids]}")
         self.plan_index = plan_index
-        self.path = path or _default_path()
-        self._slots: dict[Any, int] = {}
         self._raw_execute = None
-        self._cpp_index = -1
-        if self.path == FAST:
-            self.path = FAST if self._resolve_fast_path() else FRONTEND
+        self.path = FAST if path == FAST and self._resolve_fast_path() else FRONTEND
 
     def _resolve_fast_path(self) -> bool:
         """Read the variant-pack order and backend plan index; False when this graph can't use them."""
@@ -67,34 +68,23 @@ class Launcher:
             raw_execute = graph._lowered_graph._execute_with_raw_ptrs
         except (AttributeError, IndexError, TypeError):
             return False
-        by_uid = {uid: tid for tid, uid in self.built.uids.items()}
-        if set(order) != set(by_uid):             # the pack must be exactly the graph's tensors
+        position = {int(self.built.uids[t]): i for i, t in enumerate(self.ids)}
+        if sorted(order) != sorted(position):     # the pack must be exactly the graph's tensors
             return False
-        self._slots = {by_uid[uid]: slot for slot, uid in enumerate(order)}
+        self._order = operator.itemgetter(*(position[uid] for uid in order))
+        self._pointers = (ctypes.c_void_p * len(order))()
+        self._pointers_address = ctypes.addressof(self._pointers)
+        self._count = len(order)
         self._cpp_index = -1 if cpp_index is None else int(cpp_index)
         self._raw_execute = raw_execute
         return True
 
-    def __call__(self, buffers: Mapping[Any, int], workspace: int, handle: Any) -> None:
-        """Run on ``handle``'s stream.  ``buffers`` binds every tensor of the graph: device addresses,
-        and host addresses for the pass-by-value scalars (``built.host_scalar_ids``)."""
-        if self._raw_execute is None:
-            self.built.execute(buffers, workspace, handle, plan_index=self.plan_index)
+    def __call__(self, addresses: Sequence[int], workspace: int, handle: Any) -> None:
+        """Run on ``handle``'s stream.  ``addresses`` follow :attr:`ids`: device addresses, and host
+        addresses for the pass-by-value scalars (``built.host_scalar_ids``).  ``handle`` is the
+        ``cudnn.Handle``; the caller holds its device lock."""
+        if self._raw_execute is not None:
+            self._pointers[:] = self._order(addresses)
+            self._raw_execute(self._pointers_address, self._count, workspace, handle.backend_handle, self._cpp_index)
             return
-        slots = self._slots
-        if len(buffers) != len(slots):
-            self._refuse(buffers)
-        pointers = (ctypes.c_void_p * len(slots))()
-        try:
-            for tid, address in buffers.items():
-                pointers[slots[tid]] = address
-        except KeyError:
-            self._refuse(buffers)
-        self._raw_execute(ctypes.addressof(pointers), len(slots), workspace, handle.backend_handle, self._cpp_index)
-
-    def _refuse(self, buffers: Mapping[Any, int]) -> None:
-        expected = set(self._slots)
-        missing = sorted(t.name for t in expected - buffers.keys())
-        extra = sorted(getattr(t, "name", str(t)) for t in buffers.keys() - expected)
-        raise ValueError(f"buffers: the {self.built.kind} graph binds exactly {sorted(t.name for t in expected)}; "
-                         f"missing {missing}, not in the graph {extra}")
+        self.built.execute(dict(zip(self.ids, addresses)), workspace, handle, plan_index=self.plan_index)

@@ -1,44 +1,56 @@
-"""Where cuDNN runs: the device, its cuDNN handle, the stream, the workspace and the arrays.
+"""Where cuDNN runs: one context per device (handle, lock, workspace), streams and arrays.
 
-Handles
-    One ``cudnn.Handle`` per (device, thread), created while that device is current.  cuDNN handles
-    are not meant to be driven from two threads at once, so every thread gets its own.
+Devices
+    :func:`device_context` returns the process-wide :class:`DeviceContext` of a CUDA device: one
+    ``cudnn.Handle`` created while that device is current, the lock that serialises its use, the
+    device's :class:`~cudnn_attn.support.Environment` and the CuPy path's workspace buffers.  It is
+    created once, by the first caller that asks with ``create=True`` - the CuPy front on its first
+    call, the JAX lowering for every device of the program - and never inside an XLA FFI handler:
+    creating a handle allocates device memory and may synchronise the device, which deadlocks a
+    multi-GPU program whose other devices wait in a collective for this one, and is not allowed
+    while XLA captures a CUDA graph (issue #8).  The handler only looks contexts up
+    (``create=False``) and fails with a clear error if one is missing.
+
+Threads
+    cuDNN handles may be used from any thread but not from two at once (cuDNN's thread-safety rule),
+    so every use of a handle - pointing it at a stream, taking the workspace, launching - happens
+    under ``DeviceContext.lock``.  The lock is held for a few microseconds of host work (the launch
+    is asynchronous), and two devices never share one.
 
 Streams
     Work is queued on the caller's current CuPy stream of the input's device, or on ``stream=``
     (an ``int`` ``cudaStream_t``, a CuPy stream, a torch stream, or anything implementing the
-    ``__cuda_stream__`` protocol).  ``cudnn.set_stream`` is only called when the handle's stream
-    changes.  Outputs and the workspace are allocated *on that stream* from CuPy's memory pool,
-    which only reuses a freed block for later allocations on the same stream: everything stays
-    stream-ordered and no call synchronises the host.
+    ``__cuda_stream__`` protocol).  Outputs are allocated with that stream current from CuPy's
+    memory pool, which reuses a freed block only in that stream's order: nothing synchronises the host.
 
-Workspace
-    A grow-only buffer per (device, thread, stream): a cache-hit call allocates nothing for it.
-    Reusing one buffer for consecutive calls is safe because they are ordered on that stream.
+Workspace (CuPy path)
+    A grow-only buffer per (device, stream), taken under the device lock, so a cache-hit call
+    allocates nothing for it and a growth can never free a buffer another thread is about to use.
+    The JAX path gets its workspace from XLA (an extra result of the FFI call) instead.
 
 Arrays
     CuPy arrays are used as they are.  Any other GPU array with ``__dlpack__`` (JAX arrays, torch
     tensors) is imported zero-copy with :func:`cupy.from_dlpack` while the call's stream is current,
     so the producer orders its pending writes before our work (DLPack's ``stream=`` contract).
-    Results are always **CuPy arrays** on the input's device; hand them back to a framework
-    zero-copy with ``torch.from_dlpack(x)`` / ``jax.dlpack.from_dlpack(x)``.
 
 bfloat16
-    CuPy >= 14 has ``bfloat16`` arrays through ``ml_dtypes`` (``cupy.empty(shape, ml_dtypes.bfloat16)``,
-    ``x.astype(ml_dtypes.bfloat16)``), and imports/exports bf16 over DLPack (torch ``torch.bfloat16``,
-    JAX ``jnp.bfloat16``) - measured on the H200 with CuPy 14.2.  That is the supported way to pass
-    bf16.  Integer arrays holding bf16 bit patterns are *not* accepted (their dtype says int).
+    CuPy >= 14 has ``bfloat16`` arrays through ``ml_dtypes`` and imports/exports them over DLPack
+    (measured on the H200 with CuPy 14.2).  Integer arrays holding bf16 bit patterns are not accepted.
+
+Exit
+    :func:`release` (registered with ``atexit`` when the first context is made) destroys the handles
+    and drops the workspaces, so that no cuDNN frontend object outlives the interpreter (nanobind
+    reports those as leaks at exit).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 from typing import Any
 
 from .errors import NoGPUError
-
-_local = threading.local()
 
 
 def _cupy():
@@ -96,76 +108,138 @@ def stream_pointer(stream: Any, device: int) -> int:
                      f"__cuda_stream__; got {type(stream).__name__}")
 
 
-# -- per (device, thread) context ---------------------------------------------------------------------
+class _StreamHandle:
+    """A raw ``cudaStream_t`` under the CUDA stream protocol (what ``cupy.cuda.Stream.from_external`` takes)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+# -- one context per device ---------------------------------------------------------------------------
 
 class DeviceContext:
-    """The cuDNN handle, stream wrappers and workspace buffers of one device for the current thread."""
+    """The cuDNN handle of one device, the lock that guards it, its environment and the CuPy path's
+    workspaces (see the module doc).  Made by :func:`device_context`."""
 
     def __init__(self, device: int):
         import cudnn
 
+        from .support import Environment
+
         cupy = _cupy()
         self.device = device
+        self.lock = threading.Lock()
         with cupy.cuda.Device(device):
             self.handle = cudnn.create_handle()
+            self.environment = Environment.detect()
+        self.handle_address = int(self.handle.backend_handle)
+        self._stream = None                       # the stream the handle points at
         self._streams: dict[int, Any] = {}
         self._workspaces: dict[int, Any] = {}
-        self._environment = None
 
     def bind_stream(self, stream_ptr: int) -> None:
-        """Point the handle at ``stream_ptr`` (``cudnn.set_stream`` skips unchanged streams itself)."""
-        import cudnn
+        """Point the handle at ``stream_ptr``.  Hold :attr:`lock`."""
+        if stream_ptr != self._stream:
+            import cudnn
 
-        cudnn.set_stream(self.handle, stream_ptr)
+            cudnn.set_stream(self.handle, stream_ptr)
+            self._stream = stream_ptr
 
     def stream(self, stream_ptr: int) -> Any:
         """A CuPy stream object for ``stream_ptr``, to make it current while allocating."""
         stream = self._streams.get(stream_ptr)
         if stream is None:
             cupy = _cupy()
-            stream = self._streams[stream_ptr] = cupy.cuda.ExternalStream(stream_ptr, self.device)
+            with cupy.cuda.Device(self.device):
+                stream = cupy.cuda.Stream.from_external(_StreamHandle(stream_ptr))
+            stream = self._streams.setdefault(stream_ptr, stream)
         return stream
 
     def workspace(self, stream_ptr: int, nbytes: int) -> int:
-        """Device address of at least ``nbytes`` bytes of scratch, ordered on ``stream_ptr`` (0 if none)."""
+        """Device address of at least ``nbytes`` bytes of scratch, ordered on ``stream_ptr`` (0 if none).
+        Hold :attr:`lock`: the buffer is shared by every call on that stream."""
         if nbytes == 0:
             return 0
         buffer = self._workspaces.get(stream_ptr)
         if buffer is None or buffer.nbytes < nbytes:
             cupy = _cupy()
-            self._workspaces.pop(stream_ptr, None)  # release the smaller one first (same stream: ordered)
+            self._workspaces.pop(stream_ptr, None)  # released in stream order before the bigger one
             with cupy.cuda.Device(self.device), self.stream(stream_ptr):
                 buffer = self._workspaces[stream_ptr] = cupy.empty(nbytes, cupy.uint8)
         return buffer.data.ptr
 
-    def workspace_bytes(self) -> int:
-        """Bytes currently held by this context's workspace buffers."""
-        return sum(b.nbytes for b in self._workspaces.values())
+    def close(self) -> None:
+        """Drop the workspaces and destroy the handle (at exit; the context is unusable afterwards)."""
+        import cudnn
 
-    def release_workspaces(self) -> None:
-        self._workspaces.clear()
+        with self.lock:
+            self._workspaces.clear()
+            self._streams.clear()
+            handle, self.handle = self.handle, None
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    cudnn.destroy_handle(handle)
 
-    @property
-    def environment(self):
-        """The :class:`~cudnn_attn.support.Environment` of this device (detected once)."""
-        if self._environment is None:
-            from .support import Environment
-
-            with _cupy().cuda.Device(self.device):
-                self._environment = Environment.detect()
-        return self._environment
+    def __repr__(self) -> str:
+        return f"DeviceContext(device={self.device}, {self.environment})"
 
 
-def context(device: int) -> DeviceContext:
-    """This thread's :class:`DeviceContext` for ``device`` (created on first use)."""
-    contexts = getattr(_local, "contexts", None)
-    if contexts is None:
-        contexts = _local.contexts = {}
-    ctx = contexts.get(device)
-    if ctx is None:
-        require_gpu()
-        ctx = contexts[device] = DeviceContext(device)
-    return ctx
+_contexts: dict[int, DeviceContext] = {}
+_contexts_lock = threading.Lock()
+
+
+def device_context(device: int, *, create: bool = True) -> DeviceContext:
+    """The :class:`DeviceContext` of CUDA device ``device``.
+
+    With ``create=False`` (the XLA FFI handler) a missing context is an error instead of being made:
+    nothing on the execution path creates a handle (see the module doc).
+    """
+    context = _contexts.get(device)
+    if context is not None:
+        return context
+    if not create:
+        raise RuntimeError(
+            f"cudnn_attn: no cuDNN context was prepared for GPU {device}. Contexts are made before a computation "
+            f"runs (when it is lowered for its devices, or by a direct call), never while XLA executes it; "
+            f"prepared devices: {sorted(_contexts)}")
+    require_gpu()
+    with _contexts_lock:
+        context = _contexts.get(device)
+        if context is None:
+            if not _contexts:
+                atexit.register(release)
+            context = _contexts[device] = DeviceContext(device)
+    return context
+
+
+def prepared_devices() -> tuple[int, ...]:
+    """The devices that have a context."""
+    return tuple(sorted(_contexts))
+
+
+_release_hooks: list[Any] = []
+
+
+def on_release(hook: Any) -> None:
+    """Run ``hook()`` in :func:`release`, before the contexts close (caches drop their cuDNN graphs)."""
+    _release_hooks.append(hook)
+
+
+def release() -> None:
+    """Drop every cached cuDNN object and close every context (runs at exit)."""
+    for hook in reversed(_release_hooks):
+        with contextlib.suppress(Exception):
+            hook()
+    with _contexts_lock:
+        contexts = list(_contexts.values())
+        _contexts.clear()
+    for context in contexts:
+        context.close()
 
 
 # -- arrays ----------------------------------------------------------------------------------------
@@ -204,11 +278,8 @@ def as_cupy(name: str, x: Any, device: int | None, stream: Any) -> Any:
             raise ValueError(f"{name}: lives on GPU {found} but the query is on GPU {device}; "
                              f"all arrays of one call must be on the same device")
         try:
-            if stream is None:
+            with stream if stream is not None else contextlib.nullcontext():
                 x = cupy.from_dlpack(x)
-            else:
-                with stream:
-                    x = cupy.from_dlpack(x)
         except (BufferError, TypeError, ValueError, RuntimeError) as exc:
             raise ValueError(f"{name}: could not import {type(x).__name__} zero-copy through DLPack "
                              f"(is it on a CUDA device?): {exc}") from exc
@@ -216,11 +287,8 @@ def as_cupy(name: str, x: Any, device: int | None, stream: Any) -> Any:
         raise ValueError(f"{name}: lives on GPU {x.device.id} but the query is on GPU {device}; "
                          f"all arrays of one call must be on the same device")
     if not x.flags.c_contiguous:
-        if stream is None:
+        with stream if stream is not None else contextlib.nullcontext():
             x = cupy.ascontiguousarray(x)
-        else:
-            with stream:
-                x = cupy.ascontiguousarray(x)
     return x
 
 
@@ -230,8 +298,3 @@ def on_device(device: int) -> Any:
     if cupy.cuda.runtime.getDevice() == device:
         return contextlib.nullcontext()
     return cupy.cuda.Device(device)
-
-
-def zero_fill(x: Any, stream_ptr: int) -> None:
-    """``x[...] = 0`` as one ``cudaMemsetAsync`` on ``stream_ptr`` (cheaper than a CuPy kernel)."""
-    _cupy().cuda.runtime.memsetAsync(x.data.ptr, 0, x.nbytes, stream_ptr)

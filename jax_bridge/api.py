@@ -6,8 +6,9 @@ forms of JAX's ``jax._src.cudnn.fused_attention_stablehlo`` (the same as :mod:`c
 
 * ``diagonal_alignment="top_left" | "bottom_right"``, ``sink`` (float32 ``(N,)`` attention-sink
   logits), ``deterministic`` (deterministic backward accumulation) - as on the CuPy side;
-* ``cuda_graph=False`` - let XLA capture the GPU call into a CUDA graph (worth it for small shapes,
-  where the host cost of the call dominates; see :mod:`.cudnn_target`);
+* ``cuda_graph=None`` - XLA may capture the GPU call into its CUDA graphs (command buffers) and replay
+  it without running Python (the default, and ``True``); ``False`` runs the Python handler on every
+  execution (see :mod:`.cudnn_target`);
 * ``backend="ffi" | "callback"`` - see :class:`~.kernel.Backend`.
 
 They work under ``jit``, ``grad`` (``jax.custom_vjp``: gradients of ``query``, ``key``, ``value``, of
@@ -53,13 +54,13 @@ _COTANGENT_OF = {**GRADIENT_OF, "amax_dQ": "amax_dq", "amax_dK": "amax_dk", "ama
 
 
 def kernel_options(config: AttentionConfig, *, seed: Any = 42, backend: str | Backend = Backend.FFI,
-                   cuda_graph: bool = False) -> KernelOptions:
+                   cuda_graph: bool | None = None) -> KernelOptions:
     """The static options of a call (checked): the seed only matters with dropout."""
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"seed: must be a Python int (cuDNN binds the dropout seed by value, so it is static "
                          f"under jit), got {type(seed).__name__}")
     return KernelOptions(seed=int(seed) if config.has_dropout else 0, backend=Backend.parse(backend),
-                         cuda_graph=bool(cuda_graph))
+                         cuda_graph=True if cuda_graph is None else bool(cuda_graph))
 
 
 # -- the differentiable call -------------------------------------------------------------------------
@@ -147,7 +148,7 @@ def dot_product_attention(
     seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH", sliding_window_length: int | None = None,
     score_mod: Callable[..., Any] | None = None, use_fp8: bool = False, return_residual: bool = False,
     diagonal_alignment: str = "top_left", sink: Any = None, deterministic: bool = False,
-    cuda_graph: bool = False, backend: str = "ffi",
+    cuda_graph: bool | None = None, backend: str = "ffi",
 ) -> Any:
     """Scaled dot-product attention (JAX's cuDNN ``dot_product_attention``; module doc for the extras).
 
@@ -173,7 +174,7 @@ def paged_attention(
     bias: Any = None, mask: Any = None, fp8_params: FP8Params | None = None, *, scale: float = 1.0,
     mask_type: MaskType = MaskType.NO_MASK, seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH",
     sliding_window_length: int | None = None, use_fp8: bool = False, return_residual: bool = False,
-    diagonal_alignment: str = "top_left", sink: Any = None, cuda_graph: bool = False, backend: str = "ffi",
+    diagonal_alignment: str = "top_left", sink: Any = None, cuda_graph: bool | None = None, backend: str = "ffi",
 ) -> Any:
     """Attention over paged K/V caches (forward only; JAX's cuDNN ``paged_attention``).
 

@@ -36,6 +36,7 @@ import atexit
 import ctypes as C
 import functools
 import struct
+import time
 import traceback
 from typing import Any, Callable, NamedTuple
 
@@ -349,7 +350,7 @@ def _error(api_address: int, exc: BaseException) -> int:
 _exit_hook_registered = False
 
 
-def _finish_pending_calls() -> None:
+def finish_pending_calls() -> None:
     """Wait for in-flight computations (see the module doc); never raises at exit."""
     try:
         import jax
@@ -371,6 +372,7 @@ def make_handler(name: str, fn: Callable[[Call], None], *, command_buffer_compat
     traits = _TRAIT_COMMAND_BUFFER_COMPATIBLE if command_buffer_compatible else 0
 
     def handler(frame: int) -> int | None:
+        start = time.perf_counter_ns() if _timings is not None else 0
         try:
             extension = _word(frame + _FRAME_EXTENSION)
             if extension and _InternalExtension.from_address(extension).type == _EXTENSION_METADATA:
@@ -381,6 +383,8 @@ def make_handler(name: str, fn: Callable[[Call], None], *, command_buffer_compat
             if C.c_int.from_address(frame + _FRAME_STAGE).value != _STAGE_EXECUTE:
                 return None
             fn(Call(frame))
+            if start:
+                _timings.append((name, time.perf_counter_ns() - start))
             return None
         except BaseException as exc:      # nothing may unwind through XLA's C++ frames
             try:
@@ -393,13 +397,23 @@ def make_handler(name: str, fn: Callable[[Call], None], *, command_buffer_compat
     if not _exit_hook_registered:
         import jax  # noqa: F401  (JAX's exit hooks first, so that this one runs before them)
 
-        atexit.register(_finish_pending_calls)
+        atexit.register(finish_pending_calls)
         _exit_hook_registered = True
     callback = _HANDLER(handler)
     return Handler(name, callback, C.cast(callback, C.c_void_p).value)
 
 
 _registered: list[Handler] = []        # XLA holds raw function pointers: their callbacks must never be freed
+_timings: list[tuple[str, int]] | None = None
+
+
+def record_handler_times(enabled: bool = True) -> list[tuple[str, int]]:
+    """Start (or stop) recording the host time of every handler execution: ``(target name, nanoseconds)``
+    entries, from the handler's entry to its return (for benchmarks; off by default).  Returns the list
+    being filled (empty when stopping)."""
+    global _timings
+    _timings = [] if enabled else None
+    return _timings if _timings is not None else []
 
 
 def register(handler: Handler, platform: str) -> None:

@@ -11,7 +11,7 @@ then fails with a clear error rather than guessing).
 :class:`KernelOptions` is the static "how to run" companion of the configuration on the primitives:
 the dropout seed (cuDNN binds it by value on the host, so under XLA it is a compile-time constant, as
 in JAX's own cuDNN attention), the backend (a named FFI target, or ``jax.pure_callback``) and whether
-the call may be captured into a CUDA graph.
+XLA may capture the call into a CUDA graph (by default it may).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from cudnn_attn.config import AttentionConfig
 
 from .signature import KINDS, operand_names, result_names
 
-TARGET = "cudnn_attn"                       # the FFI target: reference on CPU, cuDNN on CUDA
-CUDA_GRAPH_TARGET = "cudnn_attn_cuda_graph"  # the same cuDNN handler, declared capturable into CUDA graphs
+TARGET = "cudnn_attn"              # the FFI target: reference on CPU; cuDNN on CUDA, capturable into CUDA graphs
+EAGER_TARGET = "cudnn_attn_eager"  # the same cuDNN handler without the command-buffer trait (cuda_graph=False)
 
 
 class Backend(enum.Enum):
@@ -55,12 +55,13 @@ class KernelOptions:
     """Static execution options of one attention call (hashable: a primitive parameter).
 
     ``seed`` is the dropout seed (0 when there is no dropout, so that it never splits caches);
-    ``cuda_graph`` lets XLA capture the GPU call into a CUDA graph (command buffer).
+    ``cuda_graph`` (default) lets XLA capture the GPU call into its CUDA graphs (command buffers);
+    ``False`` makes XLA run the Python handler on every execution.
     """
 
     seed: int = 0
     backend: Backend = Backend.FFI
-    cuda_graph: bool = False
+    cuda_graph: bool = True
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def _window(local_window_size: Any, is_causal: bool) -> tuple[int, int] | None:
 def dot_product_attention_nn(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *,
                              scale: float | None = None, is_causal: bool = False, query_seq_lengths: Any = None,
                              key_value_seq_lengths: Any = None, local_window_size: Any = None,
-                             cuda_graph: bool = False, backend: str = "ffi") -> Any:
+                             cuda_graph: bool | None = None, backend: str = "ffi") -> Any:
     """``jax.nn.dot_product_attention`` on this library's kernels (module doc for the mapping).
 
     ``cuda_graph`` and ``backend`` are this library's execution options (see :mod:`.api`).

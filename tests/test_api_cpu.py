@@ -153,19 +153,18 @@ class _FakeBuilt:
 
 
 IDS = (TensorId.Q, TensorId.K, TensorId.V, TensorId.O, TensorId.SEED)
+CALLER_ORDER = (TensorId.SEED, TensorId.V, TensorId.Q, TensorId.O, TensorId.K)    # any fixed order
 
 
 def _built(**kw):
     return _FakeBuilt(_FakePyGraph(sorted(int(t) for t in IDS), **kw), IDS)
 
 
-def test_fast_path_writes_pointers_in_variant_pack_order(monkeypatch):
-    monkeypatch.delenv("CUDNN_ATTN_EXECUTE", raising=False)
+def test_fast_path_writes_pointers_in_variant_pack_order():
     built = _built()
-    launcher = launch.Launcher(built)
+    launcher = launch.Launcher(built, CALLER_ORDER)
     assert launcher.path == launch.FAST
-    buffers = {TensorId.SEED: 0x50, TensorId.V: 0x30, TensorId.Q: 0x10, TensorId.O: 0x40, TensorId.K: 0x20}
-    launcher(buffers, 0x99, types.SimpleNamespace(backend_handle=7))
+    launcher([0x50, 0x30, 0x10, 0x40, 0x20], 0x99, types.SimpleNamespace(backend_handle=7))
     (pointers, workspace, handle, plan), = built.graph._lowered_graph.calls
     assert pointers == [0x10, 0x20, 0x30, 0x40, 0x50]  # ascending uid: Q K V O SEED
     assert (workspace, handle, plan) == (0x99, 7, 11)   # the selected plan's backend index
@@ -174,67 +173,67 @@ def test_fast_path_writes_pointers_in_variant_pack_order(monkeypatch):
 
 def test_fast_path_runs_an_explicit_plan():
     built = _built()
-    launch.Launcher(built, plan_index=0, path=launch.FAST)(
-        {t: 1 for t in IDS}, 0, types.SimpleNamespace(backend_handle=1))
+    launch.Launcher(built, IDS, plan_index=0, path=launch.FAST)([1] * 5, 0, types.SimpleNamespace(backend_handle=1))
     assert built.graph._lowered_graph.calls[0][3] == 10
 
 
-@pytest.mark.parametrize("buffers, message", [
-    pytest.param({TensorId.Q: 1, TensorId.K: 2, TensorId.V: 3, TensorId.O: 4}, r"missing \['SEED'\]", id="missing"),
-    pytest.param({**{t: 1 for t in IDS}, TensorId.BIAS: 5}, r"not in the graph \['BIAS'\]", id="extra"),
-    pytest.param({TensorId.Q: 1, TensorId.K: 2, TensorId.V: 3, TensorId.O: 4, TensorId.BIAS: 5},
-                 r"missing \['SEED'\], not in the graph \['BIAS'\]", id="swapped"),
+@pytest.mark.parametrize("ids, message", [
+    pytest.param(IDS[:4], r"binds exactly .*got \['Q', 'K', 'V', 'O'\]", id="missing"),
+    pytest.param(IDS + (TensorId.BIAS,), r"got .*'BIAS'", id="extra"),
+    pytest.param(IDS[:4] + (TensorId.BIAS,), r"got .*'BIAS'", id="swapped"),
+    pytest.param(IDS + (TensorId.Q,), r"binds exactly", id="repeated"),
 ])
-def test_fast_path_refuses_wrong_buffers(buffers, message):
-    built = _built()
+def test_launcher_refuses_ids_that_are_not_the_graphs(ids, message):
     with pytest.raises(ValueError, match=message):
-        launch.Launcher(built, path=launch.FAST)(buffers, 0, types.SimpleNamespace(backend_handle=1))
-    assert built.graph._lowered_graph.calls == []
+        launch.Launcher(_built(), ids)
 
 
 def test_python_engine_falls_back_to_the_frontend():
     built = _built(python_engine=True)
-    launcher = launch.Launcher(built)
+    launcher = launch.Launcher(built, CALLER_ORDER)
     assert launcher.path == launch.FRONTEND
-    launcher({t: 1 for t in IDS}, 0, None)
-    assert len(built.frontend_calls) == 1 and built.graph._lowered_graph.calls == []
+    launcher([5, 3, 1, 4, 2], 0, None)
+    assert built.frontend_calls == [({TensorId.SEED: 5, TensorId.V: 3, TensorId.Q: 1, TensorId.O: 4, TensorId.K: 2},
+                                     0, None)]
+    assert built.graph._lowered_graph.calls == []
 
 
 def test_missing_private_entry_point_falls_back_to_the_frontend():
     built = _built()
     del built.graph._lowered_graph
-    assert launch.Launcher(built).path == launch.FRONTEND
+    assert launch.Launcher(built, IDS).path == launch.FRONTEND
 
 
 def test_pack_that_disagrees_with_the_graph_falls_back():
     built = _FakeBuilt(_FakePyGraph([1, 2, 3, 4, 40, 99]), IDS)   # a slot the graph did not declare
-    assert launch.Launcher(built).path == launch.FRONTEND
+    assert launch.Launcher(built, IDS).path == launch.FRONTEND
 
 
-def test_environment_selects_the_frontend(monkeypatch):
-    monkeypatch.setenv("CUDNN_ATTN_EXECUTE", "frontend")
-    assert launch.Launcher(_built()).path == launch.FRONTEND
-    monkeypatch.setenv("CUDNN_ATTN_EXECUTE", "turbo")
-    with pytest.raises(ValueError, match="CUDNN_ATTN_EXECUTE"):
-        launch.Launcher(_built())
+def test_frontend_path_on_request():
+    assert launch.Launcher(_built(), IDS, path=launch.FRONTEND).path == launch.FRONTEND
+    with pytest.raises(ValueError, match="path: must be"):
+        launch.Launcher(_built(), IDS, path="turbo")
 
 
 # -- support before build, plan choice, return forms -------------------------------------------------
 
-def test_unsupported_configuration_is_refused_before_building(monkeypatch):
+@pytest.mark.parametrize("builder", ["heuristic", "autotuned"])
+def test_unsupported_configuration_is_refused_before_building(monkeypatch, builder):
     import cudnn_attn.graphs as graphs
+    from cudnn_attn import autotune, cache
 
     def never(*args, **kwargs):
         raise AssertionError("build_graph must not run for an unsupported configuration")
 
     monkeypatch.setattr(graphs, "build_graph", never)
+    context = types.SimpleNamespace(environment=Environment(91900, (8, 0), "NVIDIA A100"), device=0)
+    monkeypatch.setattr(runtime, "device_context", lambda device, create=True: context)
     config = AttentionConfig(batch=1, q_heads=4, kv_heads=4, q_len=128, kv_len=128, qk_dim=256, v_dim=256,
                              dtype="float16")
-    call = execution._Call.__new__(execution._Call)
-    call.context = types.SimpleNamespace(environment=Environment(91900, (8, 0), "NVIDIA A100"))
-    key = GraphKey(config, "fwd", 0, 91900)
+    key = GraphKey(config, "fwd", 0, 91900,
+                   PlanChoice.HEURISTIC if builder == "heuristic" else PlanChoice.AUTOTUNED)
     with pytest.raises(UnsupportedConfigurationError) as raised:
-        call._builder(key)(key)
+        cache.build_plan(key) if builder == "heuristic" else autotune.tuned_plan(key, None)
     assert raised.value.reasons and raised.value.config == config
 
 
@@ -247,7 +246,7 @@ def test_unsupported_configuration_is_refused_before_building(monkeypatch):
 def test_autotune_setting(default, per_call, expected):
     try:
         cudnn_attn.set_autotune(default)
-        assert execution._plan_choice(per_call) is expected
+        assert execution.plan_choice(per_call) is expected
     finally:
         cudnn_attn.set_autotune(False)
 

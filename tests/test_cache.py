@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cudnn_attn.cache import CacheListing, GraphCache, GraphKey, PlanChoice, build_on_device
+from cudnn_attn.cache import CacheListing, GraphCache, GraphKey, PlanChoice, build_plan
 from cudnn_attn.config import AttentionConfig, MaskSpec
 
 CUDNN = 91900
@@ -217,7 +217,7 @@ def test_key_reads_the_cudnn_version():
 
 def test_default_builder_leaves_autotuned_graphs_to_autotune():
     with pytest.raises(ValueError, match="autotune"):
-        build_on_device(key(plan=PlanChoice.AUTOTUNED))
+        build_plan(key(plan=PlanChoice.AUTOTUNED))
 
 
 def test_module_instance_is_exported():

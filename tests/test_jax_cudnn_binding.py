@@ -1,10 +1,11 @@
-"""The GPU lowering's binding, checked on CPU against the cuDNN graphs the library declares.
+"""The call plan's binding, checked on CPU against the cuDNN graphs the library declares.
 
-The CUDA lowering (``jax_bridge.cudnn_target``) turns a call's named operands into the graph's tensors
-by :class:`~cudnn_attn.graphs.tensors.TensorId` (converting packed segments with ``jax.numpy``) and
-asks for the graph's outputs as the FFI call's results.  cuDNN refuses to execute unless exactly the
-graph's tensors are bound, so here, for every feature, the bound ids (operands + results + host
-scalars) must equal the ids of the graph ``graphs.declare_graph`` declares - no GPU and no cuDNN
+Both fronts bind a call through :mod:`cudnn_attn.plan`: :func:`~cudnn_attn.plan.graph_inputs` turns the
+named operands into the graph's tensors by :class:`~cudnn_attn.graphs.tensors.TensorId` (converting
+packed segments with the front's array namespace, here ``jax.numpy`` as in the CUDA lowering), and
+:func:`~cudnn_attn.plan.result_specs` names the graph's outputs.  cuDNN refuses to execute unless
+exactly the graph's tensors are bound, so here, for every feature, the bound ids (operands + results +
+host scalars) must equal the ids of the graph ``graphs.declare_graph`` declares - no GPU and no cuDNN
 library needed - and the shapes must be the ones the graph reads.
 """
 
@@ -18,6 +19,8 @@ from cudnn_attn import MaskType
 from cudnn_attn.graphs import declare_graph
 from cudnn_attn.graphs import tensors as tt
 from cudnn_attn.graphs.tensors import TensorId
+from cudnn_attn import plan as call_plan
+from cudnn_attn.graphs.tensors import HOST_SCALAR_IDS
 from cudnn_attn.jax_bridge import cudnn_target
 from cudnn_attn.jax_bridge.kernel import Kernel
 from cudnn_attn.jax_bridge.signature import BWD, FWD, operand_names, result_shapes
@@ -70,7 +73,6 @@ def test_bound_tensors_are_the_graphs_tensors(case, kind, training):
     if case == "paged" and kind == BWD:
         pytest.skip("paged attention has no backward")
     config, operands = _config(case, training)
-    kernel = Kernel(config, kind, seed=7)
     named = {}
     for name in operand_names(config, kind):
         if name in ("output", "grad_output"):
@@ -82,12 +84,12 @@ def test_bound_tensors_are_the_graphs_tensors(case, kind, training):
         else:
             value = getattr(operands, name)
             named[name] = _sds(value.shape, value.dtype)
-    bound = jax.eval_shape(lambda named: cudnn_target.graph_operands(kernel, named)[0], named)
-    results = cudnn_target.graph_results(kernel)
-    host = cudnn_target.host_scalars(kernel)
+    bound = jax.eval_shape(lambda named: call_plan.graph_inputs(jnp, config, kind, named)[0], named)
+    results = {spec.tid: (spec.shape, spec.dtype) for spec in call_plan.result_specs(config, kind)}
     expected = declare_graph(config, kind).uids
-    assert set(bound) | set(results) | set(host) == set(expected)
-    assert not set(bound) & set(results)
+    host = {t for t in expected if t in HOST_SCALAR_IDS}
+    assert set(bound) | set(results) | host == set(expected)
+    assert not set(bound) & set(results) and not set(bound) & host
 
     # Shapes the graph reads (a few representative tensors).
     if config.packing is None:
@@ -100,18 +102,34 @@ def test_bound_tensors_are_the_graphs_tensors(case, kind, training):
         if TensorId.STATS in results:
             assert results[TensorId.STATS][0] == (B * T, N)              # token-major statistics
     if config.has_dropout:
-        assert int(host[TensorId.SEED][0]) == 7
+        assert host == {TensorId.SEED, TensorId.OFFSET}
+        assert call_plan.host_scalar_values(config, 7) == (7, 0)
     expected_results = result_shapes(config, kind)
     assert len(results) == len(expected_results)
 
 
-def test_rows_cudnn_leaves_unwritten_are_zeroed():
+def _fills(config, kind):
+    return {spec.tid: spec.fill for spec in call_plan.result_specs(config, kind) if spec.fill is not call_plan.Fill.NONE}
+
+
+def test_one_fill_policy_for_rows_cudnn_does_not_compute():
+    Fill = call_plan.Fill
     padded, _ = _config("padding_causal", True)
     plain, _ = _config("bias_dbias", True)
-    assert cudnn_target._zeroed(padded, FWD) == {TensorId.O, TensorId.STATS}
-    assert cudnn_target._zeroed(padded, BWD) >= {TensorId.DQ, TensorId.DK, TensorId.DV}
-    assert cudnn_target._zeroed(plain, FWD) == frozenset()
-    assert TensorId.DBIAS in cudnn_target._zeroed(plain, BWD)        # cuDNN accumulates dbias
+    packed, _ = _config("packed", True)
+    assert _fills(padded, FWD) == {TensorId.O: Fill.ZERO_BEFORE, TensorId.STATS: Fill.ROWS_AFTER}
+    assert _fills(padded, BWD) == {TensorId.DQ: Fill.ZERO_BEFORE, TensorId.DK: Fill.ZERO_BEFORE,
+                                   TensorId.DV: Fill.ZERO_BEFORE}
+    assert _fills(packed, FWD) == {TensorId.O: Fill.ZERO_BEFORE, TensorId.STATS: Fill.SEGMENTS}
+    assert _fills(plain, FWD) == {}
+    assert _fills(plain, BWD) == {TensorId.DBIAS: Fill.ZERO_BEFORE}       # cuDNN accumulates dbias
+
+
+def test_zero_rows_sets_padded_query_rows_to_zero():
+    lse = jnp.arange(2 * 3 * 4, dtype=jnp.float32).reshape(2, 3, 4) + 1.0
+    fixed = call_plan.zero_rows(jnp, lse, jnp.array([1, 4], jnp.int32))
+    assert bool((fixed[0, :, 1:] == 0).all()) and bool((fixed[0, :, :1] == lse[0, :, :1]).all())
+    assert bool((fixed[1] == lse[1]).all())
 
 
 def test_score_mod_arguments_are_refused_on_the_gpu_path():

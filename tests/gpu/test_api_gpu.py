@@ -150,11 +150,11 @@ def test_both_execute_paths_give_identical_results(path, monkeypatch):
     config = make_config(dropout_rate=0.2, mask_type=MaskType.PADDING_CAUSAL, T=160, S=160)
     gpu = to_gpu(random_operands(config, rng, poison=False))
     reference_run = execution.forward(config, gpu, seed=5)
-    entry = graph_cache.entry(graph_cache.key(config, "fwd", gpu.query.device.id))
-    assert entry.launcher.path == launch.FAST
-    monkeypatch.setattr(entry, "_launcher", launch.Launcher(entry.graph, path=path))
+    plan = graph_cache.plan(config, "fwd", gpu.query.device.id)
+    assert plan.launcher.path == launch.FAST
+    monkeypatch.setattr(plan, "launcher", launch.Launcher(plan.built, plan.launcher.ids, path=path))
     again = execution.forward(config, gpu, seed=5)
-    assert entry.launcher.path == path
+    assert plan.launcher.path == path
     assert cp.array_equal(again.output, reference_run.output)
     assert cp.array_equal(again.logsumexp, reference_run.logsumexp)
 
@@ -212,3 +212,98 @@ def test_invalid_input_is_a_value_error_naming_the_argument():
     with pytest.raises(ValueError, match="q_seqlen: expected a GPU array"):
         cudnn_attn.dot_product_attention(q, k, v, q_seqlen=np.full((2,), 64, np.int32),
                                          kv_seqlen=cp.full((2,), 64, np.int32), mask_type=MaskType.PADDING)
+
+
+@pytest.mark.parametrize("case", ["padding", "packed"])
+def test_fill_policy_matches_what_cudnn_writes(case):
+    """cuDNN on this GPU is the truth behind the plan's one zero-fill policy (``cudnn_attn.plan``): launched
+    raw (no fills) into NaN-poisoned results, the elements a ``ZERO_BEFORE`` result leaves to the policy
+    (rows of padded queries/keys, tokens outside packed segments) must be untouched (still NaN) or 0 -
+    zeroing them before the launch is then right - while every other element is written."""
+    from cudnn_attn.plan import Fill, graph_inputs
+    from cudnn_attn.reference.segments import segments_of
+
+    rng = np.random.default_rng(21)
+    config = make_config(T=160, S=192, segments=2 if case == "packed" else None,
+                         mask_type=MaskType.PADDING_CAUSAL if case == "padding" else MaskType.NO_MASK)
+    operands = random_operands(config, rng, poison=False)
+    valid = segments_of(config, operands)
+    gpu = to_gpu(operands)
+    forward = execution.forward(config, gpu)
+    output, lse = forward.output, forward.logsumexp
+    grad_output = cp.asarray(rng.standard_normal(config.o_shape).astype(np.float16))
+    for kind, residuals in (("fwd", {}), ("bwd", dict(output=output, grad_output=grad_output, logsumexp=lse))):
+        plan = graph_cache.plan(config, kind, 0)
+        inputs, _ = graph_inputs(cp, config, kind, execution.named_arrays(config, kind, gpu, **residuals))
+        inputs = {t: cp.ascontiguousarray(x) for t, x in inputs.items()}
+        results = [poisoned(spec.shape, spec.dtype) for spec in plan.results]
+        context, stream = plan.context, cp.cuda.get_current_stream().ptr
+        with context.lock:
+            context.bind_stream(stream)
+            plan.launcher([inputs[t].data.ptr for t in plan.operand_ids] + [r.data.ptr for r in results],
+                          context.workspace(stream, plan.workspace_size), context.handle)
+        cp.cuda.get_current_stream().synchronize()
+        for spec, result in zip(plan.results, results):
+            if spec.fill is not Fill.ZERO_BEFORE or spec.name not in ("output", "dq", "dk", "dv"):
+                continue
+            host = cp.asnumpy(result).astype(np.float32)                          # BTNH: (B, L, heads, dim)
+            tokens = valid.valid_q if spec.name in ("output", "dq") else valid.valid_kv
+            outside, inside = host[~tokens], host[tokens]
+            assert np.all(np.isnan(outside) | (outside == 0)), \
+                f"{kind} {spec.name}: cuDNN wrote {np.sum(np.isfinite(outside) & (outside != 0))} nonzero values " \
+                f"outside the sequences; zeroing before the launch would be wrong"
+            assert np.isfinite(inside).all(), f"{kind} {spec.name}: cuDNN left elements inside the sequences unwritten"
+
+
+def test_direct_path_and_bound_call_equal_the_public_call():
+    """The per-signature direct path (a repeated Q/K/V call) and ``cudnn_attn.bind`` launch the same plan
+    as the first, fully validated call: bit-identical results, forward and backward."""
+    rng = np.random.default_rng(31)
+    q, k, v = (cp.asarray(x) for x in _qkv(rng, "bfloat16", T=192, S=256, K=2))
+    grad = cp.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    kwargs = dict(scale=0.125, mask_type=MaskType.CAUSAL)
+    first, lse = cudnn_attn.dot_product_attention(q, k, v, return_residual=True, **kwargs)
+    again, lse_again = cudnn_attn.dot_product_attention(q, k, v, return_residual=True, **kwargs)   # direct path
+    bound = cudnn_attn.bind(q, k, v, return_residual=True, **kwargs)
+    bound_out, bound_lse = bound(q, k, v)
+    for x in (again, bound_out):
+        assert cp.array_equal(x, first)
+    assert cp.array_equal(lse_again, lse) and cp.array_equal(bound_lse, lse)
+    want = cudnn_attn.dot_product_attention_bwd(q, k, v, first, grad, lse, **kwargs)
+    direct = cudnn_attn.dot_product_attention_bwd(q, k, v, first, grad, lse, **kwargs)
+    via_bound = bound.backward(q, k, v, first, grad, lse)
+    for got in (direct, via_bound):
+        for name in ("dq", "dk", "dv"):
+            assert cp.array_equal(getattr(got, name), getattr(want, name)), name
+    ref = reference.dot_product_attention(*(cp.asnumpy(x) for x in (q, k, v)), **kwargs)
+    assert_close("output", bound_out, ref, "bfloat16")
+    with pytest.raises(ValueError, match="key: this bound call takes"):
+        bound(q, k[:, :128], v)
+    with pytest.raises(ValueError, match="query: this bound call takes"):
+        bound(q.astype(cp.float16), k, v)
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax", "cupy"])
+def test_results_come_back_in_the_callers_framework(framework):
+    """torch tensors in -> torch tensors out, JAX arrays in -> JAX arrays out (zero-copy through DLPack);
+    ``out_type="cupy"`` keeps CuPy arrays.  Values equal the CuPy call's."""
+    rng = np.random.default_rng(32)
+    q, k, v = (cp.asarray(x) for x in _qkv(rng, "float16"))
+    want, want_lse = cudnn_attn.dot_product_attention(q, k, v, scale=0.125, return_residual=True)
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        args = [torch.from_dlpack(x) for x in (q, k, v)]
+        kind = torch.Tensor
+    elif framework == "jax":
+        jax = pytest.importorskip("jax")
+        args = [jax.dlpack.from_dlpack(x) for x in (q, k, v)]
+        kind = jax.Array
+    else:
+        args, kind = [q, k, v], cp.ndarray
+    out, lse = cudnn_attn.dot_product_attention(*args, scale=0.125, return_residual=True)
+    assert isinstance(out, kind) and isinstance(lse, kind)
+    assert cp.array_equal(cp.from_dlpack(out), want) and cp.array_equal(cp.from_dlpack(lse), want_lse)
+    forced = cudnn_attn.dot_product_attention(*args, scale=0.125, out_type="cupy")
+    assert isinstance(forced, cp.ndarray) and cp.array_equal(forced, want)
+    grads = cudnn_attn.dot_product_attention_bwd(*args, out, out, lse, scale=0.125)
+    assert isinstance(grads.dq, kind) and isinstance(grads, cudnn_attn.AttentionGrads)

@@ -181,9 +181,35 @@ def test_jax_arrays_reach_the_cupy_api_zero_copy_and_in_order():
     jk, jv = jnp.asarray(k), jnp.asarray(v)
     assert cp.from_dlpack(jk).data.ptr == jk.unsafe_buffer_pointer()
     out = cudnn_attn.dot_product_attention(jq, jk, jv, scale=SCALE, mask_type=MaskType.CAUSAL)
+    assert isinstance(out, jax.Array)                       # results come back in the query's framework
     ref = reference.dot_product_attention((q.astype(np.float32) * 2).astype(q.dtype), k, v, scale=SCALE,
                                           mask_type=MaskType.CAUSAL)
-    assert_close("output", cp.asnumpy(out), ref, "bfloat16")
+    assert_close("output", np.asarray(out), ref, "bfloat16")
+
+
+def test_the_handler_launches_the_same_plan_as_the_public_call():
+    """One call plan for both fronts: the JAX handler (captured by XLA or not) and the CuPy public call run
+    the same cached plan, so their outputs are bit-identical."""
+    cp = pytest.importorskip("cupy")
+    import cudnn_attn
+    from cudnn_attn.cache import graph_cache
+    from cudnn_attn.jax_bridge import cudnn_target
+    from cudnn_attn.jax_bridge.kernel import Kernel, registry
+    from cudnn_attn.validation import prepare
+
+    rng = np.random.default_rng(41)
+    (q, k, v), _ = _case("causal", rng)
+    args = tuple(jnp.asarray(x) for x in (q, k, v))
+    want = cudnn_attn.dot_product_attention(*(cp.asarray(x) for x in (q, k, v)), scale=SCALE,
+                                            mask_type=MaskType.CAUSAL)
+    for cuda_graph in (True, False):
+        fn = jax.jit(lambda q, k, v: jb.dot_product_attention(q, k, v, scale=SCALE, mask_type=MaskType.CAUSAL,
+                                                              cuda_graph=cuda_graph))
+        for _ in range(3):
+            np.testing.assert_array_equal(np.asarray(fn(*args)), cp.asnumpy(want))
+    config, _ = prepare(*args, scale=SCALE, mask_type=MaskType.CAUSAL, xp=jnp)
+    key = registry.key(Kernel(config, "fwd", 0))
+    assert cudnn_target.pinned_plan(key, 0) is graph_cache.plan(config, "fwd", 0)
 
 
 def test_unsupported_configuration_fails_when_lowered():

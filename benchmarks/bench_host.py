@@ -1,0 +1,204 @@
+"""Host time per attention call at a cache hit, every layer side by side (issue #9; not a test).
+
+    python benchmarks/bench_host.py [--out OUT_DIR] [--quick]
+
+Shape: bf16 B=1 N=8 T=S=256 H=64 (small enough that the host, not the GPU, sets the pace), forward in
+inference mode and backward.  Rows, from the whole public call down to the floor:
+
+* ``public``          - ``cudnn_attn.dot_product_attention`` / ``dot_product_attention_bwd`` (CuPy arrays);
+* ``bound``           - a pre-bound call, ``cudnn_attn.bind(...)`` then ``bound(q, k, v)`` / ``bound.backward``;
+* ``plan.launch``     - the call plan's launch alone (results preallocated): lock, stream, pointers, launch;
+* ``raw launch``      - the frontend's private ``_execute_with_raw_ptrs`` with a prefilled pointer array:
+                        the floor of any launch through cuDNN's backend (variant pack + ``cudnnBackendExecute``);
+* ``frontend execute``- the public ``pygraph.execute(pointers, workspace, handle=, tensor_uids=)``;
+* ``torch``           - ``torch.nn.functional.scaled_dot_product_attention`` with the cuDNN backend
+                        (backward: autograd's fwd+bwd minus the fwd);
+* ``jax handler``     - our XLA FFI handler alone (entry to return, recorded by ``ffi.record_handler_times``)
+                        in a jitted chain with ``cuda_graph=False``, so that XLA runs it every time;
+* ``jax jit call``    - wall time per call of a jitted chain of 16 calls, XLA's command buffers on (default)
+                        and off, and ``jax.nn.dot_product_attention(implementation="cudnn")`` for comparison.
+
+Host time: ``calls`` back-to-back calls timed with the host clock, no synchronisation inside the loop,
+median of ``rounds`` (the GPU keeps up: the kernels take a few microseconds).  Writes
+``bench_host.json`` into ``--out`` and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import cupy as cp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+
+import cudnn_attn  # noqa: E402
+from cudnn_attn.cache import graph_cache  # noqa: E402
+
+B, N, T, H = 1, 8, 256, 64
+SCALE = H ** -0.5
+TARGETS = {("public", "fwd"): 15.0, ("public", "bwd"): 20.0, ("bound", "fwd"): 8.0, ("jax handler", "fwd"): 10.0,
+           ("jax handler", "bwd"): 10.0}
+
+
+def host_us(fn, *, calls: int, rounds: int) -> float:
+    for _ in range(20):
+        fn()
+    cp.cuda.runtime.deviceSynchronize()
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+        cp.cuda.runtime.deviceSynchronize()
+    return statistics.median(samples)
+
+
+def cupy_rows(q, k, v, do, calls, rounds) -> dict:
+    rows = {}
+    o, lse = cudnn_attn.dot_product_attention(q, k, v, scale=SCALE, return_residual=True)
+    rows[("public", "fwd")] = host_us(lambda: cudnn_attn.dot_product_attention(q, k, v, scale=SCALE),
+                                      calls=calls, rounds=rounds)
+    rows[("public", "bwd")] = host_us(lambda: cudnn_attn.dot_product_attention_bwd(q, k, v, o, do, lse, scale=SCALE),
+                                      calls=calls, rounds=rounds)
+    bound = cudnn_attn.bind(q, k, v, scale=SCALE)
+    rows[("bound", "fwd")] = host_us(lambda: bound(q, k, v), calls=calls, rounds=rounds)
+    rows[("bound", "bwd")] = host_us(lambda: bound.backward(q, k, v, o, do, lse), calls=calls, rounds=rounds)
+    config = bound.config
+    stream = cp.cuda.get_current_stream().ptr
+    for kind, inputs in (("fwd", {"query": q, "key": k, "value": v}),
+                         ("bwd", {"query": q, "key": k, "value": v, "output": o, "grad_output": do, "logsumexp": lse})):
+        from cudnn_attn.plan import DIRECT_IDS
+
+        cfg = config if kind == "fwd" else config.replace(training=True)
+        plan = graph_cache.plan(cfg, kind, q.device.id)
+        by_id = {DIRECT_IDS[name]: x for name, x in inputs.items()}
+        results = [cp.empty(spec.shape, spec.dtype) for spec in plan.results]
+        pointers = [by_id[t].data.ptr for t in plan.operand_ids] + [r.data.ptr for r in results]
+        rows[("plan.launch", kind)] = host_us(lambda: plan.launch(pointers, stream), calls=calls, rounds=rounds)
+        context, launcher = plan.context, plan.launcher
+        workspace = context.workspace(stream, plan.workspace_size)
+        context.bind_stream(stream)
+        if launcher._raw_execute is not None:
+            launcher._pointers[:] = launcher._order(pointers)
+            raw = launcher._raw_execute
+            args = (launcher._pointers_address, launcher._count, workspace, context.handle_address,
+                    launcher._cpp_index)
+            rows[("raw launch", kind)] = host_us(lambda: raw(*args), calls=calls, rounds=rounds)
+        uids = tuple(int(plan.built.uids[t]) for t in launcher.ids)
+        graph, handle, ordered = plan.built.graph, context.handle, tuple(pointers)
+        rows[("frontend execute", kind)] = host_us(
+            lambda: graph.execute(ordered, workspace, handle=handle, tensor_uids=uids), calls=calls, rounds=rounds)
+    return rows
+
+
+def torch_rows(q, k, v, do, calls, rounds) -> dict:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tq, tk, tv, tdo = (torch.from_dlpack(x).transpose(1, 2).contiguous() for x in (q, k, v, do))
+    lq, lk, lv = (x.detach().requires_grad_() for x in (tq, tk, tv))
+
+    def forward():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
+            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, scale=SCALE)
+
+    def train():
+        lq.grad = lk.grad = lv.grad = None
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(lq, lk, lv, scale=SCALE).backward(tdo)
+
+    fwd = host_us(forward, calls=calls, rounds=rounds)
+    both = host_us(train, calls=calls, rounds=rounds)
+    return {("torch", "fwd"): fwd, ("torch", "bwd"): both - fwd, ("torch fwd+bwd", "both"): both}
+
+
+def jax_rows(q, k, v, do, rounds) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from cudnn_attn import jax_bridge as jb
+    from cudnn_attn.jax_bridge import ffi
+
+    jq, jk, jv, jdo = (jax.dlpack.from_dlpack(x) for x in (q, k, v, do))
+    rows = {}
+    chain = 16
+
+    def program(attend, mode):
+        def step(q):
+            if mode == "fwd":
+                return attend(q, jk, jv)
+            return jax.vjp(lambda q: attend(q, jk, jv), q)[1](jdo)[0]
+
+        def run(q):
+            for _ in range(chain):
+                q = step(q)
+            return q
+        return jax.jit(run)
+
+    impls = {
+        "ours": lambda q, k, v: jb.dot_product_attention(q, k, v, scale=SCALE),
+        "ours-eager": lambda q, k, v: jb.dot_product_attention(q, k, v, scale=SCALE, cuda_graph=False),
+        "jax.nn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=SCALE, implementation="cudnn"),
+    }
+    for mode in ("fwd", "fwd+bwd"):
+        for name, attend in impls.items():
+            fn = program(attend, mode)
+            for _ in range(3):
+                jax.block_until_ready(fn(jq))
+            times = ffi.record_handler_times(name == "ours-eager")
+            samples = []
+            for _ in range(rounds * 4):
+                start = time.perf_counter()
+                jax.block_until_ready(fn(jq))
+                samples.append((time.perf_counter() - start) / chain * 1e6)
+            ffi.record_handler_times(False)
+            rows[(f"jax jit call ({name})", mode)] = statistics.median(samples)
+            if times:
+                for target in sorted({t for t, _ in times}):
+                    kind = "fwd" if mode == "fwd" else "fwd+bwd"
+                    rows[(f"jax handler [{target}]", kind)] = statistics.median(ns / 1e3 for t, ns in times
+                                                                                if t == target)
+    del jnp
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--quick", action="store_true", help="fewer calls per round")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    calls, rounds = (200, 3) if args.quick else (1000, 7)
+    rng = np.random.default_rng(0)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    q, k, v, do = (cp.asarray(rng.standard_normal((B, T, N, H), dtype=np.float32)).astype(bf16) for _ in range(4))
+    rows = {}
+    for name, fn in (("cupy", lambda: cupy_rows(q, k, v, do, calls, rounds)),
+                     ("torch", lambda: torch_rows(q, k, v, do, calls // 2, rounds)),
+                     ("jax", lambda: jax_rows(q, k, v, do, rounds))):
+        try:
+            rows.update(fn())
+        except Exception as exc:             # one framework missing must not hide the others
+            print(f"{name}: {type(exc).__name__}: {exc}", flush=True)
+    with open(os.path.join(args.out, "bench_host.json"), "w") as f:
+        json.dump({"shape": f"bf16 B{B} N{N} T=S={T} H{H}", "calls": calls, "rounds": rounds,
+                   "rows": [{"what": w, "kind": kind, "host_us": us} for (w, kind), us in rows.items()]}, f, indent=1)
+    print(f"\n== host us per call at a cache hit, bf16 B{B} N{N} T=S={T} H{H} (median of {rounds} rounds)")
+    print(f"{'what':40s} {'kind':8s} {'host us':>8s}  target")
+    for (what, kind), us in rows.items():
+        target = TARGETS.get((what.split(" [")[0], kind.split("+")[0]))
+        verdict = "" if target is None else f"<= {target:g} {'OK' if us <= target else 'MISS'}"
+        print(f"{what:40s} {kind:8s} {us:8.1f}  {verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The GPU machine's one command (run by ``scripts/gpu_run.sh``): phases in order, logs under ``$OUT``,
+a short summary table printed last.
+
+    scripts/gpu_run.sh [PHASE ...] [--budget SECONDS] [--full]
+
+Phases (default: ``tests train host jax attention``):
+
+* ``tests``      - the GPU test tier (``pytest -m gpu``, 4 workers), JUnit XML -> per-file table;
+* ``legacy``     - the training step of issue #8 on the code of ``.legacy/`` (the last commit before the
+                   fix, exported there by the caller), plain and ``cuda_graph=True``, under a 60 s watchdog:
+                   does it still hang / crash?  Runs in the background next to the other phases;
+* ``train``      - per-step times, ours vs ``jax.nn`` cuDNN, tiny and 1024-wide models, 1 and 2 GPUs;
+* ``host``, ``jax``, ``attention``, ``fp8``, ``decode``, ``first_call``, ``context_parallel``, ``soak``
+                 - ``benchmarks/bench_<phase>.py`` (``--quick`` unless ``--full``).
+
+Each phase gets at most what is left of ``--budget`` (default 570 s) minus a reserve for the phases after
+it; a phase cut short is reported as such.  Exit status: non-zero when a phase failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter, defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.environ.get("OUT", os.path.join(ROOT, "bench_out"))
+BENCHES = ("host", "jax", "attention", "fp8", "decode", "first_call", "context_parallel", "soak")
+RESERVE = {"tests": 60, "train": 40, "legacy": 0}       # seconds kept for each later phase (default 30)
+
+
+def run(name: str, command: list[str], limit: float, env: dict | None = None) -> tuple[int, float]:
+    log = os.path.join(OUT, f"{name}.log")
+    start = time.monotonic()
+    print(f"== {name} (at most {limit:.0f} s, log {log})", flush=True)
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=limit, cwd=ROOT,
+                                env={**os.environ, **(env or {})}).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    return rc, time.monotonic() - start
+
+
+def tail(name: str, lines: int) -> str:
+    path = os.path.join(OUT, f"{name}.log")
+    if not os.path.exists(path):
+        return ""
+    return "\n".join(open(path, errors="replace").read().rstrip().splitlines()[-lines:])
+
+
+def test_table() -> list[str]:
+    path = os.path.join(OUT, "gpu_tests.xml")
+    if not os.path.exists(path):
+        return ["no test report (see tests.log)"]
+    files: dict = defaultdict(Counter)
+    failed = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = case.get("file") or case.get("classname", "?").replace(".", "/") + ".py"
+        kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        files[name][kind] += 1
+        if kind in ("failure", "error"):
+            failed.append(f"{case.get('classname')}::{case.get('name')}")
+    lines = [f"{'test file':48s} {'passed':>6s} {'failed':>6s} {'error':>6s} {'skipped':>7s}"]
+    total = Counter()
+    for name, c in sorted(files.items()):
+        total.update(c)
+        lines.append(f"{name:48s} {c['passed']:6d} {c['failure']:6d} {c['error']:6d} {c['skipped']:7d}")
+    lines.append(f"{'total':48s} {total['passed']:6d} {total['failure']:6d} {total['error']:6d} {total['skipped']:7d}")
+    lines += [f"  FAILED {name}" for name in failed[:30]]
+    return lines
+
+
+def train_commands(full: bool) -> list[tuple[str, list[str]]]:
+    sizes = ("tiny", "wide") if full else ("tiny",)
+    runs = []
+    for size in sizes:
+        for gpus in (1, 2):
+            for impl in ("ours", "jax"):
+                runs.append((f"{impl} {size} {gpus}gpu", ["--impl", impl, "--size", size, "--gpus", str(gpus),
+                                                          "--steps", "12" if size == "tiny" else "6"]))
+    return runs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("phases", nargs="*", default=["tests", "train", "host", "jax", "attention"])
+    parser.add_argument("--budget", type=float, default=570)
+    parser.add_argument("--full", action="store_true", help="full benchmark runs (no --quick)")
+    parser.add_argument("--pytest", default="tests", help="what pytest runs in the tests phase")
+    args = parser.parse_args()
+    os.makedirs(OUT, exist_ok=True)
+    deadline = time.monotonic() + args.budget
+    status, summary = 0, []
+    legacy = None
+    if "legacy" in args.phases:
+        legacy = subprocess.Popen(["bash", "-c", LEGACY], cwd=ROOT, stdout=open(os.path.join(OUT, "legacy.log"), "w"),
+                                  stderr=subprocess.STDOUT)
+    phases = [p for p in args.phases if p != "legacy"]
+    for i, phase in enumerate(phases):
+        reserve = sum(RESERVE.get(p, 30) for p in phases[i + 1:])
+        limit = deadline - time.monotonic() - reserve
+        if limit < 20:
+            summary.append(f"{phase}: skipped (no time left)")
+            status = 1
+            continue
+        if phase == "tests":
+            rc, took = run("tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                                     "-n", "4", "--junitxml", os.path.join(OUT, "gpu_tests.xml"),
+                                     "-o", "junit_family=xunit1", *args.pytest.split()], limit)
+            summary += test_table()
+        elif phase == "train":
+            results = []
+            start = time.monotonic()
+            for label, extra in train_commands(args.full):
+                left = deadline - time.monotonic() - reserve
+                if left < 20:
+                    results.append({"label": label, "error": "no time left"})
+                    continue
+                log = "train_" + label.replace(" ", "_")
+                rc, _ = run(log, [sys.executable, "benchmarks/train_step.py", "--watchdog",
+                                  str(min(left, 240)), *extra], left)
+                lines = [line for line in tail(log, 200).splitlines() if line.startswith("{")]
+                try:
+                    results.append({"label": label, **json.loads(lines[-1])})
+                except (IndexError, json.JSONDecodeError):
+                    results.append({"label": label, "error": f"rc={rc}: {tail(log, 3)[-300:]}"})
+            took = time.monotonic() - start
+            with open(os.path.join(OUT, "bench_train.json"), "w") as f:
+                json.dump(results, f, indent=1)
+            summary.append("== training step (ms per step, median after 2 warm-up steps)")
+            for r in results:
+                summary.append(f"  {r['label']:22s} " + (f"{r['median_step_ms']:8.2f} ms  losses {r['losses'][0]:.5f}"
+                                                         f"..{r['losses'][-1]:.5f}" if "error" not in r
+                                                         else f"FAILED {r['error']}"))
+            rc = 0 if all("error" not in r for r in results) else 1
+        elif phase in BENCHES:
+            quick = [] if args.full else ["--quick"]
+            rc, took = run(f"bench_{phase}", [sys.executable, f"benchmarks/bench_{phase}.py", "--out", OUT, *quick],
+                           limit)
+            text = open(os.path.join(OUT, f"bench_{phase}.log"), errors="replace").read()
+            start = text.rfind("\n== ")
+            summary.append(text[start + 1:].rstrip() if start >= 0 else f"bench_{phase}: no table; log tail:\n"
+                           + tail(f"bench_{phase}", 5))
+        else:
+            summary.append(f"{phase}: unknown phase")
+            status = 1
+            continue
+        summary.append(f"[{phase}: rc={rc}, {took:.0f} s{' - TIMED OUT' if rc == 124 else ''}]")
+        status |= int(rc != 0)
+    if legacy is not None:
+        try:
+            legacy.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            legacy.kill()
+        summary.append("== legacy code (before the fix), training step on 2 GPUs:")
+        summary += ["  " + line for line in tail("legacy", 400).splitlines()
+                    if line.startswith(("LEGACY", "Thread", "  File", "{")) and "site-packages/jax" not in line][:40]
+    print("\n==================== summary ====================")
+    print("\n".join(summary))
+    return status
+
+
+LEGACY = r"""
+set -u
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/legacy .legacy > /dev/null 2>&1 \
+  || { echo "LEGACY install failed"; exit 0; }
+for mode in off on; do
+  start=$SECONDS
+  PYTHONPATH=/tmp/legacy:${PYTHONPATH:-} timeout -k 5 75 python3 benchmarks/train_step.py --impl ours --gpus 2 \
+    --size small --steps 3 --cuda-graph $mode --watchdog 60 > /tmp/legacy_$mode.out 2>&1
+  rc=$?
+  echo "LEGACY cuda_graph=$mode: exit $rc after $((SECONDS - start)) s (3 = watchdog fired: hang; 124 = killed)"
+  grep -m3 -E "Error|error:" /tmp/legacy_$mode.out | sed 's/^/LEGACY   /' | cut -c1-300
+  grep -E "^Thread|^  File .*(cudnn_attn|_handle)" /tmp/legacy_$mode.out | head -20
+done
+"""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Device contexts without a GPU (issue #8): one per device for the whole process, made once under many
+threads, never made on the execution path, closed at release; the call plan's launch under the lock."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import types
+
+import pytest
+
+from cudnn_attn import plan as call_plan
+from cudnn_attn import runtime
+from cudnn_attn.config import AttentionConfig, MaskSpec
+from cudnn_attn.graphs.tensors import TensorId
+
+
+class _FakeContext:
+    made: list[int] = []
+
+    def __init__(self, device):
+        self.device = device
+        self.lock = threading.Lock()
+        self.closed = False
+        _FakeContext.made.append(device)
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def fake_contexts(monkeypatch):
+    _FakeContext.made = []
+    monkeypatch.setattr(runtime, "DeviceContext", _FakeContext)
+    monkeypatch.setattr(runtime, "require_gpu", lambda: None)
+    monkeypatch.setattr(runtime, "_contexts", {})
+    monkeypatch.setattr(runtime, "_release_hooks", [])
+    return _FakeContext.made
+
+
+def test_one_context_per_device_across_many_short_lived_threads(fake_contexts):
+    seen = []
+
+    def use(device):
+        seen.append(runtime.device_context(device))
+
+    for _ in range(8):                          # 8 rounds of 16 short-lived threads on 2 devices
+        threads = [threading.Thread(target=use, args=(i % 2,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert sorted(fake_contexts) == [0, 1]      # two handles for 128 threads, not one per thread
+    assert len({id(c) for c in seen}) == 2 and runtime.prepared_devices() == (0, 1)
+
+
+def test_the_execution_path_never_creates_a_context(fake_contexts):
+    with pytest.raises(RuntimeError, match="no cuDNN context was prepared for GPU 3.*never while XLA executes"):
+        runtime.device_context(3, create=False)
+    assert fake_contexts == []
+    made = runtime.device_context(3)
+    assert runtime.device_context(3, create=False) is made
+
+
+def test_release_runs_hooks_then_closes_every_context(fake_contexts):
+    order = []
+    runtime.on_release(lambda: order.append("first registered"))
+    runtime.on_release(lambda: order.append("last registered"))
+    contexts = [runtime.device_context(d) for d in (0, 1)]
+    runtime.release()
+    assert order == ["last registered", "first registered"]
+    assert all(c.closed for c in contexts) and runtime.prepared_devices() == ()
+
+
+# -- the call plan's launch ------------------------------------------------------------------------------
+
+class _Context:
+    def __init__(self):
+        self.device = 0
+        self.lock = threading.Lock()
+        self.handle = types.SimpleNamespace(backend_handle=7)
+        self.streams, self.workspaces = [], []
+
+    def bind_stream(self, stream):
+        assert self.lock.locked(), "the handle is pointed at a stream under the device lock"
+        self.streams.append(stream)
+
+    def workspace(self, stream, nbytes):
+        assert self.lock.locked()
+        self.workspaces.append((stream, nbytes))
+        return 0xAAAA
+
+
+class _Launcher:
+    def __init__(self, built, ids, plan_index=None):
+        self.ids, self.calls = ids, []
+
+    def __call__(self, addresses, workspace, handle):
+        self.calls.append((dict(zip(self.ids, addresses)), workspace))
+
+
+def _plan(monkeypatch, config, kind, ids):
+    monkeypatch.setattr(call_plan, "Launcher", _Launcher)
+    built = types.SimpleNamespace(config=config, kind=kind, uids={t: int(t) for t in ids}, workspace_size=256,
+                                  plans=(), plan_name="eng0")
+    return call_plan.CallPlan(built, _Context())
+
+
+def test_launch_binds_operands_results_and_host_scalars_by_id(monkeypatch):
+    config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16,
+                             dtype="float16", dropout_rate=0.1, training=True)
+    plan = _plan(monkeypatch, config, "fwd", (TensorId.Q, TensorId.K, TensorId.V, TensorId.O, TensorId.STATS,
+                                              TensorId.SEED, TensorId.OFFSET))
+    assert plan.operand_ids == (TensorId.Q, TensorId.K, TensorId.V)
+    assert [s.tid for s in plan.results] == [TensorId.O, TensorId.STATS]
+    assert plan.scalar_ids == (TensorId.SEED, TensorId.OFFSET)
+    plan.launch([1, 2, 3, 4, 5], stream=0x55, scalars=call_plan.host_scalar_values(config, 1234))
+    (bound, workspace), = plan.launcher.calls
+    assert {t: bound[t] for t in plan.operand_ids + (TensorId.O, TensorId.STATS)} == {
+        TensorId.Q: 1, TensorId.K: 2, TensorId.V: 3, TensorId.O: 4, TensorId.STATS: 5}
+    assert ctypes.c_int64.from_address(bound[TensorId.SEED]).value == 1234 and workspace == 0xAAAA
+    assert plan.context.streams == [0x55] and plan.context.workspaces == [(0x55, 256)]
+
+
+def test_launch_zeroes_before_what_the_policy_says(monkeypatch):
+    config = AttentionConfig(batch=2, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16,
+                             dtype="float16", training=True, mask=MaskSpec(padding=True))
+    zeroed = []
+    monkeypatch.setattr(call_plan, "_memset_zero", lambda pointers, which, stream: zeroed.append(
+        [(pointers[i], n) for i, n in which]))
+    plan = _plan(monkeypatch, config, "bwd", (TensorId.Q, TensorId.K, TensorId.V, TensorId.O, TensorId.DO,
+                                              TensorId.STATS, TensorId.SEQ_LEN_Q, TensorId.SEQ_LEN_KV,
+                                              TensorId.DQ, TensorId.DK, TensorId.DV))
+    pointers = list(range(100, 100 + len(plan.operand_ids) + len(plan.results)))
+    plan.launch(pointers, stream=1, workspace=0x10)
+    nbytes = 2 * 8 * 2 * 16 * 2
+    assert zeroed == [[(pointers[-3], nbytes), (pointers[-2], nbytes), (pointers[-1], nbytes)]]   # dq, dk, dv
+    assert plan.launcher.calls[0][1] == 0x10 and plan.context.workspaces == []
