@@ -161,6 +161,7 @@ def bench_ours(shape: Shape, q, k, v, do, result: Result, notes: dict) -> None:
     cp.cuda.runtime.deviceSynchronize()
     result.cold_s = time.perf_counter() - start
     result.fwd_ms = event_ms(lambda: cudnn_attn.dot_product_attention(q, k, v, **kwargs))
+    PAIRED.setdefault(shape.name, {})["ours fwd"] = lambda: cudnn_attn.dot_product_attention(q, k, v, **kwargs)
     hook = AllocationPeak()
     with hook:
         cudnn_attn.dot_product_attention(q, k, v, **kwargs)
@@ -171,6 +172,7 @@ def bench_ours(shape: Shape, q, k, v, do, result: Result, notes: dict) -> None:
         o, lse = cudnn_attn.dot_product_attention(q, k, v, return_residual=True, **kwargs)
         cudnn_attn.dot_product_attention_bwd(q, k, v, o, do, lse, **kwargs)
         result.bwd_ms = event_ms(lambda: cudnn_attn.dot_product_attention_bwd(q, k, v, o, do, lse, **kwargs))
+        PAIRED[shape.name]["ours bwd"] = lambda: cudnn_attn.dot_product_attention_bwd(q, k, v, o, do, lse, **kwargs)
         train_config, _ = prepare(q, k, v, scale=scale, mask_type=mask, training=True, xp=cp)
         bwd_plan = graph_cache.plan(train_config, "bwd")
         notes["bwd_workspace_mib"] = bwd_plan.workspace_size / 2**20
@@ -223,6 +225,7 @@ def bench_floor(shape: Shape, q, k, v, do, result: Result, notes: dict) -> None:
     cp.cuda.runtime.deviceSynchronize()
     result.cold_s = time.perf_counter() - start
     result.fwd_ms = event_ms(lambda: g.execute(ptrs, ws.data.ptr, handle=handle, tensor_uids=uids), stream)
+    PAIRED.setdefault(shape.name, {})["floor fwd"] = lambda: g.execute(ptrs, ws.data.ptr, handle=handle, tensor_uids=uids)
     result.peak_mib = (out.nbytes + g.get_workspace_size()) / 2**20
     notes["plan"] = g.get_plan_name_at_index(g._plan_index)
     notes["host_us_frontend_execute"] = host_us(lambda: g.execute(ptrs, ws.data.ptr, handle=handle, tensor_uids=uids))
@@ -235,7 +238,9 @@ def bench_floor(shape: Shape, q, k, v, do, result: Result, notes: dict) -> None:
         ptrs_b = (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, do.data.ptr, lse.data.ptr,
                   *(x.data.ptr for x in grads))
         result.bwd_ms = event_ms(lambda: gb.execute(ptrs_b, wsb.data.ptr, handle=handle, tensor_uids=uids_b), stream)
+        PAIRED[shape.name]["floor bwd"] = lambda: gb.execute(ptrs_b, wsb.data.ptr, handle=handle, tensor_uids=uids_b)
         notes["bwd_workspace_mib"] = gb.get_workspace_size() / 2**20
+        notes["bwd_plan"] = gb.get_plan_name_at_index(gb._plan_index)
 
 
 def bench_jax(shape: Shape, q, k, v, do, result: Result, notes: dict) -> None:
@@ -319,6 +324,25 @@ def _bench_torch(backend_name: str):
     return bench
 
 
+PAIRED: dict[str, dict] = {}    # shape -> {"ours fwd": fn, "floor fwd": fn, ...}: the paired measurement
+
+
+def paired(name: str, rounds: int = 7) -> dict:
+    """Ours and the floor alternately, ``rounds`` times each (one call stream, same inputs), so that clock
+    drift and the order of the implementations cannot tell them apart: median ours / floor per kind."""
+    fns, ratios = PAIRED.pop(name, {}), {}
+    for kind in ("fwd", "bwd"):
+        ours, floor = fns.get(f"ours {kind}"), fns.get(f"floor {kind}")
+        if ours is None or floor is None:
+            continue
+        samples = {"ours": [], "floor": []}
+        for _ in range(rounds):
+            samples["ours"].append(event_ms(ours, rounds=1))
+            samples["floor"].append(event_ms(floor, rounds=1))
+        ratios[kind] = statistics.median(samples["ours"]) / statistics.median(samples["floor"])
+    return ratios
+
+
 IMPLEMENTATIONS = {
     "floor": bench_floor,
     "ours": bench_ours,
@@ -355,7 +379,11 @@ def run(quick: bool) -> list[Result]:
             results.append(result)
             print(f"  {shape.name:18s} {impl:12s} fwd {_f(result.fwd_ms)} ms  bwd {_f(result.bwd_ms)} ms"
                   + (f"  ERROR {result.error}" if result.error else ""), flush=True)
+        ratios = paired(shape.name)
         floor = next(r for r in results if r.shape == shape.name and r.impl == "floor")
+        ours = next((r for r in results if r.shape == shape.name and r.impl == "ours"), None)
+        if ours is not None:
+            ours.notes.update({f"paired_{kind}_vs_floor": round(ratio, 4) for kind, ratio in ratios.items()})
         for r in results:
             if r.shape == shape.name:
                 if r.fwd_ms and floor.fwd_ms:
@@ -404,6 +432,11 @@ def summary(results: list[Result]) -> str:
     lines.append("host us per cache-hit call (decode shape): " + ", ".join(
         f"{r.impl}: " + " ".join(f"{k[8:]}={v:.1f}" for k, v in r.notes.items() if k.startswith("host_us"))
         for r in decode if not r.error))
+    lines.append("paired (alternating ours/floor) ours/floor: " + "; ".join(
+        f"{r.shape} " + " ".join(f"{k[7:10]} {v:.3f}" for k, v in r.notes.items() if k.startswith("paired"))
+        + f" plans ours {r.notes.get('plan')}/{r.notes.get('bwd_plan', '-')}"
+        for r in results if r.impl == "ours" and any(k.startswith("paired") for k in r.notes)))
+    lines.append("floor plans: " + "; ".join(f"{r.shape} {r.notes.get('plan')}" for r in results if r.impl == "floor"))
     four_k = [r for r in results if r.impl == "ours" and r.shape.startswith("T=S=4k")]
     checks = []
     for r in four_k:

@@ -2,15 +2,14 @@
 
 from .config import AttentionConfig, AttentionOperands, DiagonalAlignment, MaskSpec
 from .errors import NoGPUError, UnsupportedConfigurationError
-from .types import AttentionGrads, AttentionLayout, AttentionOutput, FP8Params, MaskType
+from .types import AttentionGrads, AttentionLayout, AttentionOutput, FP8Params, Kind, MaskType
 from .api import BoundAttention, bind, dot_product_attention, dot_product_attention_bwd, paged_attention, set_autotune
 from .cache import GraphCache, graph_cache
 
 __all__ = [
     "AttentionConfig", "AttentionGrads", "AttentionLayout", "AttentionOperands", "AttentionOutput", "BoundAttention",
-    "bind",
-    "DiagonalAlignment", "FP8Params", "GraphCache", "MaskSpec", "MaskType", "NoGPUError",
-    "UnsupportedConfigurationError", "dot_product_attention", "dot_product_attention_bwd", "graph_cache",
+    "DiagonalAlignment", "FP8Params", "GraphCache", "Kind", "MaskSpec", "MaskType", "NoGPUError",
+    "UnsupportedConfigurationError", "bind", "dot_product_attention", "dot_product_attention_bwd", "graph_cache",
     "paged_attention", "set_autotune",
 ]
 __version__ = "0.1.0"

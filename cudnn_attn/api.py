@@ -227,7 +227,7 @@ class _Direct:
     """
 
     __slots__ = ("config", "kind", "device", "autotune", "order", "dropout", "training", "signature", "_plan",
-                 "__weakref__")
+                 "_results", "__weakref__")
 
     def __init__(self, config: AttentionConfig, kind: str, arrays: tuple, autotune: bool | None,
                  names: Sequence[str]):
@@ -245,17 +245,23 @@ class _Direct:
     def plan(self) -> Any:
         plan = execution.plan_for(self.config, self.kind, self.device, self.autotune)
         self._plan = weakref.ref(plan)
+        self._results = tuple((spec.shape, spec.dtype) for spec in plan.results)
         return plan
 
     def __call__(self, arrays: tuple, seed: int) -> list[Any]:
         plan = self._plan() or self.plan()
-        cupy = _cupy()
-        with runtime.on_device(self.device):
-            stream = cupy.cuda.get_current_stream().ptr
-            results = [cupy.empty(spec.shape, spec.dtype) for spec in plan.results]
-            pointers = [arrays[i].data.ptr for i in self.order]
-            pointers += [r.data.ptr for r in results]
-            plan.launch(pointers, stream, scalars=(seed, 0) if self.dropout else ())
+        cupy = _CUPY or _cupy()
+        if cupy.cuda.runtime.getDevice() != self.device:
+            with cupy.cuda.Device(self.device):
+                return self._launch(cupy, plan, arrays, seed)
+        return self._launch(cupy, plan, arrays, seed)
+
+    def _launch(self, cupy: Any, plan: Any, arrays: tuple, seed: int) -> list[Any]:
+        empty = cupy.empty
+        results = [empty(shape, dtype) for shape, dtype in self._results]
+        pointers = [arrays[i].data.ptr for i in self.order]
+        pointers += [r.data.ptr for r in results]
+        plan.launch(pointers, cupy.cuda.get_current_stream().ptr, scalars=(seed, 0) if self.dropout else ())
         return results
 
 
@@ -264,13 +270,10 @@ _DIRECT_MAX = 1024
 
 
 def _direct_signature(kind: str, arrays: tuple, static: tuple) -> tuple:
-    signature = [kind]
-    for x in arrays:
-        signature += (x.shape, x.dtype, x.strides)
-    signature.append(arrays[0].data.device_id)
-    signature += static
-    signature.append(execution._autotune_default)
-    return tuple(signature)
+    """Everything validation and the plan depend on: shape, dtype and strides of every array, the device,
+    the static arguments and the global autotune default."""
+    return (kind, *[(x.shape, x.dtype, x.strides) for x in arrays], arrays[0].data.device_id, static,
+            execution._autotune_default)
 
 
 def _remember_direct(kind: str, arrays: tuple, static: tuple, config: AttentionConfig, autotune: bool | None,
@@ -284,8 +287,11 @@ def _remember_direct(kind: str, arrays: tuple, static: tuple, config: AttentionC
 
 
 def _is_cupy(*arrays: Any) -> bool:
-    ndarray = _cupy_ndarray()
-    return all(type(x) is ndarray for x in arrays)
+    ndarray = _NDARRAY or _cupy_ndarray()
+    for x in arrays:
+        if type(x) is not ndarray:
+            return False
+    return True
 
 
 # -- the seed-compatible functions ----------------------------------------------------------------------------
@@ -446,7 +452,8 @@ class BoundAttention:
     def _make(self, kind: str, arrays: tuple) -> _Direct:
         static = dict(self._static)
         deterministic = static.pop("deterministic")
-        training = static.pop("return_residual") if kind == FWD else True
+        return_residual = static.pop("return_residual")
+        training = return_residual if kind == FWD else True
         config, operands = _prepared(dict(zip(self._FWD_NAMES, arrays[:3])), dict(
             static, training=training, deterministic=deterministic and kind == BWD))
         if kind == BWD:
@@ -499,22 +506,22 @@ def bind(query: Any, key: Any, value: Any, *, scale: float = 1.0, mask_type: Mas
     return BoundAttention(query, key, value, seed=seed, static=static)
 
 
+_CUPY = None
+_NDARRAY = None
+
+
 def _cupy() -> Any:
+    global _CUPY
     import cupy
 
+    _CUPY = cupy
     return cupy
-
-
-_NDARRAY = None
 
 
 def _cupy_ndarray() -> Any:
     global _NDARRAY
-    if _NDARRAY is None:
-        try:
-            import cupy
-
-            _NDARRAY = cupy.ndarray
-        except ImportError:              # pragma: no cover - cupy is a dependency
-            _NDARRAY = type(None)
+    try:
+        _NDARRAY = _cupy().ndarray
+    except ImportError:              # pragma: no cover - cupy is a dependency
+        _NDARRAY = type(None)
     return _NDARRAY

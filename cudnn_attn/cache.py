@@ -33,10 +33,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 from .config import AttentionConfig
+from .types import Kind
 
 logger = logging.getLogger("cudnn_attn")
 
-KINDS = ("fwd", "bwd")
+KINDS = tuple(Kind)
 
 
 class PlanChoice(enum.Enum):
@@ -212,8 +213,8 @@ class GraphCache:
 
             device = cupy.cuda.Device().id
         if kind not in KINDS:
-            raise ValueError(f"kind: must be one of {KINDS}, got {kind!r}")
-        return GraphKey(config, kind, device, _cudnn_version(), plan, rng_dump)
+            raise ValueError(f"kind: must be one of {[str(k) for k in KINDS]}, got {kind!r}")
+        return GraphKey(config, Kind(kind), device, _cudnn_version(), plan, rng_dump)
 
     def entry(self, key: GraphKey, build: Builder | None = None) -> CacheEntry:
         """The :class:`CacheEntry` of ``key``, built with ``build`` (default: the cache's builder) on a miss."""

@@ -122,11 +122,17 @@ def finish(cupy: Any, plan: Any, results: dict[str, Any], named: Mapping[str, An
     return results
 
 
+def buffer_dtype(dtype: np.dtype) -> np.dtype:
+    """The CuPy dtype of a buffer of ``dtype``: FP8 values travel as their bytes (CuPy has no float8)."""
+    return np.dtype(np.uint8) if dtype.name.startswith("float8") else dtype
+
+
 def _result(cupy: Any, spec: Any, given: Any) -> Any:
     """A result buffer: ``given`` (checked) or a new one on the current stream."""
+    dtype = buffer_dtype(spec.dtype)
     if given is None or spec.fill is Fill.SEGMENTS:       # packed statistics: a token-major buffer of ours
-        return cupy.empty(spec.shape, spec.dtype)
-    _check_given(spec.name, given, spec.shape, spec.dtype)
+        return cupy.empty(spec.shape, dtype)
+    _check_given(spec.name, given, spec.shape, dtype)
     return given
 
 

@@ -41,10 +41,11 @@ import numpy as np
 from .config import AttentionConfig
 from .graphs.tensors import FP8_AMAX_IDS, FP8_SCALE_IDS, HOST_SCALAR_IDS, TensorId
 from .launch import Launcher
+from .types import Kind
 
 logger = logging.getLogger("cudnn_attn")
 
-FWD, BWD = "fwd", "bwd"
+FWD, BWD = Kind.FORWARD, Kind.BACKWARD
 
 
 class Fill(enum.Enum):

@@ -38,8 +38,9 @@ bfloat16
     (measured on the H200 with CuPy 14.2).  Integer arrays holding bf16 bit patterns are not accepted.
 
 Exit
-    :func:`release` (registered with ``atexit`` when the first context is made) destroys the handles
-    and drops the workspaces, so that no cuDNN frontend object outlives the interpreter (nanobind
+    :func:`release` (registered with ``atexit``) runs the release hooks - the JAX bridge waits for the
+    computations in flight and unpins its plans, the graph cache drops its graphs - then destroys the
+    handles and drops the workspaces, so that no cuDNN frontend object outlives the interpreter (nanobind
     reports those as leaks at exit).
 """
 
@@ -211,8 +212,6 @@ def device_context(device: int, *, create: bool = True) -> DeviceContext:
     with _contexts_lock:
         context = _contexts.get(device)
         if context is None:
-            if not _contexts:
-                atexit.register(release)
             context = _contexts[device] = DeviceContext(device)
     return context
 
@@ -231,7 +230,7 @@ def on_release(hook: Any) -> None:
 
 
 def release() -> None:
-    """Drop every cached cuDNN object and close every context (runs at exit)."""
+    """Drop every cached cuDNN object and close every context (registered with ``atexit``)."""
     for hook in reversed(_release_hooks):
         with contextlib.suppress(Exception):
             hook()
@@ -240,6 +239,9 @@ def release() -> None:
         _contexts.clear()
     for context in contexts:
         context.close()
+
+
+atexit.register(release)
 
 
 # -- arrays ----------------------------------------------------------------------------------------

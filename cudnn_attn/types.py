@@ -11,6 +11,14 @@ import enum
 from typing import Any, NamedTuple, TypedDict
 
 
+class Kind(enum.StrEnum):
+    """Which graph of an attention call: the forward or the backward.  (A ``str`` enum: ``Kind.FORWARD ==
+    "fwd"``, so the spelled-out strings are accepted wherever a kind is.)"""
+
+    FORWARD = "fwd"
+    BACKWARD = "bwd"
+
+
 class AttentionLayout(enum.Enum):
     """Physical layout of Q/K/V/O.  ``B`` batch, ``T``/``S`` query/key length, ``N`` heads, ``H`` head dim."""
 

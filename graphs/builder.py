@@ -30,14 +30,13 @@ from cudnn.engines.engine_ids import is_python_engine
 
 from cudnn_attn.config import AttentionConfig, DiagonalAlignment
 from cudnn_attn.errors import UnsupportedConfigurationError
-from cudnn_attn.types import FP8_BWD_KEYS, FP8_FWD_KEYS, AttentionLayout
+from cudnn_attn.types import FP8_BWD_KEYS, FP8_FWD_KEYS, AttentionLayout, Kind
 
 from . import tensors as tt
 from .target import graph_options
 from .tensors import TensorId
 
-FWD = "fwd"
-BWD = "bwd"
+FWD, BWD = Kind.FORWARD, Kind.BACKWARD
 ALL_PLANS = "all"          # ``plan=ALL_PLANS``: build every backend plan (autotuning)
 
 _DT = cudnn.data_type

@@ -91,8 +91,7 @@ def pinned_plan(key: int, device: int) -> Any:
 
 def _run(call: ffi.Call) -> None:
     """The handler: XLA's buffers and stream into the pinned plan's launch (see the module doc)."""
-    key = call.int64_attribute("key")
-    device = call.device_ordinal()
+    key, args, results, stream, device = call.snapshot()
     if device is None:                                # a runtime without the query: XLA made the device current
         import cupy
 
@@ -105,10 +104,8 @@ def _run(call: ffi.Call) -> None:
             f"when it was lowered (prepared: {sorted(d for k, d in _pinned if k == key)}); nothing is built while "
             f"XLA runs a program. Lower the computation for this device (jax.jit with its sharding).")
     plan, scalars = found
-    results = call.ret_addresses()
     workspace = results.pop()
-    plan.launch(call.arg_addresses() + results, call.stream(), workspace=workspace if plan.workspace_size else 0,
-                scalars=scalars)
+    plan.launch(args + results, stream, workspace=workspace if plan.workspace_size else 0, scalars=scalars)
 
 
 HANDLERS = (ffi.make_handler(TARGET, _run, command_buffer_compatible=True), ffi.make_handler(EAGER_TARGET, _run))

@@ -36,6 +36,7 @@ import atexit
 import ctypes as C
 import functools
 import struct
+import threading
 import time
 import traceback
 from typing import Any, Callable, NamedTuple
@@ -131,8 +132,7 @@ class _Api(C.Structure):
 _HANDLER = C.CFUNCTYPE(C.c_void_p, C.c_void_p)       # XLA_FFI_Error* (*)(XLA_FFI_CallFrame*)
 _ERROR_CREATE = C.CFUNCTYPE(C.c_void_p, C.POINTER(_ErrorCreateArgs))
 _ERROR_DESTROY = C.CFUNCTYPE(None, C.POINTER(_ErrorDestroyArgs))
-_CONTEXT_GET = C.CFUNCTYPE(C.c_void_p, C.POINTER(_ContextArgs))
-_DEVICE_ORDINAL_GET = C.CFUNCTYPE(C.c_void_p, C.POINTER(_DeviceOrdinalArgs))
+_BY_ADDRESS = C.CFUNCTYPE(C.c_void_p, C.c_void_p)    # Stream_Get / DeviceOrdinal_Get, args passed by address
 
 # Byte offsets of the fields read on every call.  A handler runs once per execution, so the hot path
 # reads raw memory (``ctypes.string_at`` + ``struct``) instead of materialising ctypes structures.
@@ -149,6 +149,11 @@ _BUFFER_DATA = _Buffer.data.offset
 _VOID_P = C.c_void_p
 _LIST_HEADER = struct.Struct("qPP")           # XLA_FFI_Args/Rets: size, types, items
 _ATTRS_HEADER = struct.Struct("qPPP")         # XLA_FFI_Attrs: size, types, names, attrs
+# The call frame up to the attribute values, read in one copy: struct_size, extension, api, ctx, stage
+# (+ padding), then args, rets (struct_size, extension, size, types, items) and attrs (... names, attrs).
+_FRAME_HEAD = struct.Struct("QPPPi" + "QPqPP" * 2 + "QPqPPP")    # native alignment pads after ``stage``
+_SCALAR = struct.Struct("iP")                 # XLA_FFI_Scalar: dtype, value pointer (native alignment)
+assert _FRAME_HEAD.size == _CallFrame.future.offset and _SCALAR.size == C.sizeof(_Scalar), "XLA FFI struct layout"
 _POINTER_BYTES = C.sizeof(C.c_void_p)
 _INT_BYTES = C.sizeof(C.c_int)
 _S64 = 5                                      # XLA_FFI_DataType_S64
@@ -217,8 +222,8 @@ class _Functions(NamedTuple):
 
     error_create: Any
     error_destroy: Any
-    stream_get: Any
-    device_ordinal_get: Any       # None before the API had it
+    stream_get: Any               # called with the address of a _ContextArgs
+    device_ordinal_get: Any       # with the address of a _DeviceOrdinalArgs; None before the API had it
 
 
 @functools.lru_cache(maxsize=None)
@@ -226,8 +231,30 @@ def _functions(api_address: int) -> _Functions:
     api = _Api.from_address(api_address)
     has_ordinal = api.struct_size > _Api.DeviceOrdinal_Get.offset and api.DeviceOrdinal_Get
     return _Functions(_ERROR_CREATE(api.Error_Create), _ERROR_DESTROY(api.Error_Destroy),
-                      _CONTEXT_GET(api.Stream_Get),
-                      _DEVICE_ORDINAL_GET(api.DeviceOrdinal_Get) if has_ordinal else None)
+                      _BY_ADDRESS(api.Stream_Get), _BY_ADDRESS(api.DeviceOrdinal_Get) if has_ordinal else None)
+
+
+class _QueryArgs(threading.local):
+    """This thread's argument structures for the stream and device queries (filled in place per call)."""
+
+    def __init__(self):
+        self.stream = _ContextArgs(C.sizeof(_ContextArgs), None, None, None)
+        self.stream_address = C.addressof(self.stream)
+        self.device = _DeviceOrdinalArgs(C.sizeof(_DeviceOrdinalArgs), None, None, 0)
+        self.device_address = C.addressof(self.device)
+
+
+_query_args = _QueryArgs()
+
+
+class Snapshot(NamedTuple):
+    """What a GPU handler reads of a call, in one pass (:meth:`Call.snapshot`)."""
+
+    key: int                      # the call site's single int64 attribute
+    args: list[int]               # argument addresses
+    rets: list[int]               # result addresses
+    stream: int                   # XLA's cudaStream_t
+    device: int | None            # the device ordinal (None when the runtime predates the query)
 
 
 class Call:
@@ -284,19 +311,48 @@ class Call:
 
     def stream(self) -> int:
         """XLA's ``cudaStream_t`` for this call (GPU only)."""
-        functions = self._functions()
-        args = _ContextArgs(C.sizeof(_ContextArgs), None, self._context(), None)
-        self._check(functions, functions.stream_get(C.byref(args)), "XLA_FFI_Stream_Get")
-        return int(args.out or 0)
+        return self._stream(self._functions(), self._context())
 
     def device_ordinal(self) -> int | None:
         """The device this call runs on, or ``None`` when the runtime predates the query."""
-        functions = self._functions()
+        return self._device(self._functions(), self._context())
+
+    def snapshot(self) -> Snapshot:
+        """The key attribute, buffer addresses, stream and device in one pass over the call frame: the hot
+        path of a GPU handler whose call sites carry exactly one attribute, an int64 (else read by name)."""
+        (_, _, api, ctx, _, _, _, n_args, _, args, _, _, n_rets, _, rets, _, _, n_attrs, _, _,
+         values) = _read(_FRAME_HEAD, self._frame)
+        functions = _functions(api)
+        return Snapshot(self._key(n_attrs, values), _data_addresses(n_args, args), _data_addresses(n_rets, rets),
+                        self._stream(functions, ctx), self._device(functions, ctx))
+
+    def addresses_and_key(self) -> tuple[int, list[int], list[int]]:
+        """The platform-independent part of :meth:`snapshot`: ``(key, argument addresses, result addresses)``."""
+        (_, _, _, _, _, _, _, n_args, _, args, _, _, n_rets, _, rets, _, _, n_attrs, _, _,
+         values) = _read(_FRAME_HEAD, self._frame)
+        return self._key(n_attrs, values), _data_addresses(n_args, args), _data_addresses(n_rets, rets)
+
+    def _key(self, count: int, values: int) -> int:
+        if count != 1:
+            return self.int64_attribute("key")
+        dtype, value = _read(_SCALAR, _word(values))
+        if dtype != _S64:
+            raise TypeError("the call site's attribute must be an int64 scalar")
+        return C.c_int64.from_address(value).value
+
+    def _stream(self, functions: _Functions, ctx: int) -> int:
+        args = _query_args
+        args.stream.ctx = ctx
+        self._check(functions, functions.stream_get(args.stream_address), "XLA_FFI_Stream_Get")
+        return args.stream.out or 0
+
+    def _device(self, functions: _Functions, ctx: int) -> int | None:
         if functions.device_ordinal_get is None:
             return None
-        args = _DeviceOrdinalArgs(C.sizeof(_DeviceOrdinalArgs), None, self._context(), 0)
-        self._check(functions, functions.device_ordinal_get(C.byref(args)), "XLA_FFI_DeviceOrdinal_Get")
-        return int(args.device_ordinal)
+        args = _query_args
+        args.device.ctx = ctx
+        self._check(functions, functions.device_ordinal_get(args.device_address), "XLA_FFI_DeviceOrdinal_Get")
+        return args.device.device_ordinal
 
     def _functions(self) -> _Functions:
         return _functions(_word(self._frame + _FRAME_API))
@@ -327,6 +383,13 @@ def _buffers(items: int) -> tuple[Buffer, ...]:
 
 def _addresses(items: int) -> list[int]:
     return [_word(address + _BUFFER_DATA) for address in _item_addresses(items)]
+
+
+def _data_addresses(count: int, table: int) -> list[int]:
+    """The data addresses of ``count`` ``XLA_FFI_Buffer*`` listed at ``table``."""
+    if not count:
+        return []
+    return [_VOID_P.from_address(address + _BUFFER_DATA).value or 0 for address in _read(_pointers(count), table)]
 
 
 # -- handlers --------------------------------------------------------------------------------------

@@ -16,11 +16,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from cudnn_attn.config import AttentionConfig, AttentionOperands
-from cudnn_attn.types import FP8_BWD_KEYS, FP8_FWD_KEYS
+from cudnn_attn.types import FP8_BWD_KEYS, FP8_FWD_KEYS, Kind
 
-FWD = "fwd"
-BWD = "bwd"
-KINDS = (FWD, BWD)
+FWD, BWD = Kind.FORWARD, Kind.BACKWARD
+KINDS = tuple(Kind)
 
 RESIDUALS = ("output", "grad_output", "logsumexp")
 FP8_FWD_AMAX = ("amax_s", "amax_o")

@@ -19,6 +19,8 @@ def _axpy(call: ffi.Call) -> None:
     (x, y), (out,) = call.args, call.rets
     attributes = call.attributes()
     seen.update(args=call.args, rets=call.rets, attributes=attributes, addresses=call.arg_addresses())
+    if len(attributes) == 1:
+        seen["fast"] = call.addresses_and_key()
     ffi.host_array(out, writeable=True)[...] = (
         attributes["alpha"] * ffi.host_array(x, writeable=False).astype(np.float32)
         + ffi.host_array(y, writeable=False).astype(np.float32)).astype(out.dtype)
@@ -62,6 +64,17 @@ def test_arguments_are_xla_buffers_not_copies():
     y = jnp.ones(8, jnp.float32)
     jax.block_until_ready(jax.jit(_axpy_call, static_argnums=2)(x, y, 2.0))
     assert seen["addresses"] == [x.unsafe_buffer_pointer(), y.unsafe_buffer_pointer()]
+
+
+def test_one_pass_frame_read_matches_the_structured_reads():
+    x, y = jnp.arange(6, dtype=jnp.float32), jnp.ones(6, jnp.float32)
+    call = jax.jit(lambda x, y: jax.ffi.ffi_call("cudnn_attn_test_axpy", jax.ShapeDtypeStruct(x.shape, x.dtype))(
+        x, y, alpha=np.int64(41)))                      # one int64 attribute: the handler's fast path
+    out = jax.block_until_ready(call(x, y))
+    key, args, rets = seen["fast"]
+    assert key == 41 and args == [x.unsafe_buffer_pointer(), y.unsafe_buffer_pointer()]
+    assert rets == [b.address for b in seen["rets"]] and len(rets) == 1
+    np.testing.assert_array_equal(np.asarray(out), 41 * np.arange(6) + 1)
 
 
 def test_host_array_views_are_read_only_for_arguments():

@@ -73,7 +73,9 @@ def test_torch_tensors_zero_copy():
     tq, tk, tv = (torch.from_dlpack(cp.asarray(x)) for x in (q, k, v))
     assert tq.dtype == torch.bfloat16
     out = cudnn_attn.dot_product_attention(tq, tk, tv, mask_type=MaskType.CAUSAL)
-    assert isinstance(out, cp.ndarray) and out.dtype == q.dtype
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16       # back in the caller's framework
+    out = cp.from_dlpack(out)
+    assert out.dtype == q.dtype
     same = cudnn_attn.dot_product_attention(cp.from_dlpack(tq), cp.from_dlpack(tk), cp.from_dlpack(tv),
                                             mask_type=MaskType.CAUSAL)
     assert cp.array_equal(out, same)
@@ -83,7 +85,7 @@ def test_torch_tensors_zero_copy():
     with torch.cuda.stream(stream):
         on_stream = cudnn_attn.dot_product_attention(tq, tk, tv, mask_type=MaskType.CAUSAL, stream=stream)
     stream.synchronize()
-    assert cp.array_equal(on_stream, out)
+    assert isinstance(on_stream, torch.Tensor) and cp.array_equal(cp.from_dlpack(on_stream), out)
 
 
 def test_jax_arrays_zero_copy():
@@ -96,10 +98,11 @@ def test_jax_arrays_zero_copy():
     q, k, v = _qkv(rng, "bfloat16")
     jq, jk, jv = (jnp.asarray(x) for x in (q, k, v))
     out = cudnn_attn.dot_product_attention(jq, jk, jv, scale=0.125)
-    assert isinstance(out, cp.ndarray)
-    assert_close("output", out, reference.dot_product_attention(q, k, v, scale=0.125), "bfloat16")
-    back = jax.dlpack.from_dlpack(out)
-    assert back.dtype == jnp.bfloat16 and back.shape == q.shape
+    assert isinstance(out, jax.Array)                              # back in the caller's framework
+    assert_close("output", np.asarray(out), reference.dot_product_attention(q, k, v, scale=0.125), "bfloat16")
+    assert out.dtype == jnp.bfloat16 and out.shape == q.shape
+    as_cupy = cudnn_attn.dot_product_attention(jq, jk, jv, scale=0.125, out_type="cupy")
+    assert isinstance(as_cupy, cp.ndarray) and cp.array_equal(as_cupy, cp.from_dlpack(out))
 
 
 def test_explicit_stream_orders_the_work():
