@@ -117,12 +117,15 @@ def _plain(value: Any, where: str) -> Any:
     if isinstance(value, (tuple, list)):
         return [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {"__type__": type(value).__name__}
-        if type(value).__name__ == "ScoreModSpec":
+        from .config import ScoreModSpec
+
+        score_mod = isinstance(value, ScoreModSpec)
+        fields = {"__type__": ScoreModSpec.__name__ if score_mod else type(value).__name__}
+        if score_mod:
             fields["fingerprint"] = score_mod_fingerprint(value)
         for field in dataclasses.fields(value):
             item = getattr(value, field.name)
-            if field.name in fields or (fields["__type__"] == "ScoreModSpec" and callable(item)):
+            if field.name in fields or (score_mod and callable(item)):     # the program, not the function
                 continue
             fields[field.name] = _plain(item, f"{where}.{field.name}")
         return fields
