@@ -80,8 +80,9 @@ class DevicelessBuilder:
 
 
 @pytest.fixture(scope="session")
-def deviceless(tmp_path_factory: pytest.TempPathFactory) -> DevicelessBuilder:
-    """cuDNN verdicts for the H200 from a worker subprocess (see the module doc)."""
+def deviceless_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment of a subprocess that can plan deviceless: the stub's folder first on
+    ``LD_LIBRARY_PATH`` where there is no driver (the test process itself never loads the stub)."""
     cudnn_lib = cudnn_library_dir()
     if cudnn_lib is None:
         pytest.skip("deviceless tier: no cuDNN wheel (pip install 'cudnn-attn[cudnn]')")
@@ -92,6 +93,12 @@ def deviceless(tmp_path_factory: pytest.TempPathFactory) -> DevicelessBuilder:
             pytest.skip("deviceless tier: no C compiler (cc/gcc or $CC) to build the stub libcuda.so.1")
         stub_dir = build_stub(tmp_path_factory.mktemp("libcuda_stub"), cudnn_lib, compiler)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(stub_dir), env.get("LD_LIBRARY_PATH")]))
-    builder = DevicelessBuilder(env, tmp_path_factory.mktemp("deviceless") / "worker.log")
+    return env
+
+
+@pytest.fixture(scope="session")
+def deviceless(deviceless_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> DevicelessBuilder:
+    """cuDNN verdicts for the H200 from a worker subprocess (see the module doc)."""
+    builder = DevicelessBuilder(deviceless_env, tmp_path_factory.mktemp("deviceless") / "worker.log")
     yield builder
     builder.close()
