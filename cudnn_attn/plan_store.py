@@ -399,7 +399,7 @@ class PlanStore:
         data = encode_entry(key, payload, {**meta, "created": time.time()})
         path = self.path(key)
         try:
-            self._make_directory()
+            self.make_directory()
             descriptor, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=self.directory)
             try:
                 with os.fdopen(descriptor, "wb") as file:
@@ -418,7 +418,8 @@ class PlanStore:
             return None
         return path
 
-    def _make_directory(self) -> None:
+    def make_directory(self) -> None:
+        """Create the folder (mode 0700, whatever the umask) unless it exists; parents as usual."""
         if self.directory.is_dir():
             return
         self.directory.parent.mkdir(parents=True, exist_ok=True)
