@@ -231,8 +231,7 @@ def _series(name: str, path: str, spec: dict, runs: int, store_for_run, key: str
     target = TARGETS_MS.get(name)
     if target is not None:
         row.update(target_ms=target, met=row["median_ms"] <= target)
-    print(f"  {name:28s} {path:6s} {row['median_ms']:9.1f} ms  (origin {row['origin']}, runs {samples and len(samples)})",
-          flush=True)
+    print(f"  {name:28s} {path:6s} {row['median_ms']:9.1f} ms  (origin {row['origin']}, runs {runs})", flush=True)
     return row
 
 

@@ -27,11 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
+
+from .cache import _bytes  # the graph cache's byte formatting (one spelling of sizes)
 
 logger = logging.getLogger("cudnn_attn")
 
@@ -249,13 +250,6 @@ def _store_line(store_dir: str | None) -> str:
     return f"{info.directory} ({info.entries} entries, {_bytes(info.bytes)}{bad})"
 
 
-def _bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
 def _store(directory: str | None, *, required: bool = True) -> Any:
     from .plan_store import ENV_VAR, PlanStore
 
@@ -361,7 +355,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
     if args.action == "info":
         info = store.info()
         print(f"directory    {info.directory}{'' if info.directory.exists() else ' (not created yet)'}")
-        print(f"entries      {info.entries}" + (f" ({info.bad_entries} unusable: rebuilt on use)" if info.bad_entries else ""))
+        bad = f" ({info.bad_entries} unusable: rebuilt on use)" if info.bad_entries else ""
+        print(f"entries      {info.entries}{bad}")
         print(f"size         {_bytes(info.bytes)}")
         return EXIT_OK
     rows = store.entries()
@@ -545,7 +540,8 @@ def _call_arguments(parser: argparse.ArgumentParser, *, target: bool) -> None:
     group.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="io dtype (fp8: E4M3)")
     group.add_argument("--mask", choices=MASKS, default="none")
     group.add_argument("--layout", choices=("BTNH", "BNTH"), default="BTNH")
-    group.add_argument("--backward", action="store_true", help="training: the forward with its logsumexp and the backward")
+    group.add_argument("--backward", action="store_true",
+                       help="training: the forward with its logsumexp, and the backward")
     group.add_argument("--scale", type=float, help="softmax scale, part of the plan (default 1/sqrt(H))")
     if target:
         group.add_argument("--target", choices=TARGETS,

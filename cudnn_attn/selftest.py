@@ -33,7 +33,8 @@ FP8_MARGIN = 0.01
 def io_dtype(name: str) -> np.dtype:
     import ml_dtypes
 
-    return np.dtype(getattr(ml_dtypes, name)) if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2") else np.dtype(name)
+    extended = ("bfloat16", "float8_e4m3fn", "float8_e5m2")          # ml_dtypes' types, by NumPy name
+    return np.dtype(getattr(ml_dtypes, name)) if name in extended else np.dtype(name)
 
 
 def call_config(*, B: int = 2, T: int = 128, S: int = 128, N: int = 4, K: int | None = None, H: int = 64,
@@ -57,7 +58,8 @@ def call_config(*, B: int = 2, T: int = 128, S: int = 128, N: int = 4, K: int | 
     if paged:
         blocks = B * paged["blocks"] + paged.get("spare", 0)
         block = paged["block"]
-        key, value = (np.empty((blocks, block, K, d) if layout == "BTNH" else (blocks, K, block, d), dt) for d in (H, Hv))
+        key, value = (np.empty((blocks, block, K, d) if layout == "BTNH" else (blocks, K, block, d), dt)
+                      for d in (H, Hv))
         table = np.empty((B, 1, paged["blocks"], 1), np.int32)
         arrays.update(page_table_k=table, page_table_v=table, q_seqlen=np.empty((B,), np.int32),
                       kv_seqlen=np.empty((B,), np.int32))
@@ -82,7 +84,8 @@ CASES: dict[str, tuple[dict, bool]] = {
     "bf16 padding": (dict(dtype="bfloat16", mask_type=MaskType.PADDING), True),
     "fp16 padding+causal": (dict(mask_type=MaskType.PADDING_CAUSAL), True),
     "fp16 alibi": (dict(N=8, mask_type=MaskType.ALIBI), True),
-    "fp16 causal bottom-right T<S": (dict(T=64, S=192, mask_type=MaskType.CAUSAL, diagonal_alignment="bottom_right"), True),
+    "fp16 causal bottom-right T<S": (dict(T=64, S=192, mask_type=MaskType.CAUSAL,
+                                          diagonal_alignment="bottom_right"), True),
     "fp16 window 16": (dict(mask_type=MaskType.CAUSAL, sliding_window_length=16), True),
     "bf16 GQA 8:2 causal": (dict(dtype="bfloat16", N=8, K=2, mask_type=MaskType.CAUSAL), True),
     "fp16 MQA 8:1": (dict(N=8, K=1), True),
@@ -100,8 +103,9 @@ CASES: dict[str, tuple[dict, bool]] = {
     "fp8 e5m2 d128": (dict(dtype="float8_e5m2", H=128, T=256, S=256, training=False), False),
     "bf16 paged decode GQA 32:8": (dict(dtype="bfloat16", B=4, T=1, N=32, K=8, H=128, training=False,
                                         paged=dict(block=64, blocks=4, spare=3), mask_type=MaskType.PADDING), False),
-    "fp16 paged prefill causal": (dict(B=2, T=64, N=8, K=2, H=128, training=False, paged=dict(block=32, blocks=6, spare=2),
-                                       mask_type=MaskType.PADDING_CAUSAL, diagonal_alignment="bottom_right"), False),
+    "fp16 paged prefill causal": (dict(B=2, T=64, N=8, K=2, H=128, training=False,
+                                       paged=dict(block=32, blocks=6, spare=2), mask_type=MaskType.PADDING_CAUSAL,
+                                       diagonal_alignment="bottom_right"), False),
 }
 
 

@@ -129,6 +129,7 @@ def preload(cache_dir: Path) -> Path | None:
             build_stub(folder, cudnn_lib, compiler)
         except (OSError, subprocess.CalledProcessError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
-            raise StubUnavailable(f"building the stub libcuda.so.1 in {folder} failed: {exc} {detail.decode(errors='replace')}") from exc
+            raise StubUnavailable(f"building the stub libcuda.so.1 in {folder} failed: {exc} "
+                                  f"{detail.decode(errors='replace')}") from exc
     ctypes.CDLL(str(folder / LIBRARY), mode=ctypes.RTLD_GLOBAL)
     return folder / LIBRARY

@@ -194,7 +194,8 @@ def shape_family(config: Any, rng_dump: bool = False) -> tuple:
     """``config`` without its batch size and sequence lengths (and the sizes that follow them: bias
     T/S, paged block counts), plus whether it decodes (T = 1) and whether T <= S: the graphs a
     dynamic-shape kernel is shared by."""
-    bias = config.bias and dataclasses.replace(config.bias, shape=tuple(int(n == 1) for n in config.bias.shape[:2]) + (0, 0))
+    bias = config.bias and dataclasses.replace(
+        config.bias, shape=tuple(int(n == 1) for n in config.bias.shape[:2]) + (0, 0))   # broadcast pattern only
     paging = config.paging and dataclasses.replace(config.paging, num_blocks_k=0, num_blocks_v=0, blocks_per_seq=0)
     shape_free = config.replace(batch=0, q_len=0, kv_len=0, bias=bias, paging=paging)
     return shape_free, config.q_len == 1, config.q_len <= config.kv_len, rng_dump

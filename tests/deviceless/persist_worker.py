@@ -52,7 +52,8 @@ def _describe(built) -> dict:
              "uids": {t.name: uid for t, uid in built.uids.items()}, "launch_path": Launcher(built).path,
              "variant_pack": list(graph._variant_pack_uids() or ())}
     if built.origin == "loaded":
-        facts.update(ranked_plans=len(graph._plans), raw_execute=hasattr(graph._lowered_graph, "_execute_with_raw_ptrs"))
+        facts.update(ranked_plans=len(graph._plans),
+                     raw_execute=hasattr(graph._lowered_graph, "_execute_with_raw_ptrs"))
     return facts
 
 
