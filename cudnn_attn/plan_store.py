@@ -485,3 +485,18 @@ def default_directory() -> Path | None:
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
     return base / "cudnn_attn"
+
+
+_default: tuple[tuple, "PlanStore | None"] | None = None
+_default_lock = threading.Lock()
+
+
+def default_store() -> PlanStore | None:
+    """The process's store (:meth:`PlanStore.from_env`), one instance per location so that each bad
+    entry warns once per process; the environment is read again when its variables change."""
+    global _default
+    marker = (os.environ.get(ENV_VAR), os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"))
+    with _default_lock:
+        if _default is None or _default[0] != marker:
+            _default = (marker, PlanStore.from_env())
+        return _default[1]

@@ -313,3 +313,17 @@ class KernelCache:
             text = ""
         self._store.save(KernelCacheKey(self._environment), text.encode(),
                          {"description": "cuDNN kernel cache (dynamic shapes)", "families": dict(self._persisted)})
+
+
+_kernel_caches: dict[tuple, KernelCache] = {}
+_kernel_caches_lock = threading.Lock()
+
+
+def kernel_cache_for(device: int, store: PlanStore | None) -> KernelCache:
+    """The process's :class:`KernelCache` of a CUDA ``device`` (one per device and store folder)."""
+    key = (device, None if store is None else str(store.directory))
+    with _kernel_caches_lock:
+        cache = _kernel_caches.get(key)
+        if cache is None:
+            cache = _kernel_caches[key] = KernelCache(store)
+        return cache

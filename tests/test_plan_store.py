@@ -26,7 +26,7 @@ from cudnn_attn.config import (
 )
 from cudnn_attn.plan_store import (
     AUTOTUNED, FORMAT_VERSION, HEURISTIC, MAGIC, KernelCacheKey, NotPersistable, PlanEnvironment, PlanKey,
-    PlanStore, PlanStoreWarning, config_fields, default_directory, encode_entry, key_digest,
+    PlanStore, PlanStoreWarning, config_fields, default_directory, default_store, encode_entry, key_digest,
 )
 from cudnn_attn.types import AttentionLayout
 
@@ -354,3 +354,13 @@ def test_a_missing_folder_lists_nothing(tmp_path):
     store = PlanStore(tmp_path / "never")
     assert store.entries() == [] and store.clear() == 0 and store.info().entries == 0
     assert not store.directory.exists()
+
+
+def test_the_default_store_is_one_instance_per_location(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDNN_ATTN_CACHE_DIR", str(tmp_path / "one"))
+    first = default_store()
+    assert default_store() is first and first.directory == tmp_path / "one"
+    monkeypatch.setenv("CUDNN_ATTN_CACHE_DIR", str(tmp_path / "two"))
+    assert default_store().directory == tmp_path / "two"
+    monkeypatch.setenv("CUDNN_ATTN_CACHE_DIR", "off")
+    assert default_store() is None
