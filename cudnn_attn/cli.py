@@ -196,36 +196,54 @@ class GPU(NamedTuple):
 
 
 def _driver() -> tuple[str | None, list[GPU], str | None]:
-    """``(driver description, GPUs, why none)`` from the CUDA driver API (``cuda.bindings``)."""
+    """``(driver description, GPUs, why none)``: the CUDA driver API through ``cuda.bindings`` (fast to
+    import), else through CuPy."""
     release = None
     try:
         release = Path("/proc/driver/nvidia/version").read_text().split("Kernel Module")[1].split()[0]
     except (OSError, IndexError):
         pass
     try:
-        from cuda.bindings import driver as cu
-
-        def ok(result: tuple) -> Any:
-            error, *values = result
-            if error != cu.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(cu.cuGetErrorName(error)[1].decode())
-            return values[0] if values else None
-
-        ok(cu.cuInit(0))
-        cuda = ok(cu.cuDriverGetVersion())
-        gpus = []
-        attr = cu.CUdevice_attribute
-        for index in range(ok(cu.cuDeviceGetCount())):
-            device = ok(cu.cuDeviceGet(index))
-            name = ok(cu.cuDeviceGetName(128, device)).split(b"\0")[0].decode()
-            major = ok(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device))
-            minor = ok(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device))
-            sms = ok(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device))
-            gpus.append(GPU(index, name, (major, minor), sms))
-    except Exception as exc:  # noqa: BLE001 -- no driver, no cuda-python, no device: all "none here"
+        try:
+            cuda, gpus = _driver_api_gpus()
+        except ImportError:
+            cuda, gpus = _cupy_gpus()
+    except Exception as exc:  # noqa: BLE001 -- no driver, no bindings, no device: all "none here"
         return release, [], f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     described = f"{release or 'release unknown'} (CUDA {cuda // 1000}.{cuda % 1000 // 10})"
     return described, gpus, None if gpus else "the driver reports no CUDA device"
+
+
+def _driver_api_gpus() -> tuple[int, list[GPU]]:
+    from cuda.bindings import driver as cu
+
+    def ok(result: tuple) -> Any:
+        error, *values = result
+        if error != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(cu.cuGetErrorName(error)[1].decode())
+        return values[0] if values else None
+
+    ok(cu.cuInit(0))
+    attr, gpus = cu.CUdevice_attribute, []
+    for index in range(ok(cu.cuDeviceGetCount())):
+        device = ok(cu.cuDeviceGet(index))
+        name = ok(cu.cuDeviceGetName(128, device)).split(b"\0")[0].decode()
+        major = ok(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device))
+        minor = ok(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device))
+        sms = ok(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device))
+        gpus.append(GPU(index, name, (major, minor), sms))
+    return ok(cu.cuDriverGetVersion()), gpus
+
+
+def _cupy_gpus() -> tuple[int, list[GPU]]:
+    import cupy
+
+    runtime, gpus = cupy.cuda.runtime, []
+    for index in range(runtime.getDeviceCount()):
+        props = runtime.getDeviceProperties(index)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        gpus.append(GPU(index, name, (props["major"], props["minor"]), props["multiProcessorCount"]))
+    return runtime.driverGetVersion(), gpus
 
 
 def _cudnn_version() -> str:

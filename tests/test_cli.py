@@ -249,3 +249,12 @@ def test_precompile_reports_each_configuration(capsys, store_dir, monkeypatch):
     assert lines[3].endswith("not supported: FP8 attention: needs d=128")
     assert lines[4].startswith("failed   fwd 1,64,64,2,2,64") and "RuntimeError: handle gone" in lines[4]
     assert lines[5] == f"2 of 5 plans in {store_dir}; 3 could not be planned (above)"
+
+
+@no_gpu
+@pytest.mark.parametrize("bindings", [True, False], ids=["cuda.bindings", "cupy-fallback"])
+def test_no_driver_is_reported_not_raised(monkeypatch, bindings):
+    if not bindings:
+        monkeypatch.setitem(sys.modules, "cuda.bindings", None)     # import fails: CuPy answers instead
+    _, gpus, why = cli._driver()
+    assert gpus == [] and why
