@@ -218,12 +218,16 @@ class Row(dict):
     """One scenario x path: the samples and their median."""
 
 
-def _series(name: str, path: str, spec: dict, runs: int, store_for_run, key: str = "first_call_s") -> Row:
+def _series(name: str, path: str, spec_for_run, runs: int, store_for_run, key: str = "first_call_s") -> Row:
+    """``runs`` fresh processes; run ``i`` measures ``spec_for_run(i)`` over the store ``store_for_run(i)``."""
     samples, facts = [], {}
-    for i in range(runs):
-        result = _spawn(spec, store_for_run(i))
-        samples.append(result[key])
-        facts = result
+    try:
+        for i in range(runs):
+            facts = _spawn(spec_for_run(i), store_for_run(i))
+            samples.append(facts[key])
+    except RuntimeError as exc:           # one scenario failing must not hide the others
+        print(f"  {name:28s} {path:6s} FAILED: {str(exc).splitlines()[0]}", flush=True)
+        return Row(scenario=name, path=path, median_ms=float("nan"), error=str(exc)[-3000:])
     row = Row(scenario=name, path=path, median_ms=1e3 * statistics.median(samples),
               samples_ms=[round(1e3 * s, 2) for s in samples], runs=runs,
               origin=facts.get("origin"), plan=facts.get("plan"), launch_path=facts.get("launch_path"),
@@ -239,7 +243,7 @@ def scenarios(args: argparse.Namespace, work: Path) -> list[Row]:
     runs = 3 if args.quick else args.runs
     target = "sm90" if args.dry_run else "gpu"
     paths = ["graph"] if args.dry_run else ["api", "graph"]
-    rows = [_series("import", "import", {"path": "import"}, max(runs, 5), lambda i: None, key="import_s")]
+    rows = [_series("import", "import", lambda i: {"path": "import"}, max(runs, 5), lambda i: None, key="import_s")]
     counter = iter(range(10 ** 6))
 
     def fresh(_: int) -> str:
@@ -248,46 +252,50 @@ def scenarios(args: argparse.Namespace, work: Path) -> list[Row]:
     length = SHAPE["T"]
     for path in paths:
         base = {"path": path, "target": target, "lengths": [length]}
-        rows.append(_series("cold", path, base, runs, fresh))
+        rows.append(_series("cold", path, lambda i: base, runs, fresh))
         warm = str(work / f"warm-{path}")
-        _spawn(base, warm)                                                   # fills the store
-        rows.append(_series("warm", path, base, runs, lambda i: warm))
-        rows.append(_series("new length (same process)", path,
-                            {**base, "lengths": [length, length + 256, length + 512], "kernels": True}, runs, fresh))
+        rows.append(_series("warm", path, lambda i: base, runs, _primed(warm, base)))
+        three = {**base, "lengths": [length, length + 256, length + 512], "kernels": True}
+        rows.append(_series("new length (same process)", path, lambda i: three, runs, fresh))
         known = str(work / f"known-{path}")
-        _spawn({**base, "lengths": [length, length + 256], "kernels": True}, known)    # a family, dynamic kernels
-        rows.append(_new_length_series(path, base, runs, known, iter(range(length + 512, 1 << 20, 128))))
-    aot = args.aot_dir
-    note = "given (--aot-dir)"
+        family = {**base, "lengths": [length, length + 256], "kernels": True}        # static, then dynamic kernels
+        rows.append(_series("new length (new process)", path,
+                            lambda i: {**base, "kernels": True, "lengths": [length + 512 + 128 * i]}, runs,
+                            _primed(known, family)))
+    aot, note = args.aot_dir, "given (--aot-dir)"
     if aot is None:
         aot = str(work / "aot")
-        seconds = _precompile(aot, "sm90")
-        note = f"built here by precompile --target sm90 in {seconds:.1f} s"
+        try:
+            note = f"built here by precompile --target sm90 in {_precompile(aot, 'sm90'):.1f} s"
+        except RuntimeError as exc:
+            note = f"precompile --target sm90 failed: {str(exc).splitlines()[0]}"
     for path in paths:
-        row = _series("deviceless-built store", path, {"path": path, "target": target, "lengths": [length]}, runs,
-                      lambda i: aot)
+        row = _series("deviceless-built store", path, lambda i: {"path": path, "target": target, "lengths": [length]},
+                      runs, lambda i: aot)
         row["note"] = note
         rows.append(row)
     if not args.dry_run:
-        result = _spawn({"path": "dynamic-runtime"}, None)
-        rows.append(Row(scenario="dynamic runtime", path="graph", median_ms=result["dynamic"]["device_ms"],
-                        static_ms=result["static"]["device_ms"], ratio=result["dynamic_over_static"],
-                        plan=f"{result['static']['plan']} / {result['dynamic']['plan']}",
-                        origin=result["dynamic"]["origin"]))
+        rows.append(_dynamic_runtime_row())
     return rows
 
 
-def _new_length_series(path: str, base: dict, runs: int, known: str, lengths) -> Row:
-    """Each run a length the store has never seen, of the family the store knows."""
-    samples, facts = [], {}
-    for _ in range(runs):
-        facts = _spawn({**base, "kernels": True, "lengths": [next(lengths)]}, known)
-        samples.append(facts["first_call_s"])
-    row = Row(scenario="new length (new process)", path=path, median_ms=1e3 * statistics.median(samples),
-              samples_ms=[round(1e3 * s, 2) for s in samples], runs=runs, origin=facts.get("origin"),
-              plan=facts.get("plan"), launch_path=facts.get("launch_path"), plan_ms=_ms(facts.get("plan_s")))
-    print(f"  {row['scenario']:28s} {path:6s} {row['median_ms']:9.1f} ms  (origin {row['origin']})", flush=True)
-    return row
+def _primed(store: str, spec: dict):
+    """A ``store_for_run`` that first fills ``store`` by one process running ``spec`` (not measured)."""
+    def store_for_run(i: int) -> str:
+        if i == 0:
+            _spawn(spec, store)
+        return store
+    return store_for_run
+
+
+def _dynamic_runtime_row() -> Row:
+    try:
+        result = _spawn({"path": "dynamic-runtime"}, None)
+    except RuntimeError as exc:
+        return Row(scenario="dynamic runtime", path="graph", median_ms=float("nan"), error=str(exc)[-3000:])
+    return Row(scenario="dynamic runtime", path="graph", median_ms=result["dynamic"]["device_ms"],
+               static_ms=result["static"]["device_ms"], ratio=result["dynamic_over_static"],
+               plan=f"{result['static']['plan']} / {result['dynamic']['plan']}", origin=result["dynamic"]["origin"])
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -323,6 +331,8 @@ def table(rows: list[Row], imports: list[tuple[str, float]]) -> str:
             extra += f"  ({r['note']})"
         if r.get("jax_imported"):
             extra += "  JAX WAS IMPORTED"
+        if r.get("error"):
+            extra += f"  FAILED: {r['error'].strip().splitlines()[-1][:120]}"
         lines.append(f"{r['scenario']:28s} {r['path']:6s} {r['median_ms']:10.1f} {target:>7s}  "
                      f"{str(r.get('origin') or '-'):22s} {extra}{verdict}".rstrip())
     lines.append("import cudnn_attn, largest cumulative entries: "
