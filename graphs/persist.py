@@ -1,8 +1,11 @@
 """Plans that survive the process: building through the plan store, and cuDNN's kernel cache.
 
 :func:`build_or_load` is :func:`~.builder.build_graph` with a memory across processes: it returns
-the plan saved in a :class:`~cudnn_attn.plan_store.PlanStore` when there is one (deserialized:
-about 4 ms on the H200, 2 ms deviceless, against 0.4-1.1 s to build), else builds and saves it.
+the plan saved in a :class:`~cudnn_attn.plan_store.PlanStore` when there is one, else builds and
+saves it.  Deserializing costs about 4 ms on the H200 (research notes §5) against 0.4-1.1 s to build;
+deviceless on this project's 2-core CPU 1.5 ms, except the first one of a process (9 ms: cuDNN loads
+its engine libraries) - a whole warm first plan in a new process measured 24-52 ms there, including
+``import cudnn`` (24 ms) and the device-properties object (15 ms, deviceless only).
 A loaded graph is checked against what was saved: its variant-pack uids, its workspace size and,
 where cuDNN's blob names them, its engine and SM version.  Anything unexpected is one
 :class:`~cudnn_attn.plan_store.PlanStoreWarning` and a rebuild that overwrites the entry.
