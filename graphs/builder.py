@@ -69,7 +69,9 @@ class BuiltGraph:
     ``uids`` maps every tensor present in the graph to its cuDNN uid; :meth:`execute` needs exactly
     these ids bound.  ``plans`` lists the built plans (one, or every backend plan that built when
     asked for :data:`ALL_PLANS`); ``plan_name`` / ``workspace_size`` describe the selected one and
-    ``num_plans`` counts cuDNN's backend candidates.
+    ``num_plans`` counts cuDNN's backend candidates.  ``origin`` is ``"built"``, ``"built (dynamic
+    shape)"`` (built with cuDNN's kernel cache, see :mod:`.persist`) or ``"loaded"`` (deserialized from
+    the plan store: the graph then holds only its selected plan).
     """
 
     graph: Any = field(repr=False)
@@ -81,6 +83,7 @@ class BuiltGraph:
     build_seconds: float
     num_plans: int
     plans: tuple[PlanInfo, ...] = field(repr=False)
+    origin: str = "built"
 
     @property
     def host_scalar_ids(self) -> frozenset[TensorId]:
@@ -403,7 +406,7 @@ class DeclaredGraph(NamedTuple):
 
 
 def declare_graph(config: AttentionConfig, kind: str, target: Any = None, *,
-                  rng_dump: bool = False) -> DeclaredGraph:
+                  rng_dump: bool = False, kernel_cache: Any = None) -> DeclaredGraph:
     """Declare (without planning) the cuDNN graph of ``config``'s forward or backward.
 
     With ``target=None`` the graph has no planning target: only its frontend-side ``validate()``
@@ -411,7 +414,7 @@ def declare_graph(config: AttentionConfig, kind: str, target: Any = None, *,
     :func:`build_graph`.
     """
     _check_request(config, kind)
-    options = graph_options(target) if target is not None else {}
+    options = graph_options(target, kernel_cache) if target is not None else {}
     io = _IO_TYPES[config.dtype]
     graph = cudnn.pygraph(name=f"cudnn_attn_{kind}", io_data_type=io, intermediate_data_type=_DT.FLOAT,
                           compute_data_type=_DT.FLOAT, **options)
@@ -422,7 +425,7 @@ def declare_graph(config: AttentionConfig, kind: str, target: Any = None, *,
 
 
 def build_graph(config: AttentionConfig, kind: str, target: Any, *, rng_dump: bool = False,
-                plan: str | None = None) -> BuiltGraph:
+                plan: str | None = None, kernel_cache: Any = None) -> BuiltGraph:
     """Build and plan the cuDNN graph of ``config``'s forward (``kind="fwd"``) or backward (``"bwd"``).
 
     Args:
@@ -432,6 +435,9 @@ def build_graph(config: AttentionConfig, kind: str, target: Any, *, rng_dump: bo
         rng_dump: also write cuDNN's dropout keep-mask, float32 ``(B, N, T, S)``, to ``RNG_DUMP``.
         plan: ``None`` (cuDNN's best-ranked backend plan that builds), :data:`ALL_PLANS` (build every
             backend plan, for autotuning) or a plan name from an earlier build (``"eng2_k24=7"``).
+        kernel_cache: a ``cudnn.create_kernel_cache()`` object: build with dynamic shapes, reusing
+            and adding to its compiled kernels (forward graphs only on cuDNN 9.19 / sm90; see
+            :mod:`.persist` for when that is safe).
 
     Raises:
         ValueError: ``kind``/``plan``/``target`` are malformed, or cuDNN finds the graph ill-formed.
@@ -442,11 +448,11 @@ def build_graph(config: AttentionConfig, kind: str, target: Any, *, rng_dump: bo
     if target is None:
         raise ValueError("target: building plans needs a cudnn.Handle or a DevicelessTarget, got None")
     start = time.perf_counter()
-    graph, uids = declare_graph(config, kind, target, rng_dump=rng_dump)
+    graph, uids = declare_graph(config, kind, target, rng_dump=rng_dump, kernel_cache=kernel_cache)
     with _cudnn_refusals(config):
         built, candidates = _plan(graph, config, plan)
     return BuiltGraph(
         graph=graph, config=config, kind=kind, uids=uids, workspace_size=built[0].workspace_size,
         plan_name=built[0].name, build_seconds=time.perf_counter() - start, num_plans=candidates,
-        plans=tuple(built),
+        plans=tuple(built), origin="built" if kernel_cache is None else "built (dynamic shape)",
     )

@@ -79,19 +79,38 @@ class DevicelessBuilder:
         self._stderr.close()
 
 
+_environment: dict[str, str] | None = None
+
+
+def _stub_environment(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment of a subprocess that can plan deviceless (built once per session): the stub's
+    folder first on ``LD_LIBRARY_PATH`` where there is no driver (the test process never loads it)."""
+    global _environment
+    if _environment is None:
+        cudnn_lib = cudnn_library_dir()
+        if cudnn_lib is None:
+            pytest.skip("deviceless tier: no cuDNN wheel (pip install 'cudnn-attn[cudnn]')")
+        env = dict(os.environ)
+        if not real_driver_present():
+            compiler = c_compiler()
+            if compiler is None:
+                pytest.skip("deviceless tier: no C compiler (cc/gcc or $CC) to build the stub libcuda.so.1")
+            stub_dir = build_stub(tmp_path_factory.mktemp("libcuda_stub"), cudnn_lib, compiler)
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(stub_dir), env.get("LD_LIBRARY_PATH")]))
+        _environment = env
+    return _environment
+
+
+@pytest.fixture(scope="session")
+def deviceless_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment of a subprocess that can plan deviceless (see :func:`_stub_environment`)."""
+    return _stub_environment(tmp_path_factory)
+
+
 @pytest.fixture(scope="session")
 def deviceless(tmp_path_factory: pytest.TempPathFactory) -> DevicelessBuilder:
     """cuDNN verdicts for the H200 from a worker subprocess (see the module doc)."""
-    cudnn_lib = cudnn_library_dir()
-    if cudnn_lib is None:
-        pytest.skip("deviceless tier: no cuDNN wheel (pip install 'cudnn-attn[cudnn]')")
-    env = dict(os.environ)
-    if not real_driver_present():
-        compiler = c_compiler()
-        if compiler is None:
-            pytest.skip("deviceless tier: no C compiler (cc/gcc or $CC) to build the stub libcuda.so.1")
-        stub_dir = build_stub(tmp_path_factory.mktemp("libcuda_stub"), cudnn_lib, compiler)
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(stub_dir), env.get("LD_LIBRARY_PATH")]))
-    builder = DevicelessBuilder(env, tmp_path_factory.mktemp("deviceless") / "worker.log")
+    log = tmp_path_factory.mktemp("deviceless") / "worker.log"
+    builder = DevicelessBuilder(_stub_environment(tmp_path_factory), log)
     yield builder
     builder.close()

@@ -1,0 +1,163 @@
+"""Plans from the persistent store on the GPU: a deserialized plan computes exactly what the freshly
+built one computes (forward, and the deterministic backward), through the frontend's execute and the
+fast launch; a plan built deviceless for the H200 (as ``precompile --target sm90`` does on a CPU
+machine) is found under this GPU's key and runs bit-identically; a dynamic-shape plan from the
+kernel cache agrees with the static one within the tier's tolerance.
+
+The graphs are driven directly (``graphs.build_graph`` / ``graphs.persist.build_or_load`` with an own
+cuDNN handle), so these tests hold whatever the public call path does with the store.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cudnn_attn import MaskType
+from cudnn_attn.graphs import BuiltGraph, DevicelessTarget, TensorId, build_graph
+from cudnn_attn.graphs.persist import KernelCache, build_or_load, environment_for
+from cudnn_attn.launch import Launcher
+from cudnn_attn.plan_store import PlanEnvironment, PlanStore
+
+from ._checks import assert_close, io_dtype, make_config
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+CASES = {
+    "causal-fp16": dict(mask_type=MaskType.CAUSAL),
+    "padding-causal-bf16-BNTH": dict(mask_type=MaskType.PADDING_CAUSAL, dtype="bfloat16", layout="BNTH"),
+    "gqa-8:2-bias-fp16": dict(N=8, K=2, bias_shape=(1, 8, 128, 128)),
+    "mla-192:128-bf16": dict(H=192, Hv=128, dtype="bfloat16", mask_type=MaskType.CAUSAL),
+}
+
+
+@pytest.fixture(scope="module")
+def handle():
+    import cudnn
+
+    cp.cuda.runtime.setDevice(0)
+    stream = cp.cuda.Stream(non_blocking=True)
+    h = cudnn.create_handle()
+    cudnn.set_stream(h, stream.ptr)
+    yield h, stream
+    stream.synchronize()
+
+
+def _buffers(built: BuiltGraph, rng: np.random.Generator) -> dict[TensorId, object]:
+    """A CuPy array per tensor of the graph: random inputs, NaN-filled outputs, valid lengths."""
+    c = built.config
+    io = io_dtype(c.dtype)
+    shapes = {TensorId.Q: c.q_shape, TensorId.K: c.k_shape, TensorId.V: c.v_shape, TensorId.O: c.o_shape,
+              TensorId.DO: c.o_shape, TensorId.DQ: c.q_shape, TensorId.DK: c.k_shape, TensorId.DV: c.v_shape,
+              TensorId.STATS: (c.batch, c.q_heads, c.q_len, 1)}
+    if c.bias is not None:
+        shapes[TensorId.BIAS] = shapes[TensorId.DBIAS] = c.bias.shape
+    outputs = {TensorId.O, TensorId.DQ, TensorId.DK, TensorId.DV, TensorId.DBIAS} | (
+        {TensorId.STATS} if built.kind == "fwd" else set())
+    arrays = {}
+    for tid in built.uids:
+        if tid in (TensorId.SEQ_LEN_Q, TensorId.SEQ_LEN_KV):
+            length = c.q_len if tid is TensorId.SEQ_LEN_Q else c.kv_len
+            arrays[tid] = cp.asarray(rng.integers(length // 2, length + 1, c.batch).astype(np.int32))
+        elif tid in outputs:
+            arrays[tid] = cp.full(shapes[tid], np.nan, np.float32 if tid is TensorId.STATS else io)
+        elif tid is TensorId.STATS:        # the backward's input: a plausible logsumexp
+            arrays[tid] = cp.asarray(rng.uniform(1.0, 3.0, shapes[tid]).astype(np.float32))
+        else:
+            arrays[tid] = cp.asarray(rng.standard_normal(shapes[tid]).astype(io))
+    return arrays
+
+
+def _run(built: BuiltGraph, arrays: dict, handle, *, fast: bool) -> dict[TensorId, np.ndarray]:
+    """Run ``built`` on copies of ``arrays``; the outputs, on the host."""
+    h, stream = handle
+    with stream:
+        copies = {tid: a.copy() for tid, a in arrays.items()}
+        workspace = cp.empty(max(built.workspace_size, 1), cp.uint8)
+    cp.cuda.runtime.deviceSynchronize()        # the inputs were written on the default stream
+    pointers = {tid: a.data.ptr for tid, a in copies.items()}
+    if fast:
+        launcher = Launcher(built)
+        assert launcher.path == "fast", (
+            f"the {built.origin} graph does not take the fast launch path (launch.py needs the deserialized-plan case)")
+        launcher(pointers, workspace.data.ptr, h)
+    else:
+        built.execute(pointers, workspace.data.ptr, h)
+    stream.synchronize()
+    written = [TensorId.O, TensorId.STATS] if built.kind == "fwd" else [TensorId.DQ, TensorId.DK, TensorId.DV]
+    written += [TensorId.DBIAS] if TensorId.DBIAS in copies else []
+    return {tid: cp.asnumpy(copies[tid]) for tid in written}
+
+
+def _assert_identical(got: dict, want: dict, what: str) -> None:
+    for tid, expected in want.items():
+        assert got[tid].tobytes() == expected.tobytes(), (
+            f"{what}: {tid.name} differs (max |diff| "
+            f"{np.nanmax(np.abs(got[tid].astype(np.float64) - expected.astype(np.float64))):.3g})")
+
+
+def _config(case: str, kind: str):
+    # The backward is compared bit for bit: cuDNN's deterministic dQ accumulation makes reruns identical.
+    return make_config(**CASES[case], deterministic=kind == "bwd")
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_deserialized_plan_computes_exactly_what_the_built_one_does(case, kind, handle, tmp_path):
+    seed = sum(map(ord, case + kind))
+    rng = np.random.default_rng(seed)
+    config = _config(case, kind)
+    store = PlanStore(tmp_path / "plans")
+    built = build_or_load(config, kind, handle[0], store=store)
+    loaded = build_or_load(config, kind, handle[0], store=store)
+    assert (built.origin, loaded.origin) == ("built", "loaded"), f"seed {seed}"
+    assert (loaded.plan_name, loaded.workspace_size, dict(loaded.uids)) == (
+        built.plan_name, built.workspace_size, dict(built.uids))
+    arrays = _buffers(built, rng)
+    reference = _run(built, arrays, handle, fast=False)
+    for tid, result in reference.items():      # outputs start as NaN; rows past the lengths may stay so
+        assert np.isfinite(result.astype(np.float64)).mean() > 0.5, f"{tid.name} not written (seed {seed})"
+    _assert_identical(_run(built, arrays, handle, fast=False), reference, f"built graph rerun (seed {seed})")
+    _assert_identical(_run(loaded, arrays, handle, fast=False), reference, f"loaded graph, frontend (seed {seed})")
+    _assert_identical(_run(loaded, arrays, handle, fast=True), reference, f"loaded graph, fast launch (seed {seed})")
+
+
+def _is_h200() -> bool:
+    env = PlanEnvironment.for_device(0)
+    return (env.compute_capability, env.device_name) == ((9, 0), "NVIDIA H200")
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+def test_a_plan_built_deviceless_for_the_h200_is_found_and_runs_here(kind, handle, tmp_path):
+    if not _is_h200():
+        pytest.skip("the deviceless target describes the H200")
+    seed = 1234 if kind == "fwd" else 4321
+    config = _config("causal-fp16", kind)
+    store = PlanStore(tmp_path / "plans")
+    target = DevicelessTarget.h200()
+    aot = build_or_load(config, kind, target, store=store)
+    assert aot.origin == "built"
+    device_env, aot_env = environment_for(handle[0]), environment_for(target)
+    assert device_env == aot_env, f"this H200's plan key differs from the deviceless one:\n{device_env}\n{aot_env}"
+    loaded = build_or_load(config, kind, handle[0], store=store)
+    assert loaded.origin == "loaded" and loaded.plan_name == aot.plan_name
+    fresh = build_graph(config, kind, handle[0])
+    arrays = _buffers(fresh, np.random.default_rng(seed))
+    _assert_identical(_run(loaded, arrays, handle, fast=False), _run(fresh, arrays, handle, fast=False),
+                      f"deviceless-built {kind} plan (seed {seed}; plans {loaded.plan_name} / {fresh.plan_name})")
+
+
+def test_dynamic_shape_plans_from_the_kernel_cache_agree_with_static_ones(handle):
+    kernels = KernelCache()
+    rng = np.random.default_rng(99)
+    first = kernels.build(make_config(mask_type=MaskType.CAUSAL, T=256, S=256, training=False), "fwd", handle[0])
+    assert first.origin == "built"
+    for length in (384, 512):
+        config = make_config(mask_type=MaskType.CAUSAL, T=length, S=length, training=False)
+        dynamic = kernels.build(config, "fwd", handle[0])
+        assert dynamic.origin == "built (dynamic shape)" and dynamic.plan_name == first.plan_name
+        static = build_graph(config, "fwd", handle[0])
+        arrays = _buffers(static, rng)
+        got, want = _run(dynamic, arrays, handle, fast=True), _run(static, arrays, handle, fast=True)
+        assert_close(f"dynamic-shape output T=S={length}", got[TensorId.O], want[TensorId.O], config.dtype)
