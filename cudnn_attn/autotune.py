@@ -15,6 +15,8 @@ import logging
 import statistics
 from typing import Any, Callable, NamedTuple
 
+from .errors import UnsupportedConfigurationError
+
 logger = logging.getLogger("cudnn_attn")
 
 
@@ -63,14 +65,27 @@ def tuned_plan(key: Any, launch_arguments: Callable[[Any], tuple]) -> Any:
     from .plan import CallPlan
     from .support import check_supported
 
+    from .graphs import build_graph
+    from .graphs.persist import autotuned_plan, environment_for, remember_autotuned
+    from .plan_store import default_store
+
     context = runtime.device_context(key.device)
     check_supported(key.config, context.environment, kind=key.kind)
+    store = default_store()
     with cupy.cuda.Device(key.device):
-        from .graphs import build_graph
-
+        environment = environment_for(context.handle)
+        winner = autotuned_plan(store, key.config, key.kind, environment=environment, rng_dump=key.rng_dump)
+        if winner is not None:                 # tuned by an earlier process: its winner, without timing again
+            try:
+                return build_plan(key, plan_name=winner)
+            except UnsupportedConfigurationError:
+                logger.info("the remembered autotuned plan %s is no longer offered; tuning again", winner)
         built = build_graph(key.config, key.kind, context.handle, rng_dump=key.rng_dump, plan=ALL_PLANS)
     candidates = CallPlan(built, context, rng_dump=key.rng_dump)
     timings = time_plans(candidates, launch_arguments)
     logger.info("autotuned %s %s (heuristic choice %s): %s", key.kind, key.config.describe(), built.plan_name,
                 ", ".join(f"{t.name} {t.milliseconds:.3f} ms" for t in timings))
+    with cupy.cuda.Device(key.device):
+        remember_autotuned(store, key.config, key.kind, timings[0].name, environment=environment,
+                           rng_dump=key.rng_dump, timings={t.name: t.milliseconds for t in timings})
     return build_plan(key, plan_name=timings[0].name)

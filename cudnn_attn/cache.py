@@ -163,17 +163,26 @@ def build_plan(key: GraphKey, *, plan_name: str | None = None) -> Any:
     import cupy
 
     from . import runtime
-    from .graphs import build_graph
+    from .graphs.persist import build_or_load, kernel_cache_for
     from .plan import CallPlan
+    from .plan_store import default_store
     from .support import check_supported
 
     if key.plan is not PlanChoice.HEURISTIC and plan_name is None:
         raise ValueError(f"plan: {key.plan.value} graphs are built by cudnn_attn.autotune, not by the default builder")
     context = runtime.device_context(key.device)
     check_supported(key.config, context.environment, kind=key.kind)
+    store = default_store()
     with cupy.cuda.Device(key.device):
-        built = build_graph(key.config, key.kind, context.handle, rng_dump=key.rng_dump, plan=plan_name)
+        built = build_or_load(key.config, key.kind, context.handle, store=store, rng_dump=key.rng_dump,
+                              plan=plan_name, kernels=kernel_cache_for(key.device, store) if DYNAMIC_SHAPES else None)
     return CallPlan(built, context, rng_dump=key.rng_dump)
+
+
+DYNAMIC_SHAPES = True
+"""Build a new sequence length of a known forward structure with cuDNN's kernel cache and dynamic shapes
+(milliseconds instead of a full build; :class:`cudnn_attn.graphs.persist.KernelCache` keeps it only where
+cuDNN picks the same plan as for the static graph)."""
 
 
 class GraphCache:
@@ -339,6 +348,8 @@ def _workspace(graph: Any) -> int:
 
 def _plan_label(entry: CacheEntry) -> str:
     name = str(getattr(entry.graph, "plan_name", "?"))
+    origin = getattr(entry.graph, "origin", "built")
+    name = name if origin == "built" else f"{name} ({origin})"
     return f"{name} (autotuned)" if entry.key.plan is PlanChoice.AUTOTUNED else name
 
 

@@ -492,7 +492,7 @@ def _device_planner() -> Planner:
 
     def plan(config: Any, kind: str, store: Any) -> Any:
         with cupy.cuda.Device(0):
-            context = runtime.context(0)
+            context = runtime.device_context(0)
             support.check_supported(config, context.environment, kind=kind)
             return build_or_load(config, kind, context.handle, store=store)
     return plan

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import operator
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 FAST = "fast"
 FRONTEND = "frontend"
@@ -44,11 +44,12 @@ class Launcher:
             :data:`FRONTEND`.
     """
 
-    def __init__(self, built: Any, ids: Sequence[Any], *, plan_index: int | None = None, path: str = FAST):
+    def __init__(self, built: Any, ids: Sequence[Any] | None = None, *, plan_index: int | None = None,
+                 path: str = FAST):
         if path not in (FAST, FRONTEND):
             raise ValueError(f"path: must be {FAST!r} or {FRONTEND!r}, got {path!r}")
         self.built = built
-        self.ids = tuple(ids)
+        self.ids = tuple(built.uids) if ids is None else tuple(ids)
         if set(self.ids) != set(built.uids) or len(self.ids) != len(built.uids):
             raise ValueError(f"ids: the {built.kind} graph binds exactly {sorted(t.name for t in built.uids)}, "
                              f"got {[getattr(t, 'name', t) for t in self.ids]}")
@@ -60,10 +61,15 @@ class Launcher:
         """Read the variant-pack order and backend plan index; False when this graph can't use them."""
         graph = self.built.graph
         try:
-            index = graph._plan_index if self.plan_index is None else self.plan_index
-            if graph._engine_for(graph._plans[index]) is not None:
-                return False                      # a python engine: only the frontend can run it
-            cpp_index = graph._materialize_backend_plan(index).cpp_index
+            if graph._plans:
+                index = graph._plan_index if self.plan_index is None else self.plan_index
+                if graph._engine_for(graph._plans[index]) is not None:
+                    return False                  # a python engine: only the frontend can run it
+                cpp_index = graph._materialize_backend_plan(index).cpp_index
+            elif self.plan_index is None:
+                cpp_index = None                  # deserialized (graphs.persist): the lowered graph's only plan
+            else:
+                return False
             order = list(graph._variant_pack_uids() or ())
             raw_execute = graph._lowered_graph._execute_with_raw_ptrs
         except (AttributeError, IndexError, TypeError):
@@ -79,10 +85,12 @@ class Launcher:
         self._raw_execute = raw_execute
         return True
 
-    def __call__(self, addresses: Sequence[int], workspace: int, handle: Any) -> None:
-        """Run on ``handle``'s stream.  ``addresses`` follow :attr:`ids`: device addresses, and host
-        addresses for the pass-by-value scalars (``built.host_scalar_ids``).  ``handle`` is the
-        ``cudnn.Handle``; the caller holds its device lock."""
+    def __call__(self, addresses: Sequence[int] | Mapping[Any, int], workspace: int, handle: Any) -> None:
+        """Run on ``handle``'s stream.  ``addresses`` follow :attr:`ids` (or map every id to its address):
+        device addresses, and host addresses for the pass-by-value scalars (``built.host_scalar_ids``).
+        ``handle`` is the ``cudnn.Handle``; the caller holds its device lock."""
+        if type(addresses) is dict:
+            addresses = [addresses[t] for t in self.ids]
         if self._raw_execute is not None:
             self._pointers[:] = self._order(addresses)
             self._raw_execute(self._pointers_address, self._count, workspace, handle.backend_handle, self._cpp_index)

@@ -159,8 +159,7 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             legacy.kill()
         summary.append("== legacy code (before the fix), training step on 2 GPUs:")
-        summary += ["  " + line for line in tail("legacy", 400).splitlines()
-                    if line.startswith(("LEGACY", "Thread", "  File", "{")) and "site-packages/jax" not in line][:40]
+        summary += ["  " + line for line in tail("legacy", 400).splitlines() if line.startswith("LEGACY")][:60]
     print("\n==================== summary ====================")
     print("\n".join(summary))
     return status
@@ -170,15 +169,43 @@ LEGACY = r"""
 set -u
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/legacy .legacy > /dev/null 2>&1 \
   || { echo "LEGACY install failed"; exit 0; }
-for mode in off on; do
+# A probe loaded by every legacy process: counts the cuDNN handles created, and on which threads.
+mkdir -p /tmp/legacy_probe
+cat > /tmp/legacy_probe/sitecustomize.py <<'PY'
+import atexit, collections, threading, time
+def _install():
+    import cudnn
+    made, create = collections.Counter(), cudnn.create_handle
+    seconds = [0.0]
+    def counted(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return create(*args, **kwargs)
+        finally:
+            seconds[0] += time.perf_counter() - start
+            made[threading.current_thread().name] += 1
+    cudnn.create_handle = counted
+    atexit.register(lambda: print(f"LEGACY probe: {sum(made.values())} cuDNN handles created on "
+                                  f"{len(made)} threads in {seconds[0]:.3f} s: {dict(made)}", flush=True))
+try:
+    _install()
+except Exception as error:
+    print("LEGACY probe not installed:", error)
+PY
+run() {  # label, timeout, args...
+  label=$1; limit=$2; shift 2
   start=$SECONDS
-  PYTHONPATH=/tmp/legacy:${PYTHONPATH:-} timeout -k 5 75 python3 benchmarks/train_step.py --impl ours --gpus 2 \
-    --size small --steps 3 --cuda-graph $mode --watchdog 60 > /tmp/legacy_$mode.out 2>&1
+  PYTHONPATH=/tmp/legacy_probe:/tmp/legacy:${PYTHONPATH:-} timeout -k 5 $limit python3 benchmarks/train_step.py \
+    --impl ours --gpus 2 --watchdog $((limit - 10)) "$@" > /tmp/legacy_$label.out 2>&1
   rc=$?
-  echo "LEGACY cuda_graph=$mode: exit $rc after $((SECONDS - start)) s (3 = watchdog fired: hang; 124 = killed)"
-  grep -m3 -E "Error|error:" /tmp/legacy_$mode.out | sed 's/^/LEGACY   /' | cut -c1-300
-  grep -E "^Thread|^  File .*(cudnn_attn|_handle)" /tmp/legacy_$mode.out | head -20
-done
+  echo "LEGACY $label: exit $rc after $((SECONDS - start)) s (3 = the watchdog fired: a hang; 124 = killed)"
+  grep -E "^\{" /tmp/legacy_$label.out | sed 's/^/LEGACY   /' | cut -c1-400
+  grep -m2 -E "LEGACY probe|Error|error:" /tmp/legacy_$label.out | sed 's/^/LEGACY   /' | cut -c1-300
+  grep -E "^Thread|^  File .*(cudnn_attn|_handle)" /tmp/legacy_$label.out | head -12 | sed 's/^/LEGACY   /'
+}
+run tiny_plain 70 --size tiny --steps 8 --cuda-graph off
+run small_cuda_graph 70 --size small --steps 3 --cuda-graph on
+run wide_plain 100 --size wide --steps 3 --cuda-graph off
 """
 
 

@@ -59,8 +59,6 @@ def test_a_loaded_graph_offers_what_the_fast_launch_reads(round_trip):
         assert facts["ranked_plans"] == 0 and facts["raw_execute"], case
 
 
-@pytest.mark.xfail(strict=True, reason="Launcher needs the 'empty plan list = the deserialized plan' case "
-                                       "(see graphs/persist.py); remove this mark when launch.py has it")
 def test_a_loaded_graph_takes_the_fast_launch_path(round_trip):
     _, first, second = round_trip
     assert all(f["launch_path"] == "fast" for f in first["graphs"].values())
