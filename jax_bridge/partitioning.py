@@ -18,9 +18,13 @@ Per shard (:func:`partition`) the kernel runs with the local configuration; afte
 * the sink gradient (a sum over the batch) is summed over the batch axes;
 * FP8 amax values are maxima over every shard (``pmax``), the statistic of the whole batch.
 
-Packed segments with batch sharding are refused when a logsumexp is involved (training forward and
-the backward): its rows are the left-aligned segments of the *whole* batch, which a shard cannot
-number locally.
+Packed segments with batch sharding: every shard runs its ``B / pb`` rows, and its logsumexp block of
+``B / pb * M`` rows numbers *that shard's* present segments, left-aligned from the block's first row
+(zeros after them).  The global ``(B*M, N, T)`` logsumexp is the concatenation of those blocks in shard
+order, so it equals the unsharded numbering when every row holds all ``M`` segments, and otherwise
+differs from it by where the zero rows sit.  The backward of the same sharding reads the blocks back the
+same way (``jax.grad`` under ``jit`` always does: the residual keeps the forward's sharding); a
+logsumexp returned with ``return_residual=True`` from a batch-sharded packed call is that blocked layout.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from cudnn_attn.config import AttentionConfig, BiasSpec
 
 from .kernel import KernelOptions
 from .signature import (
-    ATTENTION_TENSORS, BWD, FP8_BWD_AMAX, FP8_FWD_AMAX, dimension_roles, operand_names, result_names,
+    ATTENTION_TENSORS, FP8_BWD_AMAX, FP8_FWD_AMAX, dimension_roles, operand_names, result_names,
 )
 
 _REFUSED_ROLES = {"t": "query sequence", "s": "key/value sequence", "h": "head", "e": "value head"}
@@ -130,12 +134,6 @@ class ShardPlan:
         for remainder, what in rules:
             if remainder:
                 raise ValueError(f"query: cannot split {what} evenly; choose a mesh whose axes divide it")
-        needs_lse = self.kind == BWD or config.training
-        if config.packing is not None and pb > 1 and needs_lse:
-            raise ValueError(
-                "query: packed segments with batch sharding (axes {}) are not supported when the logsumexp is "
-                "involved (training, backward): its rows number the segments of the whole batch; shard the heads "
-                "instead".format(self.batch_axes))
 
     def _local_config(self) -> AttentionConfig:
         config = self.config

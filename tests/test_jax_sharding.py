@@ -169,7 +169,7 @@ def test_sequence_or_head_dim_sharding_is_a_clear_error(spec, layout, what):
         fn(*_put(_mesh(AxisType.Auto), spec, q, k, v))
 
 
-def test_packed_segments_shard_over_heads_not_batch():
+def test_packed_segments_shard_over_heads():
     rng = np.random.default_rng(24)
     q, k, v = qkv(rng, B=B, T=T, S=T, N=N, H=H)
     seqlen = jnp.asarray(np.tile([[6, 10]], (B, 1)), jnp.int32)
@@ -182,8 +182,7 @@ def test_packed_segments_shard_over_heads_not_batch():
     got = fn(*_put(mesh, P(None, None, "model"), q, k, v))
     assert_close(got[0], expected[0], "float16", "output", factor=0.01)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(expected[1]), rtol=1e-6)
-    with pytest.raises(Exception, match="packed segments with batch sharding"):
-        fn(*_put(mesh, P("data"), q, k, v))[0].block_until_ready()
+    # batch sharding in training: tests/test_packed_batch_sharding.py
 
 
 def test_gspmd_propagation_when_shardy_is_off():
