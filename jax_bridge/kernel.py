@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from cudnn_attn.config import AttentionConfig
 
@@ -55,12 +56,14 @@ class KernelOptions:
     """Static execution options of one attention call (hashable: a primitive parameter).
 
     ``seed`` is the dropout seed (0 when there is no dropout, so that it never splits caches);
-    ``cuda_graph`` lets XLA capture the GPU call into a CUDA graph (command buffer).
+    ``cuda_graph`` lets XLA capture the GPU call into a CUDA graph (command buffer); ``context`` says how
+    a call whose sequence is split over devices runs (:mod:`.context_parallel`; ``None``: the default).
     """
 
     seed: int = 0
     backend: Backend = Backend.FFI
     cuda_graph: bool = False
+    context: Any = None          # a context_parallel.ContextParallel: how a sequence-sharded call runs
 
 
 @dataclass(frozen=True)
