@@ -18,7 +18,7 @@ graph runs on XLA's stream and buffers; on CPU the NumPy reference runs behind t
 The cotangent of ``logsumexp`` (``return_residual=True``) is ignored, as in JAX.
 
 ``context_parallel=`` (a :class:`~.context_parallel.ContextParallel` or a scheme name, ``"ring"`` or
-``"all_gather"``; default: the current :func:`~.context_parallel.context_parallel` block, else the ring)
+``"all_gather"``; default: the current :func:`~.context_parallel.context_parallelism` block, else the ring)
 says how a call whose sequence is sharded runs: under ``jit`` a query sharded along its sequence
 dimension dispatches to it; inside ``shard_map``, ``ContextParallel(axis=...)`` names the sequence axis
 and the call takes its local Q/K/V (the bias: local rows, all columns; the lengths: global).

@@ -36,7 +36,7 @@ dispatches here from :mod:`.partitioning` (K/V and the bias are resharded as nee
 axes, the bias by rows); inside ``shard_map`` the call names its axis (``ContextParallel(axis="sp")``)
 and passes its local Q/K/V, the bias as its rows by *all* columns ``(1|B, 1|N, T/P, S)``, and the
 global ``q_seqlen``/``kv_seqlen``.  The scheme is an argument (``context_parallel=``) or the default of
-a :func:`context_parallel` block, read when the call is traced.
+a :func:`context_parallelism` block, read when the call is traced.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from cudnn_attn.types import AttentionLayout
 from .sequence_plan import Band, BlockCall, chunk_order, device_plans, local_chunks
 from .signature import BWD, FWD, result_names
 
-__all__ = ["ContextParallel", "Scheme", "context_parallel", "load_balance", "restore_order"]
+__all__ = ["ContextParallel", "Scheme", "context_parallelism", "load_balance", "restore_order"]
 
 
 class Scheme(enum.Enum):
@@ -106,7 +106,7 @@ _DEFAULT: contextvars.ContextVar[ContextParallel] = contextvars.ContextVar("cudn
 
 
 @contextlib.contextmanager
-def context_parallel(scheme: str | Scheme = Scheme.RING, *, axis: str | tuple[str, ...] | None = None,
+def context_parallelism(scheme: str | Scheme = Scheme.RING, *, axis: str | tuple[str, ...] | None = None,
                      load_balance: int | None = None) -> Iterator[ContextParallel]:
     """The default :class:`ContextParallel` of the attention calls traced inside the block.
 
@@ -254,14 +254,19 @@ class _Engine:
             return [local_chunks(config.kv_len, 1, 0)] * p
         return [local_chunks(config.kv_len, p, (r - step) % p, self.split.balance) for r in range(p)]
 
-    def _plans(self, step: int | None) -> tuple[tuple, tuple[int, ...]]:
-        return device_plans(self.q_chunks, self._key_chunks(step), self.band, contiguous_only=self.padding)
-
-    def _switch(self, plans: tuple, table: tuple[int, ...], branch: Callable, state: Any, *args: Any) -> Any:
-        """Run this device's plan: ``branch(calls)(state, *args)`` chosen by the device index."""
-        if len(plans) == 1:
-            return branch(plans[0])(state, *args)
-        return jax.lax.switch(self._lookup(table), [branch(calls) for calls in plans], state, *args)
+    def _run_step(self, step: int | None, branch: Callable, state: Any, key: Any, value: Any, key_base: Any) -> Any:
+        """Run this device's plan of ``step``: ``branch(calls)(state, key, value, key_base, starts)`` chosen
+        by the device index (``lax.switch``), ``starts`` the global positions of its calls' first rows and
+        keys (read per device at run time, so that devices differing only by them share a branch)."""
+        found = device_plans(self.q_chunks, self._key_chunks(step), self.band, contiguous_only=self.padding)
+        most = max(len(calls) for calls in found.calls)
+        starts = tuple((self._lookup([calls[i].q_global if i < len(calls) else 0 for calls in found.calls]),
+                        self._lookup([calls[i].k_global if i < len(calls) else 0 for calls in found.calls]))
+                       for i in range(most))
+        args = (state, key, value, key_base, starts)
+        if len(found.plans) == 1:
+            return branch(found.plans[0])(*args)
+        return jax.lax.switch(self._lookup(found.index), [branch(calls) for calls in found.plans], *args)
 
     def _lookup(self, values: Sequence[Any]) -> Any:
         """``values[device index]`` without an array constant (``custom_partitioning`` traces allow none)."""
@@ -274,8 +279,9 @@ class _Engine:
     def _rows(self, x: Any, start: int, stop: int, axis: int | None = None) -> Any:
         return jax.lax.slice_in_dim(x, start, stop, axis=self.seq if axis is None else axis)
 
-    def _block(self, call: BlockCall, kind: str, key: Any, value: Any, key_base: Any) -> tuple:
-        """The block's configuration and operands (Q/K/V, bias, lengths); also its rows with a key."""
+    def _block(self, call: BlockCall, kind: str, key: Any, value: Any, key_base: Any, start: tuple) -> tuple:
+        """The block's configuration and operands (Q/K/V, bias, lengths); also its rows with a key.
+        ``start``: the global positions of the call's first query row and key on this device."""
         config = self.config
         mask = MaskSpec(right_bound=call.right_bound, left_bound=call.left_bound,
                         padding=self.padding or call.padded)
@@ -291,8 +297,8 @@ class _Engine:
         if mask.padding:
             batch = config.batch
             if self.padding:
-                q_len = jnp.clip(self.ops["q_seqlen"] - call.q_global, 0, call.q_len).astype(jnp.int32)
-                kv_len = jnp.clip(self.ops["kv_seqlen"] - call.k_global, 0, call.k_len).astype(jnp.int32)
+                q_len = jnp.clip(self.ops["q_seqlen"] - start[0], 0, call.q_len).astype(jnp.int32)
+                kv_len = jnp.clip(self.ops["kv_seqlen"] - start[1], 0, call.k_len).astype(jnp.int32)
             else:
                 q_len = jnp.full((batch,), call.q_len, jnp.int32)
                 kv_len = jnp.full((batch,), call.k_len, jnp.int32)
@@ -317,17 +323,16 @@ class _Engine:
                  jnp.full((config.batch, config.q_heads, self.q_local), _NEG_INF, jnp.float32))
 
         def branch(calls: tuple[BlockCall, ...]) -> Callable:
-            def run_calls(state, key, value, key_base):
-                for c in calls:
-                    block, ops, has_keys = self._block(c, FWD, key, value, key_base)
+            def run_calls(state, key, value, key_base, starts):
+                for c, start in zip(calls, starts):
+                    block, ops, has_keys = self._block(c, FWD, key, value, key_base, start)
                     found = call(block, ops)
                     state = self._merge(state, c, found["output"], found["logsumexp"], has_keys)
                 return state
             return run_calls
 
         for step, (key, value, key_base) in self._key_blocks():
-            plans, table = self._plans(step)
-            state = self._switch(plans, table, branch, state, key, value, key_base)
+            state = self._run_step(step, branch, state, key, value, key_base)
         o, lse = state
         if self.padding:
             valid = self._global_rows()[None, :] < self.ops["q_seqlen"][:, None]      # (B, T_local)
@@ -375,10 +380,10 @@ class _Engine:
         dq = zeros(self.ops["query"])
 
         def branch(calls: tuple[BlockCall, ...]) -> Callable:
-            def run_calls(state, key, value, key_base):
+            def run_calls(state, key, value, key_base, starts):
                 dq, dk, dv, dbias = state
-                for c in calls:
-                    block, ops, has_keys = self._block(c, BWD, key, value, key_base)
+                for c, start in zip(calls, starts):
+                    block, ops, has_keys = self._block(c, BWD, key, value, key_base, start)
                     found = call(block, ops)
                     g = found["dq"]
                     if has_keys is not None:
@@ -397,8 +402,7 @@ class _Engine:
 
         if not self.ring:
             key, value = self._gathered(key, value)
-            plans, table = self._plans(None)
-            dq, dk, dv, dbias = self._switch(plans, table, branch, (dq, zeros(key), zeros(value), dbias), key, value, 0)
+            dq, dk, dv, dbias = self._run_step(None, branch, (dq, zeros(key), zeros(value), dbias), key, value, 0)
             dk, dv = self._scattered(dk), self._scattered(dv)
             if dbias is not None and self.split.balance:
                 dbias = load_balance(dbias, self.split.balance, axis=3)
@@ -406,9 +410,8 @@ class _Engine:
             dk, dv = zeros(key), zeros(value)
             p = self.split.shards
             for step in range(p):
-                plans, table = self._plans(step)
-                dq, dk, dv, dbias = self._switch(plans, table, branch, (dq, dk, dv, dbias), key, value,
-                                                 self._block_index(step) * self.k_local)
+                dq, dk, dv, dbias = self._run_step(step, branch, (dq, dk, dv, dbias), key, value,
+                                                   self._block_index(step) * self.k_local)
                 if step < p - 1:
                     key, value, dk, dv = self._shift((key, value, dk, dv))
                 else:

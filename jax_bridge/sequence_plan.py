@@ -30,7 +30,7 @@ Calls
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cudnn_attn.config import AttentionConfig, DiagonalAlignment
 
@@ -110,9 +110,10 @@ class BlockCall:
     with cuDNN's top-left ``right_bound``/``left_bound`` (``None``: unbounded) on those rows and keys.
 
     ``q_global``/``k_global`` are the global positions of the first query row and key (the call's rows
-    and keys are globally contiguous); they turn per-sequence lengths into the call's lengths.
-    ``padded``: the call needs cuDNN's padding mask even when the attention has none (cuDNN's window
-    needs ``T <= S`` otherwise).
+    and keys are globally contiguous); they turn per-sequence lengths into the call's lengths.  They are
+    not part of the call's identity (devices whose calls differ only by them share one plan, and read
+    their own positions at run time).  ``padded``: the call needs cuDNN's padding mask even when the
+    attention has none (cuDNN's window needs ``T <= S`` otherwise).
     """
 
     q_start: int
@@ -121,8 +122,8 @@ class BlockCall:
     k_stop: int
     right_bound: int | None
     left_bound: int | None
-    q_global: int
-    k_global: int
+    q_global: int = field(default=0, compare=False)
+    k_global: int = field(default=0, compare=False)
     padded: bool = False
 
     @property
@@ -195,21 +196,19 @@ def _one_call(queries: tuple[Chunk, ...], keys: tuple[Chunk, ...], pairs: list, 
     return None
 
 
-def device_plans(queries: list[tuple[Chunk, ...]], keys: list[tuple[Chunk, ...]], band: Band, *,
-                 contiguous_only: bool) -> tuple[tuple[tuple[BlockCall, ...], ...], tuple[int, ...]]:
-    """Every device's calls at one step, deduplicated: ``(distinct plans, plan index of each device)``.
+@dataclass(frozen=True)
+class StepPlans:
+    """Every device's calls at one step: the distinct ``plans`` (global positions aside), the plan
+    ``index`` of each device, and each device's ``calls`` (with its own global positions)."""
 
-    Without per-sequence lengths (``contiguous_only`` False) the global positions do not matter, so
-    devices whose calls differ only by them share a plan.
-    """
-    distinct: list[tuple[BlockCall, ...]] = []
-    index = []
-    for q, k in zip(queries, keys):
-        calls = plan(q, k, band, contiguous_only=contiguous_only)
-        if not contiguous_only:
-            calls = tuple(BlockCall(c.q_start, c.q_stop, c.k_start, c.k_stop, c.right_bound, c.left_bound, 0, 0,
-                                    c.padded) for c in calls)
-        if calls not in distinct:
-            distinct.append(calls)
-        index.append(distinct.index(calls))
-    return tuple(distinct), tuple(index)
+    plans: tuple[tuple[BlockCall, ...], ...]
+    index: tuple[int, ...]
+    calls: tuple[tuple[BlockCall, ...], ...]
+
+
+def device_plans(queries: list[tuple[Chunk, ...]], keys: list[tuple[Chunk, ...]], band: Band, *,
+                 contiguous_only: bool) -> StepPlans:
+    """The plans of every device (``queries[r]`` against ``keys[r]``) at one step (:class:`StepPlans`)."""
+    calls = tuple(plan(q, k, band, contiguous_only=contiguous_only) for q, k in zip(queries, keys))
+    distinct = list(dict.fromkeys(calls))
+    return StepPlans(tuple(distinct), tuple(distinct.index(c) for c in calls), calls)

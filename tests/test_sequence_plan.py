@@ -21,7 +21,7 @@ def positions(chunks, length):
     return found
 
 
-def covered(queries, keys, calls, q_len, k_len):
+def covered(queries, keys, calls, q_len, k_len, contiguous):
     """(q_len, k_len) count of the calls that compute each local (query, key) pair, in global positions."""
     qpos, kpos = positions(queries, q_len), positions(keys, k_len)
     count = np.zeros((q_len, k_len), int)
@@ -39,7 +39,7 @@ def covered(queries, keys, calls, q_len, k_len):
         if c.padded:
             assert c.left_bound is not None and c.q_len > c.k_len
         count[c.q_start:c.q_stop, c.k_start:c.k_stop] += keep
-        if c.q_global or c.k_global:
+        if contiguous:                     # the call's global positions are those of its rows and keys
             assert (qpos[c.q_start:c.q_stop] == c.q_global + np.arange(c.q_len)).all()
             assert (kpos[c.k_start:c.k_stop] == c.k_global + np.arange(c.k_len)).all()
     return count, qpos, kpos
@@ -74,9 +74,10 @@ def test_plans_cover_exactly_the_mask(band, shards, balance, length, scheme):
         else:
             keys = [local_chunks(length, 1, 0) for _ in range(shards)]
             key_len = length
-        plans, index = device_plans(queries, keys, band, contiguous_only=contiguous_only)
+        step_plans = device_plans(queries, keys, band, contiguous_only=contiguous_only)
         for r in range(shards):
-            count, qpos, kpos = covered(queries[r], keys[r], plans[index[r]], local, key_len)
+            assert step_plans.plans[step_plans.index[r]] == step_plans.calls[r]
+            count, qpos, kpos = covered(queries[r], keys[r], step_plans.calls[r], local, key_len, contiguous_only)
             if contiguous_only:
                 total[np.ix_(qpos, kpos)] += count
             else:
@@ -92,9 +93,10 @@ def test_masked_blocks_make_no_call_and_load_balance_evens_the_causal_work():
     for step in range(shards):
         for name, layout in (("natural", natural), ("balanced", balanced)):
             keys = [layout[(r - step) % shards] for r in range(shards)]
-            plans, index = device_plans(layout, keys, Band(hi=0), contiguous_only=False)
+            step_plans = device_plans(layout, keys, Band(hi=0), contiguous_only=False)
+            assert len(step_plans.plans) <= 2                    # one of two calls, or nothing
             for r in range(shards):
-                calls = plans[index[r]]
+                calls = step_plans.calls[r]
                 if name == "natural" and (r - step) % shards > r:
                     assert calls == (), (r, step, calls)          # a later key block: skipped
                 assert len(calls) <= 1, calls                     # one merged call per step
