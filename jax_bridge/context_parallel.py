@@ -283,14 +283,12 @@ class _Engine:
         """The block's configuration and operands (Q/K/V, bias, lengths); also its rows with a key.
         ``start``: the global positions of the call's first query row and key on this device."""
         config = self.config
-        mask = MaskSpec(right_bound=call.right_bound, left_bound=call.left_bound,
-                        padding=self.padding or call.padded)
-        bias = config.bias and BiasSpec(config.bias.shape[:2] + (call.q_len, call.k_len), config.bias.differentiable)
-        block = config.replace(q_len=call.q_len, kv_len=call.k_len, mask=mask, bias=bias, training=True)
+        block = block_config(config, call)
+        mask = block.mask
         ops = {"query": self._rows(self.ops["query"], call.q_start, call.q_stop),
                "key": self._rows(key, call.k_start, call.k_stop),
                "value": self._rows(value, call.k_start, call.k_stop)}
-        if bias:
+        if block.bias is not None:
             rows = self._rows(self.ops["bias"], call.q_start, call.q_stop, axis=2)
             ops["bias"] = jax.lax.dynamic_slice_in_dim(rows, key_base + call.k_start, call.k_len, axis=3)
         has_keys = None
@@ -458,6 +456,27 @@ class _Engine:
         rows = [jnp.concatenate([jnp.arange(c.length, dtype=jnp.int32) + c.start for c in chunks])
                 for chunks in self.q_chunks]
         return self._lookup(rows)
+
+
+def block_config(config: AttentionConfig, call: BlockCall) -> AttentionConfig:
+    """The kernel configuration of one block call of ``config`` (training: the merge needs the logsumexp)."""
+    mask = MaskSpec(right_bound=call.right_bound, left_bound=call.left_bound, padding=config.mask.padding or call.padded)
+    bias = config.bias and BiasSpec(config.bias.shape[:2] + (call.q_len, call.k_len), config.bias.differentiable)
+    return config.replace(q_len=call.q_len, kv_len=call.k_len, mask=mask, bias=bias, training=True)
+
+
+def block_configs(config: AttentionConfig, split: Split) -> set[AttentionConfig]:
+    """Every kernel configuration a split call of ``config`` builds (for build checks: plans are static)."""
+    p = split.shards
+    queries = [local_chunks(config.q_len, p, r, split.balance) for r in range(p)]
+    steps: list = [None] if split.scheme is Scheme.ALL_GATHER or p == 1 else list(range(p))
+    found = set()
+    for step in steps:
+        keys = ([local_chunks(config.kv_len, 1, 0)] * p if step is None else
+                [local_chunks(config.kv_len, p, (r - step) % p, split.balance) for r in range(p)])
+        plans = device_plans(queries, keys, Band.of(config), contiguous_only=config.mask.padding)
+        found |= {block_config(config, call) for calls in plans.plans for call in calls}
+    return found
 
 
 def _rows_with_keys(call: BlockCall, q_len: Any, kv_len: Any) -> Any:

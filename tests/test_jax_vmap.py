@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cudnn_attn import MaskType, UnsupportedConfigurationError
+from cudnn_attn import MaskType
 from cudnn_attn import jax_bridge as jb
 from cudnn_attn.types import FP8_PARAM_KEYS
 
