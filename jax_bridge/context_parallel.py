@@ -460,7 +460,8 @@ class _Engine:
 
 def block_config(config: AttentionConfig, call: BlockCall) -> AttentionConfig:
     """The kernel configuration of one block call of ``config`` (training: the merge needs the logsumexp)."""
-    mask = MaskSpec(right_bound=call.right_bound, left_bound=call.left_bound, padding=config.mask.padding or call.padded)
+    mask = MaskSpec(right_bound=call.right_bound, left_bound=call.left_bound,
+                    padding=config.mask.padding or call.padded)
     bias = config.bias and BiasSpec(config.bias.shape[:2] + (call.q_len, call.k_len), config.bias.differentiable)
     return config.replace(q_len=call.q_len, kv_len=call.k_len, mask=mask, bias=bias, training=True)
 

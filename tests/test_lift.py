@@ -45,7 +45,8 @@ def test_padded_call_equals_the_original_in_the_reference(name):
     seed = list(CASES).index(name)
     rng = np.random.default_rng(seed)
     layout = extra.get("qkv_layout", "BTNH")
-    shape = (lambda length, heads: (2, length, heads, 8)) if layout == "BTNH" else (lambda length, heads: (2, heads, length, 8))
+    def shape(length, heads):
+        return (2, length, heads, 8) if layout == "BTNH" else (2, heads, length, 8)
     q = rng.standard_normal(shape(t, 4)).astype(np.float16)
     k, v = (rng.standard_normal(shape(s, 2)).astype(np.float16) for _ in range(2))
     bias = rng.standard_normal((1, 4, t, s)).astype(np.float16) if with_bias else None

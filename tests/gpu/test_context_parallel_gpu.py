@@ -21,20 +21,8 @@ from cudnn_attn import MaskType, reference
 
 from ._checks import assert_close, assert_lse_close, io_dtype
 
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
-jb = pytest.importorskip("cudnn_attn.jax_bridge")
-
-
-def _gpus() -> list:
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpus(), reason="JAX has no CUDA backend here")]
-two_gpus = pytest.mark.skipif(len(_gpus()) < 2, reason="needs 2 GPUs (the 2-GPU H200 machine)")
+from .test_jax_gpu import _gpus, jax, jb, jnp, two_gpus
+from .test_jax_gpu import pytestmark  # noqa: F401  (gpu marker, skipped without JAX on CUDA)
 
 
 def _relative(x, ref) -> float:
@@ -51,7 +39,6 @@ def test_sequence_sharded_causal_attention_at_32k_equals_one_gpu(scheme, balance
     from jax.sharding import PartitionSpec as P
 
     B, T, N, H = 1, 32768, 8, 128
-    rng = np.random.default_rng(40)
     key = jax.random.PRNGKey(40)
     q, k, v, dout = (jax.random.normal(kk, (B, T, N, H), jnp.bfloat16) for kk in jax.random.split(key, 4))
     scale = H ** -0.5
