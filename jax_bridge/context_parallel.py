@@ -246,6 +246,7 @@ class _Engine:
         self.index = jax.lax.axis_index(split.axis_name()) if p > 1 else jnp.int32(0)
         self.q_chunks = [local_chunks(config.q_len, p, r, split.balance) for r in range(p)]
         self.ring = split.scheme is Scheme.RING and p > 1
+        self.bias = self.ops.get("bias")       # its columns follow the order of the keys in use
 
     # -- plans ----------------------------------------------------------------------------------------
     def _key_chunks(self, step: int | None) -> list:
@@ -289,7 +290,7 @@ class _Engine:
                "key": self._rows(key, call.k_start, call.k_stop),
                "value": self._rows(value, call.k_start, call.k_stop)}
         if block.bias is not None:
-            rows = self._rows(self.ops["bias"], call.q_start, call.q_stop, axis=2)
+            rows = self._rows(self.bias, call.q_start, call.q_stop, axis=2)
             ops["bias"] = jax.lax.dynamic_slice_in_dim(rows, key_base + call.k_start, call.k_len, axis=3)
         has_keys = None
         if mask.padding:
@@ -431,7 +432,7 @@ class _Engine:
         return jax.lax.ppermute(arrays, self.split.axis_name(), perm=[(i, (i + 1) % p) for i in range(p)])
 
     def _gathered(self, key: Any, value: Any) -> tuple[Any, Any]:
-        """All keys in the natural order (and the bias columns too, for the all-gather scheme)."""
+        """All keys, in the natural order (the bias columns follow)."""
         gathered = []
         for x in (key, value):
             if self.split.shards > 1:
@@ -439,8 +440,8 @@ class _Engine:
             if self.split.balance:
                 x = restore_order(x, self.split.balance, axis=self.seq)
             gathered.append(x)
-        if self.config.bias is not None and self.split.balance:
-            self.ops["bias"] = restore_order(self.ops["bias"], self.split.balance, axis=3)
+        if self.bias is not None and self.split.balance:
+            self.bias = restore_order(self.bias, self.split.balance, axis=3)
         return gathered[0], gathered[1]
 
     def _scattered(self, x: Any) -> Any:
