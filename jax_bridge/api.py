@@ -44,16 +44,13 @@ import jax.numpy as jnp
 
 from cudnn_attn.config import AttentionConfig, AttentionOperands
 from cudnn_attn.errors import UnsupportedConfigurationError
-from cudnn_attn.lift import lift, lifted_config
-from cudnn_attn.types import FP8_PARAM_KEYS, AttentionGrads, AttentionOutput, FP8Params, MaskType
+from cudnn_attn.types import FP8_PARAM_KEYS, AttentionOutput, FP8Params, MaskType
 from cudnn_attn.validation import prepare
 
 from . import context_parallel as sequence_split
-from . import primitives
+from . import lifting, primitives
 from .kernel import Backend, KernelOptions
-from .signature import (
-    BWD, FWD, GRADIENT_OF, RESIDUALS, attention_operands, named_operands, operand_names, result_names,
-)
+from .signature import BWD, FWD, GRADIENT_OF, RESIDUALS, named_operands, operand_names, result_names
 
 __all__ = ["attention", "dot_product_attention", "kernel_options", "paged_attention"]
 
@@ -77,22 +74,12 @@ def kernel_options(config: AttentionConfig, *, seed: Any = 42, backend: str | Ba
 
 
 def _run(kind: str, config: AttentionConfig, options: KernelOptions, operands: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``kind`` call on ``operands``, padded to even lengths where the kernel needs it
-    (:mod:`cudnn_attn.lift`: training with a bias at odd T or S, the backward at T == S == 1)."""
-    if lifted_config(config) is None:
-        return _run_kernel(kind, config, options, operands)
-    found, residuals = attention_operands(config, kind, [operands[name] for name in operand_names(config, kind)])
-    lifted = lift(config, found, jnp)
-    padded = dict(zip(RESIDUALS, lifted.residuals(*(residuals.get(name) for name in RESIDUALS))))
-    results = _run_kernel(kind, lifted.config, options,
-                          named_operands(lifted.config, kind, lifted.operands, padded if kind == BWD else None))
-    container = AttentionOutput if kind == FWD else AttentionGrads
-    unpadded = lifted.unpad(container(**{name: results.get(name) for name in container._fields}))
-    return {name: getattr(unpadded, name) for name in results}
+    """The ``kind`` call on ``operands``, padded to even lengths where the kernel needs it (:mod:`.lifting`)."""
+    return lifting.run(kind, config, operands, functools.partial(_run_kernel, kind, options=options))
 
 
-def _run_kernel(kind: str, config: AttentionConfig, options: KernelOptions,
-                operands: Mapping[str, Any]) -> dict[str, Any]:
+def _run_kernel(kind: str, config: AttentionConfig, operands: Mapping[str, Any], *,
+                options: KernelOptions) -> dict[str, Any]:
     """The ``kind`` primitive on ``operands``; inside ``shard_map`` with a sequence axis named by the call's
     ``ContextParallel(axis=...)``, the context-parallel engine over that axis (each block a primitive call)."""
     primitive = primitives.forward if kind == FWD else primitives.backward

@@ -56,6 +56,7 @@ from cudnn_attn.config import AttentionConfig, BiasSpec, DiagonalAlignment, Mask
 from cudnn_attn.errors import UnsupportedConfigurationError
 from cudnn_attn.types import AttentionLayout
 
+from . import lifting
 from .sequence_plan import Band, BlockCall, chunk_order, device_plans, local_chunks
 from .signature import BWD, FWD, result_names
 
@@ -325,7 +326,7 @@ class _Engine:
             def run_calls(state, key, value, key_base, starts):
                 for c, start in zip(calls, starts):
                     block, ops, has_keys = self._block(c, FWD, key, value, key_base, start)
-                    found = call(block, ops)
+                    found = lifting.run(FWD, block, ops, call)
                     state = self._merge(state, c, found["output"], found["logsumexp"], has_keys)
                 return state
             return run_calls
@@ -383,7 +384,7 @@ class _Engine:
                 dq, dk, dv, dbias = state
                 for c, start in zip(calls, starts):
                     block, ops, has_keys = self._block(c, BWD, key, value, key_base, start)
-                    found = call(block, ops)
+                    found = lifting.run(BWD, block, ops, call)
                     g = found["dq"]
                     if has_keys is not None:
                         g = jnp.where(self._per_row(has_keys[:, None, :]), g, 0)
