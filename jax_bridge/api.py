@@ -74,8 +74,12 @@ def kernel_options(config: AttentionConfig, *, seed: Any = 42, backend: str | Ba
 
 
 def _run(kind: str, config: AttentionConfig, options: KernelOptions, operands: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``kind`` call on ``operands``, padded to even lengths where the kernel needs it (:mod:`.lifting`)."""
-    return lifting.run(kind, config, operands, functools.partial(_run_kernel, kind, options=options))
+    """The ``kind`` call on ``operands``, padded to even lengths where the kernel needs it (:mod:`.lifting`;
+    inside ``shard_map`` with a sequence axis the operands are local: the engine lifts its block calls)."""
+    run_kernel = functools.partial(_run_kernel, kind, options=options)
+    if options.context is not None and options.context.axes:
+        return run_kernel(config, operands)
+    return lifting.run(kind, config, operands, run_kernel)
 
 
 def _run_kernel(kind: str, config: AttentionConfig, operands: Mapping[str, Any], *,
