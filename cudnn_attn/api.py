@@ -279,7 +279,10 @@ def _direct_signature(kind: str, arrays: tuple, static: tuple) -> tuple:
 def _remember_direct(kind: str, arrays: tuple, static: tuple, config: AttentionConfig, autotune: bool | None,
                      names: Sequence[str]) -> None:
     """After a successful generic call: make its signature take the direct path next time."""
-    if config.packing is not None or config.fp8 or config.score_mod is not None or config.mask.padding:
+    from .lift import lifted_config
+
+    if config.packing is not None or config.fp8 or config.score_mod is not None or config.mask.padding \
+            or lifted_config(config) is not None:
         return
     if len(_direct) >= _DIRECT_MAX:
         _direct.clear()

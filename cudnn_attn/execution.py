@@ -158,9 +158,14 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
     """
     if logsumexp is not None and not config.training:
         raise ValueError("logsumexp: only produced when training (return_residual=True)")
+    given = dict(output=output, logsumexp=logsumexp, rng_dump=rng_dump)
+    lifted = _lift(config, operands, stream)
+    if lifted is not None:          # a kernel limit lifted by padding (cudnn_attn.lift): run padded, slice back
+        results = run(lifted.config, FWD, named_arrays(lifted.config, FWD, lifted.operands), seed=seed,
+                      stream=stream, autotune=autotune, score_mod_args=operands.score_mod_args)
+        return _into(lifted.unpad(AttentionOutput(**{n: results.get(n) for n in AttentionOutput._fields})), given)
     results = run(config, FWD, named_arrays(config, FWD, operands), seed=seed, stream=stream, autotune=autotune,
-                  given=dict(output=output, logsumexp=logsumexp, rng_dump=rng_dump),
-                  score_mod_args=operands.score_mod_args)
+                  given=given, score_mod_args=operands.score_mod_args)
     return AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
 
 
@@ -174,11 +179,49 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
     ``dq``/``dk``/``dv``/``dbias``/``dsink`` are optional preallocated results.  ``dbias`` is returned
     when the bias is differentiable, ``dsink`` with a sink.
     """
+    given = dict(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink=dsink, rng_dump=rng_dump)
+    lifted = _lift(config, operands, stream)
+    if lifted is not None:          # a kernel limit lifted by padding (cudnn_attn.lift): run padded, slice back
+        o, do, lse = lifted.residuals(output, grad_output, logsumexp)
+        named = named_arrays(lifted.config, BWD, lifted.operands, output=o, grad_output=do, logsumexp=lse)
+        results = run(lifted.config, BWD, named, seed=seed, stream=stream, autotune=autotune,
+                      score_mod_args=operands.score_mod_args)
+        return _into(lifted.unpad(AttentionGrads(**{n: results.get(n) for n in AttentionGrads._fields})), given)
     named = named_arrays(config, BWD, operands, output=output, grad_output=grad_output, logsumexp=logsumexp)
-    results = run(config, BWD, named, seed=seed, stream=stream, autotune=autotune,
-                  given=dict(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink=dsink, rng_dump=rng_dump),
+    results = run(config, BWD, named, seed=seed, stream=stream, autotune=autotune, given=given,
                   score_mod_args=operands.score_mod_args)
     return AttentionGrads(**{name: results.get(name) for name in AttentionGrads._fields})
+
+
+def _lift(config: AttentionConfig, operands: AttentionOperands, stream: Any) -> Any:
+    """:func:`cudnn_attn.lift.lift` with CuPy on the call's stream and device (``None``: nothing to lift)."""
+    from .lift import lifted_config
+
+    if lifted_config(config) is None:
+        return None
+    from .lift import lift
+
+    cupy = _cupy()
+    device = operands.query.device.id
+    with runtime.on_device(device):
+        current = contextlib.nullcontext() if stream is None else \
+            runtime.device_context(device).stream(runtime.stream_pointer(stream, device))
+        with current:
+            return lift(config, operands, cupy)
+
+
+def _into(result: Any, given: Mapping[str, Any]) -> Any:
+    """``result`` with its sliced (non-contiguous) members made contiguous, or copied into the given buffers."""
+    cupy = _cupy()
+    values = {}
+    for name, x in zip(result._fields, result):
+        target = given.get(name)
+        if x is not None and target is not None:
+            _check_given(name, target, x.shape, x.dtype)
+            target[...] = x
+            x = target
+        values[name] = None if x is None else cupy.ascontiguousarray(x)
+    return type(result)(**values)
 
 
 def _cupy() -> Any:

@@ -267,10 +267,6 @@ def _sink_needs_queries(c: AttentionConfig, env: Environment) -> str | None:
     return "not supported with a single query (T == 1)" if c.sink and c.q_len == 1 else None
 
 
-def _backward_single_token(c: AttentionConfig, env: Environment) -> str | None:
-    return "T == S == 1 is not supported" if c.training and c.q_len == 1 and c.kv_len == 1 else None
-
-
 def _deterministic_sm100(c: AttentionConfig, env: Environment) -> str | None:
     if not (c.deterministic and c.training and _major(env) == 10):
         return None
@@ -332,12 +328,6 @@ def _fp8_extras(c: AttentionConfig, env: Environment) -> str | None:
     return f"no {found} (the seed's FP8 path has neither)" if c.fp8 and found else None
 
 
-def _training_bias_odd_lengths(c: AttentionConfig, env: Environment) -> str | None:
-    if c.training and c.bias is not None and not c.fp8 and (c.q_len % 2 or c.kv_len % 2):
-        return f"training with a bias needs even T and S, found T={c.q_len}, S={c.kv_len}"
-    return None
-
-
 def _paged_forward_only(c: AttentionConfig, env: Environment) -> str | None:
     return "no backward (cuDNN's sdpa_backward takes no page tables)" if c.paging else None
 
@@ -381,7 +371,8 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     Restriction("bottom-right causal mask", _bottom_right_lengths, CUDNN),
     Restriction("sliding window", _window_lengths, CUDNN),
     Restriction("attention sink", _sink_needs_queries, CUDNN),
-    Restriction("backward", _backward_single_token, CUDNN),
+    # The backward at T == S == 1 (refused by cuDNN) and training with a bias at odd T or S (refused by
+    # the seed) run padded to even lengths (cudnn_attn.lift): no rule, users never meet them.
     Restriction("deterministic backward", _deterministic_sm100, CUDNN),
     Restriction("packed segments with dbias", _packed_dbias_sm100, CUDNN),
     Restriction("FP8 attention", _fp8_bias, CUDNN),
@@ -395,7 +386,6 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     Restriction("FP8 attention", _fp8_extras, LIBRARY),
     Restriction("FP8 attention", _fp8_training_head_dim, LIBRARY),
     Restriction("FP8 attention", _fp8_training_lengths, LIBRARY),
-    Restriction("bias", _training_bias_odd_lengths, LIBRARY),
     Restriction("packed segments", _packed_layout, LIBRARY),
     Restriction("packed segments", _packed_extras, LIBRARY),
     Restriction("score_mod", _score_mod_args, LIBRARY),

@@ -2,7 +2,9 @@
 
 * :func:`dot_product_attention`, :func:`paged_attention` - JAX's cuDNN attention API (:mod:`.api`);
 * :func:`dot_product_attention_nn` - a drop-in for ``jax.nn.dot_product_attention`` (:mod:`.nn`);
-* :func:`attention` - the native entry point on a prepared ``(AttentionConfig, AttentionOperands)``.
+* :func:`attention` - the native entry point on a prepared ``(AttentionConfig, AttentionOperands)``;
+* :class:`ContextParallel`, :func:`context_parallelism`, :func:`load_balance`, :func:`restore_order` -
+  attention with the sequence sharded over devices (:mod:`.context_parallel`).
 
 Mechanism: two primitives registered once (:mod:`.primitives`) with batching (:mod:`.batching`) and
 partitioning (:mod:`.partitioning`) rules, lowered to a named XLA FFI target whose handler is Python
@@ -11,8 +13,10 @@ CPU (:mod:`.reference_target`).
 """
 
 from .api import attention, dot_product_attention, kernel_options, paged_attention
+from .context_parallel import ContextParallel, Scheme, context_parallelism, load_balance, restore_order
 from .kernel import Backend, KernelOptions
 from .nn import dot_product_attention_nn
 
-__all__ = ["Backend", "KernelOptions", "attention", "dot_product_attention", "dot_product_attention_nn",
-           "kernel_options", "paged_attention"]
+__all__ = ["Backend", "ContextParallel", "KernelOptions", "Scheme", "attention", "context_parallelism",
+           "dot_product_attention", "dot_product_attention_nn", "kernel_options", "load_balance", "paged_attention",
+           "restore_order"]

@@ -18,6 +18,12 @@ JAX), ``vmap``, ``shard_map`` and automatic partitioning (batch and head shardin
 graph runs on XLA's stream and buffers; on CPU the NumPy reference runs behind the same primitives.
 The cotangent of ``logsumexp`` (``return_residual=True``) is ignored, as in JAX.
 
+``context_parallel=`` (a :class:`~.context_parallel.ContextParallel` or a scheme name, ``"ring"`` or
+``"all_gather"``; default: the current :func:`~.context_parallel.context_parallelism` block, else the ring)
+says how a call whose sequence is sharded runs: under ``jit`` a query sharded along its sequence
+dimension dispatches to it; inside ``shard_map``, ``ContextParallel(axis=...)`` names the sequence axis
+and the call takes its local Q/K/V (the bias: local rows, all columns; the lengths: global).
+
 The dropout ``seed`` must be a Python int: cuDNN binds it by value, so under ``jit`` it is a
 compile-time constant (a new seed compiles a new executable).  The CPU reference draws its dropout
 mask from NumPy, not from cuDNN's Philox stream.
@@ -29,6 +35,7 @@ raised when the call is lowered, with the support table's reasons).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 from typing import Any, Callable, Mapping, Sequence
@@ -41,7 +48,8 @@ from cudnn_attn.errors import UnsupportedConfigurationError
 from cudnn_attn.types import FP8_PARAM_KEYS, AttentionOutput, FP8Params, MaskType
 from cudnn_attn.validation import prepare
 
-from . import primitives
+from . import context_parallel as sequence_split
+from . import lifting, primitives
 from .kernel import Backend, KernelOptions
 from .signature import BWD, FWD, GRADIENT_OF, RESIDUALS, named_operands, operand_names, result_names
 
@@ -54,13 +62,39 @@ _COTANGENT_OF = {**GRADIENT_OF, "amax_dQ": "amax_dq", "amax_dK": "amax_dk", "ama
 
 
 def kernel_options(config: AttentionConfig, *, seed: Any = 42, backend: str | Backend = Backend.FFI,
-                   cuda_graph: bool | None = None) -> KernelOptions:
-    """The static options of a call (checked): the seed only matters with dropout."""
+                   cuda_graph: bool | None = None, context_parallel: Any = None) -> KernelOptions:
+    """The static options of a call (checked): the seed only matters with dropout; ``context_parallel``
+    (a :class:`~.context_parallel.ContextParallel`, a scheme name, or ``None`` for the current default)."""
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"seed: must be a Python int (cuDNN binds the dropout seed by value, so it is static "
                          f"under jit), got {type(seed).__name__}")
+    context = sequence_split.resolve(context_parallel)
     return KernelOptions(seed=int(seed) if config.has_dropout else 0, backend=Backend.parse(backend),
-                         cuda_graph=True if cuda_graph is None else bool(cuda_graph))
+                         cuda_graph=True if cuda_graph is None else bool(cuda_graph),
+                         context=None if context == sequence_split.ContextParallel() else context)
+
+
+def _run(kind: str, config: AttentionConfig, options: KernelOptions, operands: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``kind`` call on ``operands``, padded to even lengths where the kernel needs it (:mod:`.lifting`;
+    inside ``shard_map`` with a sequence axis the operands are local: the engine lifts its block calls)."""
+    run_kernel = functools.partial(_run_kernel, kind, options=options)
+    if options.context is not None and options.context.axes:
+        return run_kernel(config, operands)
+    return lifting.run(kind, config, operands, run_kernel)
+
+
+def _run_kernel(kind: str, config: AttentionConfig, operands: Mapping[str, Any], *,
+                options: KernelOptions) -> dict[str, Any]:
+    """The ``kind`` primitive on ``operands``; inside ``shard_map`` with a sequence axis named by the call's
+    ``ContextParallel(axis=...)``, the context-parallel engine over that axis (each block a primitive call)."""
+    primitive = primitives.forward if kind == FWD else primitives.backward
+    context = options.context
+    if context is None or not context.axes:
+        return primitive(config, options, operands)
+    split = sequence_split.Split(context.axes, sequence_split.axis_size(context.axes), context.load_balance or 0,
+                                 context.scheme)
+    inner = dataclasses.replace(options, context=None)
+    return sequence_split.run(kind, config, split, operands, lambda block, ops: primitive(block, inner, ops))
 
 
 # -- the differentiable call -------------------------------------------------------------------------
@@ -80,7 +114,7 @@ def _select(config: AttentionConfig, kind: str, inputs: Mapping[str, Any], **res
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention(config: AttentionConfig, options: KernelOptions, inputs: dict[str, Any]) -> dict[str, Any]:
     """The forward's named results; ``inputs`` holds every array of the call (see :func:`_inputs`)."""
-    return primitives.forward(config, options, _select(config, FWD, inputs))
+    return _run(FWD, config, options, _select(config, FWD, inputs))
 
 
 def _attention_fwd(config: AttentionConfig, options: KernelOptions, inputs: dict[str, Any]) -> tuple[dict, tuple]:
@@ -88,7 +122,7 @@ def _attention_fwd(config: AttentionConfig, options: KernelOptions, inputs: dict
     if config.paging is not None:
         raise UnsupportedConfigurationError(["paged attention has no backward (cuDNN provides none)"], config)
     training = config.replace(training=True)
-    results = primitives.forward(training, options, _select(training, FWD, inputs))
+    results = _run(FWD, training, options, _select(training, FWD, inputs))
     primal = {name: results[name] for name in result_names(config, FWD)}
     return primal, (inputs, results["output"], results["logsumexp"])
 
@@ -98,7 +132,7 @@ def _attention_bwd(config: AttentionConfig, options: KernelOptions, residuals: t
     for the rest (sequence lengths, offsets, scale factors, a boolean mask's bias)."""
     inputs, output, logsumexp = residuals
     training = config.replace(training=True)
-    grads = primitives.backward(training, options, _select(
+    grads = _run(BWD, training, options, _select(
         training, BWD, inputs, output=output, grad_output=cotangents["output"], logsumexp=logsumexp))
     found = {}
     for name, x in inputs.items():
@@ -148,7 +182,7 @@ def dot_product_attention(
     seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH", sliding_window_length: int | None = None,
     score_mod: Callable[..., Any] | None = None, use_fp8: bool = False, return_residual: bool = False,
     diagonal_alignment: str = "top_left", sink: Any = None, deterministic: bool = False,
-    cuda_graph: bool | None = None, backend: str = "ffi",
+    cuda_graph: bool | None = None, backend: str = "ffi", context_parallel: Any = None,
 ) -> Any:
     """Scaled dot-product attention (JAX's cuDNN ``dot_product_attention``; module doc for the extras).
 
@@ -160,12 +194,17 @@ def dot_product_attention(
     ``return_residual`` (float32 ``(B, N, T)``, ``(B*M, N, T)`` packed), or ``(output, amax_s, amax_o)``
     with ``use_fp8``.
     """
+    context = sequence_split.resolve(context_parallel)
+    whole_key, whole_value = sequence_split.whole_sequence(context, key, value, qkv_layout)
     config, operands = prepare(
-        query, key, value, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offsets, None, None, fp8_params,
+        query, whole_key, whole_value, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offsets, None, None, fp8_params,
         score_mod_args, sink, scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8, training=return_residual,
         diagonal_alignment=diagonal_alignment, deterministic=deterministic, xp=jnp)
-    options = kernel_options(config, seed=seed, backend=backend, cuda_graph=cuda_graph)
+    if context.axes:                             # inside shard_map: the call describes the whole sequence
+        config = sequence_split.whole_config(config, context)
+        operands = operands.replace(key=key, value=value)
+    options = kernel_options(config, seed=seed, backend=backend, cuda_graph=cuda_graph, context_parallel=context)
     return attention(config, operands, options).seed_form(use_fp8, return_residual)
 
 

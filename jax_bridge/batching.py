@@ -13,12 +13,13 @@ problem (one kernel launch, nested ``vmap`` folds level by level).  By operand:
 * the packed logsumexp ``(B*M, N, T)``: its rows are the *present* segments of the whole batch,
   left-aligned, so rows are regrouped per instance by each instance's segment count;
 * FP8 amax results are statistics of the whole folded batch (as in JAX's cuDNN attention): they are
-  returned unbatched.  FP8 scale factors cannot be vmapped (one scale per tensor).
+  returned unbatched.
 
 Operands that are per-head or per-call rather than per-example - a batched attention sink, batched
-``score_mod`` arguments - and the sink gradient (a sum over the batch that every instance needs
-separately) cannot be folded; those calls run the instances one after another with ``lax.map`` (every
-result, FP8 amax included, is then per instance).
+``score_mod`` arguments, batched FP8 scale factors (the kernel takes one scale per tensor; JAX's own
+cuDNN attention refuses them) - and the sink gradient (a sum over the batch that every instance needs
+separately) cannot be folded; those calls run the instances one after another with ``lax.map``, one
+kernel call per instance and so per scale group (every result, FP8 amax included, is then per instance).
 """
 
 from __future__ import annotations
@@ -50,11 +51,7 @@ def batch(primitive: Any, args: list[Any], dims: list[int | None], *, config: At
     operands = {n: a if d is None else jnp.moveaxis(a, d, 0) for n, a, d in zip(names, args, dims)}
     batched = {n for n, d in zip(names, dims) if d is not None}
 
-    scales = sorted(batched & set(FP8_PARAM_KEYS))
-    if scales:
-        raise UnsupportedConfigurationError(
-            [f"vmap over the FP8 scale factors {scales}: the kernel takes one scale per tensor"], config)
-    per_call = batched & set(_PER_CALL) or any(n.startswith("score_mod_arg_") for n in batched)
+    per_call = (batched & set(_PER_CALL + FP8_PARAM_KEYS)) or any(n.startswith("score_mod_arg_") for n in batched)
     if per_call or (kind == BWD and config.sink):          # the sink gradient sums over the batch
         return _one_by_one(primitive, config, options, operands, batched, size)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from cudnn_attn.config import AttentionConfig
 
@@ -56,12 +57,14 @@ class KernelOptions:
 
     ``seed`` is the dropout seed (0 when there is no dropout, so that it never splits caches);
     ``cuda_graph`` (default) lets XLA capture the GPU call into its CUDA graphs (command buffers);
-    ``False`` makes XLA run the Python handler on every execution.
+    ``False`` makes XLA run the Python handler on every execution.  ``context`` says how a call whose
+    sequence is split over devices runs (:mod:`.context_parallel`; ``None``: the default).
     """
 
     seed: int = 0
     backend: Backend = Backend.FFI
     cuda_graph: bool = True
+    context: Any = None          # a context_parallel.ContextParallel: how a sequence-sharded call runs
 
 
 @dataclass(frozen=True)

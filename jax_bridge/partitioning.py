@@ -3,9 +3,12 @@
 Attention is independent across the batch and across heads, so those two dimensions shard freely:
 each device runs the kernel on its ``B / pb`` examples and ``N / ph`` query heads (with grouped
 K/V heads ``K / ph``: the query heads of one K/V head stay together when ``ph`` divides ``K``).
-Sequence and head-dim sharding of Q/K/V would need communication inside attention (ring attention,
-a reduction over the head dim); they are refused with a ``ValueError`` naming the operand and its
-sharding, rather than silently gathered.
+A query whose sequence dimension is sharded runs context-parallel (:mod:`.context_parallel`, the scheme
+of the call's ``KernelOptions.context``): K/V are split over the same mesh axes and the bias by its rows
+(both resharded as needed), the kernel calls go round the ring or over the gathered keys.  The
+sequence split follows the query: sharded keys with replicated queries are gathered.  Head-dim sharding
+would need a reduction inside the kernel; it is refused with a ``ValueError`` naming the operand and its
+sharding.
 
 The Shardy rule names one factor per dimension role of :func:`~.signature.dimension_roles`: ``b``
 batch, ``t``/``s`` query/key length, ``n`` query heads (``k*g`` with grouped K/V heads ``k``),
@@ -18,9 +21,13 @@ Per shard (:func:`partition`) the kernel runs with the local configuration; afte
 * the sink gradient (a sum over the batch) is summed over the batch axes;
 * FP8 amax values are maxima over every shard (``pmax``), the statistic of the whole batch.
 
-Packed segments with batch sharding are refused when a logsumexp is involved (training forward and
-the backward): its rows are the left-aligned segments of the *whole* batch, which a shard cannot
-number locally.
+Packed segments with batch sharding: every shard runs its ``B / pb`` rows, and its logsumexp block of
+``B / pb * M`` rows numbers *that shard's* present segments, left-aligned from the block's first row
+(zeros after them).  The global ``(B*M, N, T)`` logsumexp is the concatenation of those blocks in shard
+order, so it equals the unsharded numbering when every row holds all ``M`` segments, and otherwise
+differs from it by where the zero rows sit.  The backward of the same sharding reads the blocks back the
+same way (``jax.grad`` under ``jit`` always does: the residual keeps the forward's sharding); a
+logsumexp returned with ``return_residual=True`` from a batch-sharded packed call is that blocked layout.
 """
 
 from __future__ import annotations
@@ -35,12 +42,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from cudnn_attn.config import AttentionConfig, BiasSpec
 
+from . import context_parallel
 from .kernel import KernelOptions
 from .signature import (
-    ATTENTION_TENSORS, BWD, FP8_BWD_AMAX, FP8_FWD_AMAX, dimension_roles, operand_names, result_names,
+    ATTENTION_TENSORS, FP8_BWD_AMAX, FP8_FWD_AMAX, dimension_roles, operand_names, result_names,
 )
 
-_REFUSED_ROLES = {"t": "query sequence", "s": "key/value sequence", "h": "head", "e": "value head"}
+_REFUSED_ROLES = {"h": "head", "e": "value head"}
 
 
 # -- Shardy rule ------------------------------------------------------------------------------------
@@ -96,15 +104,21 @@ def _entry(axes: tuple[str, ...]) -> Any:
 
 
 class ShardPlan:
-    """How one call is split over ``mesh``: the batch and head mesh axes, read from the query."""
+    """How one call is split over ``mesh``: the batch, head and sequence mesh axes, read from the query;
+    ``split`` describes the sequence split (``None`` when the sequence stays whole and in its natural order)."""
 
-    def __init__(self, config: AttentionConfig, kind: str, mesh: Any, specs: Mapping[str, tuple]):
+    def __init__(self, config: AttentionConfig, kind: str, mesh: Any, specs: Mapping[str, tuple],
+                 options: KernelOptions):
         self.config, self.kind, self.mesh = config, kind, mesh
         roles = dimension_roles(config, "query", 4)
         query = specs["query"]
         self.batch_axes = _axes(query[roles.index("b")])
         self.head_axes = _axes(query[roles.index("n")])
+        self.seq_axes = _axes(query[roles.index("t")])
         self._check(specs)
+        self.split = _split(config, options, self.seq_axes, self._size(self.seq_axes))
+        if self.split is not None:
+            context_parallel.check(config, self.split)
         self.local = self._local_config()
 
     def _size(self, axes: tuple[str, ...]) -> int:
@@ -120,8 +134,7 @@ class ShardPlan:
                     raise ValueError(
                         f"{name}: sharding on the {_REFUSED_ROLES[role]} dimension is not supported "
                         f"(got PartitionSpec{tuple(specs[name])} in {config.layout.name} layout); attention "
-                        "can be sharded over the batch and the heads only - replicate that dimension or "
-                        "use a sequence-parallel scheme (ring attention) around this call")
+                        "can be sharded over the batch, the heads and the sequence - replicate that dimension")
         pb, ph = self._size(self.batch_axes), self._size(self.head_axes)
         rules = [(config.batch % pb, f"batch {config.batch} over {pb} devices {self.batch_axes}"),
                  (config.q_heads % ph, f"query heads {config.q_heads} over {ph} devices {self.head_axes}"),
@@ -130,12 +143,6 @@ class ShardPlan:
         for remainder, what in rules:
             if remainder:
                 raise ValueError(f"query: cannot split {what} evenly; choose a mesh whose axes divide it")
-        needs_lse = self.kind == BWD or config.training
-        if config.packing is not None and pb > 1 and needs_lse:
-            raise ValueError(
-                "query: packed segments with batch sharding (axes {}) are not supported when the logsumexp is "
-                "involved (training, backward): its rows number the segments of the whole batch; shard the heads "
-                "instead".format(self.batch_axes))
 
     def _local_config(self) -> AttentionConfig:
         config = self.config
@@ -147,13 +154,16 @@ class ShardPlan:
             b, n, t, s = config.bias.shape
             changes["bias"] = BiasSpec((b // pb if b_role else b, n // ph if n_role else n, t, s),
                                        config.bias.differentiable)
-        return config.replace(**changes)
+        return config.replace(**changes)      # sequence lengths stay global: context_parallel's contract
 
     def sharding(self, name: str, ndim: int) -> NamedSharding:
-        """Where operand or result ``name`` lives: batch/head dimensions split, the rest replicated."""
+        """Where operand or result ``name`` lives: batch/head dimensions split, the query sequence (and the
+        keys of Q/K/V and their gradients) over the sequence axes, the rest replicated."""
         entries = []
         for role in dimension_roles(self.config, name, ndim):
             axes = self.batch_axes if role in ("b", "bm") else self.head_axes if role in ("n", "k") else ()
+            if role == "t" or (role == "s" and name in ATTENTION_TENSORS):
+                axes = self.seq_axes
             entries.append(_entry(axes))
         return NamedSharding(self.mesh, PartitionSpec(*entries))
 
@@ -170,7 +180,28 @@ class ShardPlan:
         return x
 
 
-def check_types(config: AttentionConfig, kind: str, avals: Mapping[str, Any]) -> None:
+def _split(config: AttentionConfig, options: KernelOptions, axes: tuple[str, ...],
+           shards: int) -> context_parallel.Split | None:
+    """The sequence split of a call sharded over ``axes`` (``shards`` devices): ``None`` for a whole
+    sequence in its natural order."""
+    context = options.context or context_parallel.ContextParallel()
+    if shards == 1 and not context.load_balance:
+        return None
+    return context_parallel.Split(axes if shards > 1 else (), shards, context.load_balance or 0, context.scheme)
+
+
+def unsharded_split(config: AttentionConfig, options: KernelOptions) -> context_parallel.Split | None:
+    """The split of a call that is not partitioned (one device): only a load-balanced order matters."""
+    return _split(config, options, (), 1)
+
+
+def any_sharded(arrays: Any) -> bool:
+    """Whether any of ``arrays`` (tracers) has a sharded dimension in its type (Explicit mesh axes)."""
+    return any(entry is not None for x in arrays for entry in jax.typeof(x).sharding.spec)
+
+
+def check_types(config: AttentionConfig, kind: str, avals: Mapping[str, Any],
+                options: KernelOptions = KernelOptions()) -> None:
     """With Explicit mesh axes the operands' shardings are part of their types: check them when the call
     is traced, so that a refused sharding is a ``ValueError`` at the call site (with Auto axes it is
     only known, and refused, when XLA partitions the program)."""
@@ -180,21 +211,21 @@ def check_types(config: AttentionConfig, kind: str, avals: Mapping[str, Any]) ->
         return
     specs = {name: tuple(aval.sharding.spec) + (None,) * (aval.ndim - len(aval.sharding.spec))
              for name, aval in avals.items()}
-    ShardPlan(config, kind, mesh, specs)
+    ShardPlan(config, kind, mesh, specs, options)
 
 
-def _plan(config: AttentionConfig, kind: str, mesh: Any, arg_infos: Any) -> ShardPlan:
+def _plan(config: AttentionConfig, kind: str, mesh: Any, arg_infos: Any, options: KernelOptions) -> ShardPlan:
     specs = {}
     for name, info in zip(operand_names(config, kind), arg_infos):
         spec = tuple(info.sharding.spec) if isinstance(info.sharding, NamedSharding) else ()
         specs[name] = spec + (None,) * (len(info.shape) - len(spec))
-    return ShardPlan(config, kind, mesh, specs)
+    return ShardPlan(config, kind, mesh, specs, options)
 
 
 def infer_result_shardings(kind: str, config: AttentionConfig, options: KernelOptions, mesh: Any,
                            arg_infos: Any, result_infos: Any) -> list[NamedSharding]:
     """Result shardings from the operands' (GSPMD propagation; Shardy uses :func:`sharding_rule`)."""
-    plan = _plan(config, kind, mesh, arg_infos)
+    plan = _plan(config, kind, mesh, arg_infos, options)
     return [plan.sharding(name, len(info.shape)) for name, info in zip(result_names(config, kind), result_infos)]
 
 
@@ -202,13 +233,18 @@ def partition(primitive: Any, config: AttentionConfig, options: KernelOptions, m
               result_infos: Any) -> tuple[Any, Any, list[NamedSharding], tuple[NamedSharding, ...]]:
     """The per-shard computation: the kernel on the local configuration, then :meth:`ShardPlan.reduce`."""
     kind = primitive.kind
-    plan = _plan(config, kind, mesh, arg_infos)
+    plan = _plan(config, kind, mesh, arg_infos, options)
     names, results = operand_names(config, kind), result_names(config, kind)
     arg_shardings = tuple(plan.sharding(name, len(info.shape)) for name, info in zip(names, arg_infos))
     result_shardings = [plan.sharding(name, len(info.shape)) for name, info in zip(results, result_infos)]
 
     def shard(*arrays: Any) -> list[Any]:
-        found = primitive.call_kernel(plan.local, options, dict(zip(names, arrays)))
+        operands = dict(zip(names, arrays))
+        if plan.split is None:
+            found = primitive.call_kernel(plan.local, options, operands)
+        else:
+            found = context_parallel.run(kind, plan.local, plan.split, operands,
+                                         lambda block, ops: primitive.call_kernel(block, options, ops))
         return [plan.reduce(name, x) for name, x in found.items()]
 
     return mesh, shard, result_shardings, arg_shardings

@@ -31,7 +31,7 @@ from jax.interpreters import batching, mlir
 
 from cudnn_attn.config import AttentionConfig
 
-from . import cudnn_target, ffi, reference_target
+from . import context_parallel, cudnn_target, ffi, reference_target
 from . import batching as batching_rules
 from . import partitioning
 from .kernel import Backend, Kernel, KernelOptions
@@ -86,12 +86,19 @@ class AttentionPrimitive:
         return dict(zip(result_names(config, self.kind), results))
 
     def _call_kernel(self, config: AttentionConfig, options: KernelOptions, *arrays: Any) -> list[Any]:
+        """The unpartitioned call (one device).  ``custom_partitioning`` also traces it on sharded operands
+        but then runs :func:`~.partitioning.partition` instead, which handles their sequence split."""
+        split = partitioning.unsharded_split(config, options)
+        if split is not None and not partitioning.any_sharded(arrays):   # a load-balanced order, one device
+            found = context_parallel.run(self.kind, config, split, dict(zip(operand_names(config, self.kind), arrays)),
+                                         lambda block, ops: self.call_kernel(block, options, ops))
+            return list(found.values())
         return self.kernel.bind(*arrays, config=config, options=options)
 
     # -- rules ------------------------------------------------------------------------------------
     def _abstract_eval(self, *avals: Any, config: AttentionConfig, options: KernelOptions) -> list[Any]:
         named = dict(zip(operand_names(config, self.kind), avals))
-        partitioning.check_types(config, self.kind, named)      # Explicit mesh axes: refuse bad sharding now
+        partitioning.check_types(config, self.kind, named, options)   # Explicit mesh axes: refuse bad sharding now
         return [_result_aval(config, name, shape, dtype, named)
                 for name, (shape, dtype) in result_shapes(config, self.kind).items()]
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cudnn_attn import MaskType, UnsupportedConfigurationError
+from cudnn_attn import MaskType
 from cudnn_attn import jax_bridge as jb
 from cudnn_attn.types import FP8_PARAM_KEYS
 
@@ -198,7 +198,7 @@ def test_batched_sink_runs_instances_in_sequence():
                  "float16", "dsink", factor=0.5)
 
 
-def test_fp8_amax_is_a_whole_batch_statistic_and_scales_cannot_be_vmapped():
+def test_fp8_amax_is_a_whole_batch_statistic():
     rng = np.random.default_rng(10)
     q, k, v = (x.astype(jnp.float8_e4m3fn) for x in qkv(rng, B=1, T=8, S=8, N=2, H=16))
     params = {name: jnp.ones((1, 1, 1, 1), jnp.float32) for name in FP8_PARAM_KEYS}
@@ -213,7 +213,22 @@ def test_fp8_amax_is_a_whole_batch_statistic_and_scales_cannot_be_vmapped():
         np.testing.assert_array_equal(np.asarray(amax).reshape(2), [whole_batch, whole_batch])
     assert float(per_instance[0][2].reshape(())) != float(per_instance[1][2].reshape(()))
     np.testing.assert_array_equal(np.asarray(out[1], np.float32), np.asarray(per_instance[1][0], np.float32))
-    batched_scales = dict(params, descale_q=jnp.ones((2, 1, 1, 1, 1), jnp.float32))
-    axes = ({name: (0 if name == "descale_q" else None) for name in params},)
-    with pytest.raises(UnsupportedConfigurationError, match="FP8 scale factors"):
-        jax.vmap(lambda p: fn(q, p), in_axes=axes)(batched_scales)
+
+
+@pytest.mark.parametrize("batched", [("descale_q",), ("descale_q", "scale_o", "descale_s")], ids=["one", "three"])
+def test_vmap_over_fp8_scales_runs_one_kernel_per_scale_group(batched):
+    """Vmapped scale factors (refused by JAX: one scale per tensor in the kernel) run instance by instance:
+    each instance equals the unbatched call with its own scales, amax included."""
+    rng = np.random.default_rng(12)
+    q, k, v = (x.astype(jnp.float8_e4m3fn) for x in qkv(rng, B=2, T=8, S=8, N=2, H=16))
+    params = {name: jnp.ones((1, 1, 1, 1), jnp.float32) for name in FP8_PARAM_KEYS}
+    values = {name: jnp.asarray(rng.uniform(0.25, 2.0, (3, 1, 1, 1, 1)), jnp.float32) for name in batched}
+    fn = lambda q, p: attention(q, k, v, fp8_params=p, use_fp8=True)  # noqa: E731
+    axes = ({name: (0 if name in batched else None) for name in params},)
+    got = jax.jit(jax.vmap(lambda p: fn(q, p), in_axes=axes))(dict(params, **values))
+    for i in range(3):
+        want = jax.jit(fn)(q, dict(params, **{name: x[i] for name, x in values.items()}))
+        for name, g, w in zip(("output", "amax_s", "amax_o"), got, want):
+            np.testing.assert_array_equal(np.asarray(g[i], np.float32), np.asarray(w, np.float32),
+                                          err_msg=f"{name} of instance {i} (seed 12, batched {batched})")
+    assert float(jnp.abs(got[0][0].astype(jnp.float32) - got[0][1].astype(jnp.float32)).max()) > 0

@@ -122,6 +122,8 @@ SUPPORTED_ON_SM90 = {
     "score_mod-bias": BASE.replace(score_mod=SCORE_MOD, bias=BIAS, training=True),
     "sink-training": BASE.replace(sink=True, training=True),
     "decode-T1": BASE.replace(q_len=1, training=True),
+    "backward-T1-S1": BASE.replace(q_len=1, kv_len=1, training=True),          # run padded (cudnn_attn.lift)
+    "bias-training-odd-T": BASE.replace(bias=BIAS, q_len=127, training=True),   # run padded (cudnn_attn.lift)
     "packed-gqa": BASE.replace(q_heads=8, kv_heads=2, training=True, **PACKED),
     "paged-d256": BASE.replace(qk_dim=256, v_dim=256, **PAGED),
     "fp8-causal-training": FP8.replace(mask=CAUSAL, training=True),
@@ -202,8 +204,6 @@ CASES = [
      BASE.replace(score_mod=SCORE_MOD, mask=MaskSpec(right_bound=0, padding=True))),
     ("sink-decode", BASE.replace(sink=True, q_len=1), SM90,
      "attention sink: not supported with a single query (T == 1)", CUDNN, BASE.replace(sink=True, q_len=2)),
-    ("backward-T1-S1", BASE.replace(q_len=1, kv_len=1, training=True), SM90,
-     "backward: T == S == 1 is not supported", CUDNN, BASE.replace(q_len=1, kv_len=1)),
     ("deterministic-sm100-old", BASE.replace(deterministic=True, training=True), env(91700, (10, 0)),
      "deterministic backward: needs cuDNN >= 9.18.0 on sm100", CUDNN, env(91800, (10, 0))),
     ("deterministic-sm100-dropout", BASE.replace(deterministic=True, training=True, dropout_rate=0.1), SM100,
@@ -234,8 +234,6 @@ CASES = [
      "FP8 attention: training needs qk_dim == v_dim == 128, found (64, 64)", LIBRARY, FP8.replace(training=True)),
     ("fp8-training-T100", FP8.replace(q_len=100, training=True), SM90,
      "FP8 attention: training needs T and S multiples of 128, found T=100, S=128", LIBRARY, FP8.replace(q_len=100)),
-    ("bias-training-odd-T", BASE.replace(bias=BIAS, q_len=127, training=True), SM90,
-     "bias: training with a bias needs even T and S, found T=127, S=128", LIBRARY, BASE.replace(bias=BIAS, q_len=127)),
     ("packed-BNTH", BASE.replace(layout=AttentionLayout.BNTH, **PACKED), SM90,
      "packed segments: need the token-major BTNH layout (ragged offsets index tokens), found BNTH", LIBRARY,
      BASE.replace(**PACKED)),

@@ -1,0 +1,534 @@
+"""Context parallelism: attention with the query/key sequence split over a mesh axis.
+
+Each device holds ``T / P`` queries and ``S / P`` keys (``P`` devices on the sequence axes).  Two schemes,
+both built from JAX collectives and the per-block kernel calls of the attention primitives:
+
+* ``Scheme.RING`` (default): K/V blocks travel around the axis (``lax.ppermute``, the next block is sent
+  while the current one is computed).  At each step a device attends its queries to the block it holds;
+  partial outputs are merged with their logsumexps (``o = sum_b exp(lse_b - lse) o_b``, ``lse =
+  logsumexp_b lse_b``).  The backward runs the ring again: each block's kernel backward with the *final*
+  output and logsumexp gives exact partial gradients (``P = exp(s - lse)``, ``D = rowsum(dO * O)``); dQ
+  accumulates locally, dK/dV accumulate (float32) in buffers that travel with their block and arrive
+  home after ``P`` steps.  Memory: two K/V blocks per device.
+* ``Scheme.ALL_GATHER``: K/V are gathered once (``lax.all_gather``), every device attends its queries to
+  the keys its mask needs in one call per query chunk; the backward reduces the dK/dV of the gathered
+  keys back to their owners (``lax.psum_scatter``).  Memory: the whole K/V on every device.
+
+Masks (:mod:`.sequence_plan`): every call is a block of global positions with a top-left band of cuDNN
+(``right_bound``/``left_bound``, after slicing the block to the rows and keys that the mask keeps), so
+causal (top-left, or bottom-right without per-sequence lengths), windows, per-sequence lengths
+(``q_seqlen``/``kv_seqlen`` give each call its own lengths), a bias (each device holds its rows and
+every column), GQA and MLA work in both schemes.  A block that the mask removes entirely is not
+computed: the devices take different branches (``lax.switch`` on the device's index into the distinct
+plans of the step).  Refused (:class:`~cudnn_attn.errors.UnsupportedConfigurationError`): dropout,
+ALiBi, FP8, ``score_mod``, an attention sink, packed segments, paged caches, and a bottom-right diagonal
+with per-sequence lengths (:func:`refusals`).
+
+Causal load balance: with the natural order device ``P-1`` computes ``P`` blocks and device 0 one.
+:func:`load_balance` reorders a sequence into ``2P`` chunks stored as ``0, 2P-1, 1, 2P-2, ...``, so
+device ``d`` holds chunks ``d`` and ``2P-1-d`` and every device computes the same number of blocks;
+``ContextParallel(load_balance=P)`` tells the attention call that Q, K, V (and the bias, in both sequence
+dimensions) are in that order; outputs and gradients come back in it too (:func:`restore_order`
+inverts it).  The logsumexp of ``return_residual=True`` is in the stored order as well.
+
+Where it runs: under ``jit`` automatic partitioning, a query whose sequence dimension is sharded
+dispatches here from :mod:`.partitioning` (K/V and the bias are resharded as needed: K/V over the same
+axes, the bias by rows); inside ``shard_map`` the call names its axis (``ContextParallel(axis="sp")``)
+and passes its local Q/K/V, the bias as its rows by *all* columns ``(1|B, 1|N, T/P, S)``, and the
+global ``q_seqlen``/``kv_seqlen``.  The scheme is an argument (``context_parallel=``) or the default of
+a :func:`context_parallelism` block, read when the call is traced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cudnn_attn.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec
+from cudnn_attn.errors import UnsupportedConfigurationError
+from cudnn_attn.types import AttentionLayout
+
+from . import lifting
+from .sequence_plan import Band, BlockCall, chunk_order, device_plans, local_chunks
+from .signature import BWD, FWD, result_names
+
+__all__ = ["ContextParallel", "Scheme", "context_parallelism", "load_balance", "restore_order"]
+
+
+class Scheme(enum.Enum):
+    """How K/V reach the queries of every device (module doc)."""
+
+    RING = "ring"
+    ALL_GATHER = "all_gather"
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """How a call whose sequence is split over devices runs (a static kernel option).
+
+    ``scheme``: :class:`Scheme` or its name.  ``axis``: the mesh axis (or axes) of the sequence, for calls
+    inside ``shard_map`` (under ``jit`` the axes are read from the query's sharding).  ``load_balance``:
+    ``Z`` when Q/K/V are in the load-balanced order of :func:`load_balance` for ``Z`` shards (the number
+    of sequence shards must divide ``Z``), ``None`` for the natural order.
+    """
+
+    scheme: Scheme = Scheme.RING
+    axis: str | tuple[str, ...] | None = None
+    load_balance: int | None = None
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "scheme", Scheme(self.scheme))
+        except ValueError:
+            raise ValueError(f"context_parallel: scheme must be one of {[s.value for s in Scheme]}, "
+                             f"got {self.scheme!r}") from None
+        if isinstance(self.axis, list):
+            object.__setattr__(self, "axis", tuple(self.axis))
+        balance = self.load_balance
+        if balance is not None and (isinstance(balance, bool) or not isinstance(balance, int) or balance < 1):
+            raise ValueError(f"context_parallel: load_balance must be a positive int (the number of shards the "
+                             f"sequence was reordered for) or None, got {balance!r}")
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return () if self.axis is None else tuple(self.axis) if isinstance(self.axis, tuple) else (self.axis,)
+
+
+_DEFAULT: contextvars.ContextVar[ContextParallel] = contextvars.ContextVar("cudnn_attn_context_parallel",
+                                                                           default=ContextParallel())
+
+
+@contextlib.contextmanager
+def context_parallelism(scheme: str | Scheme = Scheme.RING, *, axis: str | tuple[str, ...] | None = None,
+                     load_balance: int | None = None) -> Iterator[ContextParallel]:
+    """The default :class:`ContextParallel` of the attention calls traced inside the block.
+
+    Read when a call is *traced*: a function that ``jit`` traced before keeps the scheme it was traced
+    with (pass ``context_parallel=`` to the call to make it part of the function instead).
+    """
+    token = _DEFAULT.set(ContextParallel(scheme, axis, load_balance))
+    try:
+        yield _DEFAULT.get()
+    finally:
+        _DEFAULT.reset(token)
+
+
+def resolve(value: ContextParallel | str | Scheme | None) -> ContextParallel:
+    """The call's :class:`ContextParallel`: the argument, a scheme name, or the current default."""
+    if value is None:
+        return _DEFAULT.get()
+    if isinstance(value, ContextParallel):
+        return value
+    return ContextParallel(value)
+
+
+# -- the load-balanced order ---------------------------------------------------------------------------
+
+def _reorder(x: Any, shards: int, axis: int | Sequence[int], order: Sequence[int], what: str) -> Any:
+    """``x`` with the ``2 * shards`` chunks of dimension(s) ``axis`` taken in ``order``; an array with
+    Explicit mesh axes keeps its sharding (XLA moves the chunks between devices)."""
+    x = jnp.asarray(x)
+    sharding = jax.typeof(x).sharding
+    explicit = not sharding.mesh.empty and any(entry is not None for entry in sharding.spec)
+    for a in ((axis,) if isinstance(axis, int) else tuple(axis)):
+        a = a % x.ndim
+        length = x.shape[a]
+        if length % (2 * shards):
+            raise ValueError(f"{what}: dimension {a} of shape {tuple(x.shape)} has {length} positions, not a "
+                             f"multiple of 2 * shards = {2 * shards}")
+        size = length // (2 * shards)
+        if explicit:
+            positions = (np.asarray(order)[:, None] * size + np.arange(size)[None, :]).reshape(-1)
+            x = x.at[(slice(None),) * a + (positions,)].get(out_sharding=sharding)
+        else:        # slices, no index array: traced inside custom_partitioning, which takes no constants
+            x = jnp.concatenate([jax.lax.slice_in_dim(x, c * size, (c + 1) * size, axis=a) for c in order], axis=a)
+    return x
+
+
+def load_balance(x: Any, shards: int, axis: int | Sequence[int] = 1) -> Any:
+    """``x`` with its sequence dimension(s) ``axis`` in the load-balanced (zigzag) order for ``shards``
+    devices: ``2 * shards`` chunks stored as ``0, 2P-1, 1, 2P-2, ...`` (device ``d`` then holds chunks
+    ``d`` and ``2P-1-d``).  ``axis=1`` is the sequence of BTNH Q/K/V; a bias takes ``axis=(2, 3)``."""
+    return _reorder(x, shards, axis, chunk_order(shards), "load_balance")
+
+
+def restore_order(x: Any, shards: int, axis: int | Sequence[int] = 1) -> Any:
+    """The inverse of :func:`load_balance`: the natural order of the sequence dimension(s) ``axis``."""
+    return _reorder(x, shards, axis, np.argsort(chunk_order(shards)), "restore_order")
+
+
+# -- what runs -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Split:
+    """How the sequence of one call is split: ``shards`` devices on the mesh ``axes`` (none: one device
+    holding the whole sequence), the load-balanced order ``balance`` (0: natural) and the scheme."""
+
+    axes: tuple[str, ...]
+    shards: int
+    balance: int
+    scheme: Scheme
+
+    def axis_name(self) -> Any:
+        return self.axes[0] if len(self.axes) == 1 else self.axes
+
+
+def refusals(config: AttentionConfig) -> list[str]:
+    """Why ``config`` cannot run with its sequence split (empty when it can)."""
+    mask = config.mask
+    found = [
+        (config.has_dropout, "dropout (every block would draw the same Philox positions)"),
+        (mask.alibi, "ALiBi"),
+        (config.fp8, "FP8"),
+        (config.score_mod is not None, "score_mod"),
+        (config.sink, "an attention sink"),
+        (config.packing is not None, "packed segments (their positions restart inside the sequence)"),
+        (config.paging is not None, "paged K/V caches"),
+        (mask.alignment is DiagonalAlignment.BOTTOM_RIGHT and mask.padding and mask.right_bound is not None,
+         "a bottom-right diagonal with per-sequence lengths (its offset differs per sequence)"),
+    ]
+    return [f"context parallelism: not with {what}" for present, what in found if present]
+
+
+def check(config: AttentionConfig, split: Split) -> None:
+    """Raise for a configuration that cannot run with ``split`` (module doc)."""
+    reasons = refusals(config)
+    if reasons:
+        raise UnsupportedConfigurationError(reasons, config)
+    multiple = 2 * split.balance if split.balance else split.shards
+    for what, length in (("query", config.q_len), ("key/value", config.kv_len)):
+        if length % multiple:
+            raise ValueError(f"{what}: a sequence of {length} positions cannot be split into "
+                             f"{'2 * load_balance = ' if split.balance else ''}{multiple} equal parts over the "
+                             f"axes {split.axes}")
+    if split.balance and split.balance % split.shards:
+        raise ValueError(f"context_parallel: load_balance={split.balance} (the order of the sequence) must be a "
+                         f"multiple of the {split.shards} devices on the sequence axes {split.axes}")
+
+
+Call = Callable[[AttentionConfig, Mapping[str, Any]], Mapping[str, Any]]
+
+
+def run(kind: str, config: AttentionConfig, split: Split, operands: Mapping[str, Any], call: Call) -> dict[str, Any]:
+    """The forward or backward results (``result_names(config, kind)``) of the local shard.
+
+    ``config`` has the global sequence lengths (and the local batch and heads); ``operands`` are the
+    local arrays (module doc); ``call(block_config, block_operands)`` runs the ``kind`` kernel.
+    """
+    check(config, split)
+    engine = _Engine(config, split, operands)
+    found = engine.forward(call) if kind == FWD else engine.backward(call)
+    return {name: found[name] for name in result_names(config, kind)}
+
+
+# -- the engine ----------------------------------------------------------------------------------------------
+
+_NEG_INF = -jnp.inf
+
+
+class _Engine:
+    """One device's side of a split call: its chunks, the plans of every step, the block kernels."""
+
+    def __init__(self, config: AttentionConfig, split: Split, operands: Mapping[str, Any]):
+        self.config, self.split, self.ops = config, split, dict(operands)
+        self.seq = 1 if config.layout is AttentionLayout.BTNH else 2
+        p = split.shards
+        self.q_local, self.k_local = config.q_len // p, config.kv_len // p
+        self.band = Band.of(config)
+        self.padding = config.mask.padding
+        self.index = jax.lax.axis_index(split.axis_name()) if p > 1 else jnp.int32(0)
+        self.q_chunks = [local_chunks(config.q_len, p, r, split.balance) for r in range(p)]
+        self.ring = split.scheme is Scheme.RING and p > 1
+        self.bias = self.ops.get("bias")       # its columns follow the order of the keys in use
+
+    # -- plans ----------------------------------------------------------------------------------------
+    def _key_chunks(self, step: int | None) -> list:
+        p, config = self.split.shards, self.config
+        if step is None:                                  # all-gather: every key, natural order
+            return [local_chunks(config.kv_len, 1, 0)] * p
+        return [local_chunks(config.kv_len, p, (r - step) % p, self.split.balance) for r in range(p)]
+
+    def _run_step(self, step: int | None, branch: Callable, state: Any, key: Any, value: Any, key_base: Any) -> Any:
+        """Run this device's plan of ``step``: ``branch(calls)(state, key, value, key_base, starts)`` chosen
+        by the device index (``lax.switch``), ``starts`` the global positions of its calls' first rows and
+        keys (read per device at run time, so that devices differing only by them share a branch)."""
+        found = device_plans(self.q_chunks, self._key_chunks(step), self.band, contiguous_only=self.padding)
+        most = max(len(calls) for calls in found.calls)
+        starts = tuple((self._lookup([calls[i].q_global if i < len(calls) else 0 for calls in found.calls]),
+                        self._lookup([calls[i].k_global if i < len(calls) else 0 for calls in found.calls]))
+                       for i in range(most))
+        args = (state, key, value, key_base, starts)
+        if len(found.plans) == 1:
+            return branch(found.plans[0])(*args)
+        return jax.lax.switch(self._lookup(found.index), [branch(calls) for calls in found.plans], *args)
+
+    def _lookup(self, values: Sequence[Any]) -> Any:
+        """``values[device index]`` without an array constant (``custom_partitioning`` traces allow none)."""
+        found = values[0]
+        for r, value in enumerate(values[1:], start=1):
+            found = jnp.where(self.index == r, value, found)
+        return found
+
+    # -- block operands -------------------------------------------------------------------------------
+    def _rows(self, x: Any, start: int, stop: int, axis: int | None = None) -> Any:
+        return jax.lax.slice_in_dim(x, start, stop, axis=self.seq if axis is None else axis)
+
+    def _block(self, call: BlockCall, kind: str, key: Any, value: Any, key_base: Any, start: tuple) -> tuple:
+        """The block's configuration and operands (Q/K/V, bias, lengths); also its rows with a key.
+        ``start``: the global positions of the call's first query row and key on this device."""
+        config = self.config
+        block = block_config(config, call)
+        mask = block.mask
+        ops = {"query": self._rows(self.ops["query"], call.q_start, call.q_stop),
+               "key": self._rows(key, call.k_start, call.k_stop),
+               "value": self._rows(value, call.k_start, call.k_stop)}
+        if block.bias is not None:
+            rows = self._rows(self.bias, call.q_start, call.q_stop, axis=2)
+            ops["bias"] = jax.lax.dynamic_slice_in_dim(rows, key_base + call.k_start, call.k_len, axis=3)
+        has_keys = None
+        if mask.padding:
+            batch = config.batch
+            if self.padding:
+                q_len = jnp.clip(self.ops["q_seqlen"] - start[0], 0, call.q_len).astype(jnp.int32)
+                kv_len = jnp.clip(self.ops["kv_seqlen"] - start[1], 0, call.k_len).astype(jnp.int32)
+            else:
+                q_len = jnp.full((batch,), call.q_len, jnp.int32)
+                kv_len = jnp.full((batch,), call.k_len, jnp.int32)
+            ops["q_seqlen"], ops["kv_seqlen"] = q_len, kv_len
+            has_keys = _rows_with_keys(call, q_len, kv_len)
+        if kind == BWD:
+            ops["output"] = self._rows(self.ops["output"], call.q_start, call.q_stop)
+            ops["grad_output"] = self._rows(self.ops["grad_output"], call.q_start, call.q_stop)
+            ops["logsumexp"] = self._rows(self.lse, call.q_start, call.q_stop, axis=2)
+        return block, ops, has_keys
+
+    def _per_row(self, x: Any) -> Any:
+        """A ``(B, N, T)`` (or ``(B, 1, T)``) row statistic shaped to broadcast against O in the layout."""
+        return jnp.swapaxes(x, 1, 2)[..., None] if self.seq == 1 else x[..., None]
+
+    # -- forward --------------------------------------------------------------------------------------
+    def forward(self, call: Call) -> dict[str, Any]:
+        config, q = self.config, self.ops["query"]
+        o_shape = list(q.shape)
+        o_shape[-1] = config.v_dim
+        state = (jnp.zeros(o_shape, jnp.float32),
+                 jnp.full((config.batch, config.q_heads, self.q_local), _NEG_INF, jnp.float32))
+
+        def branch(calls: tuple[BlockCall, ...]) -> Callable:
+            def run_calls(state, key, value, key_base, starts):
+                for c, start in zip(calls, starts):
+                    block, ops, has_keys = self._block(c, FWD, key, value, key_base, start)
+                    found = lifting.run(FWD, block, ops, call)
+                    state = self._merge(state, c, found["output"], found["logsumexp"], has_keys)
+                return state
+            return run_calls
+
+        for step, (key, value, key_base) in self._key_blocks():
+            state = self._run_step(step, branch, state, key, value, key_base)
+        o, lse = state
+        if self.padding:
+            valid = self._global_rows()[None, :] < self.ops["q_seqlen"][:, None]      # (B, T_local)
+            lse = jnp.where(valid[:, None, :], lse, 0.0)
+        return {"output": o.astype(q.dtype), "logsumexp": lse}
+
+    def _key_blocks(self) -> Iterator[tuple[int | None, tuple[Any, Any, Any]]]:
+        """``(step, (key, value, first bias column))`` of every step; ring steps send the next block first."""
+        key, value = self.ops["key"], self.ops["value"]
+        if not self.ring:
+            yield None, (*self._gathered(key, value), 0)
+            return
+        for step in range(self.split.shards):
+            following = self._shift((key, value)) if step < self.split.shards - 1 else None
+            yield step, (key, value, self._block_index(step) * self.k_local)
+            if following is not None:
+                key, value = following
+
+    def _merge(self, state: tuple, c: BlockCall, o: Any, lse: Any, has_keys: Any) -> tuple:
+        o_acc, lse_acc = state
+        if has_keys is not None:
+            lse = jnp.where(has_keys[:, None, :], lse, _NEG_INF)
+            o = jnp.where(self._per_row(has_keys[:, None, :]), o, 0)
+        old_o = self._rows(o_acc, c.q_start, c.q_stop)
+        old_lse = lse_acc[..., c.q_start:c.q_stop]
+        top = jnp.maximum(old_lse, lse)
+        top = jnp.where(jnp.isfinite(top), top, 0.0)
+        w_old, w_new = jnp.exp(old_lse - top), jnp.exp(lse - top)
+        total = w_old + w_new
+        safe = jnp.where(total > 0, total, 1.0)
+        new_o = old_o * self._per_row(w_old / safe) + o.astype(jnp.float32) * self._per_row(w_new / safe)
+        new_lse = top + jnp.log(total)
+        o_acc = jax.lax.dynamic_update_slice_in_dim(o_acc, new_o, c.q_start, axis=self.seq)
+        lse_acc = jax.lax.dynamic_update_slice_in_dim(lse_acc, new_lse, c.q_start, axis=2)
+        return o_acc, lse_acc
+
+    # -- backward -------------------------------------------------------------------------------------
+    def backward(self, call: Call) -> dict[str, Any]:
+        config = self.config
+        lse = self.ops["logsumexp"]
+        self.lse = jnp.where(jnp.isfinite(lse), lse, 0.0)          # rows without keys: P = exp(-inf - 0) = 0
+        key, value = self.ops["key"], self.ops["value"]
+        zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+        dbias = zeros(self.ops["bias"]) if config.has_dbias else None
+        dq = zeros(self.ops["query"])
+
+        def branch(calls: tuple[BlockCall, ...]) -> Callable:
+            def run_calls(state, key, value, key_base, starts):
+                dq, dk, dv, dbias = state
+                for c, start in zip(calls, starts):
+                    block, ops, has_keys = self._block(c, BWD, key, value, key_base, start)
+                    found = lifting.run(BWD, block, ops, call)
+                    g = found["dq"]
+                    if has_keys is not None:
+                        g = jnp.where(self._per_row(has_keys[:, None, :]), g, 0)
+                    dq = _add_rows(dq, g, c.q_start, self.seq)
+                    dk = _add_rows(dk, found["dk"], c.k_start, self.seq)
+                    dv = _add_rows(dv, found["dv"], c.k_start, self.seq)
+                    if dbias is not None:
+                        rows = jax.lax.slice_in_dim(dbias, c.q_start, c.q_stop, axis=2)
+                        columns = jax.lax.dynamic_slice_in_dim(rows, key_base + c.k_start, c.k_len, axis=3)
+                        rows = jax.lax.dynamic_update_slice_in_dim(
+                            rows, columns + found["dbias"].astype(jnp.float32), key_base + c.k_start, axis=3)
+                        dbias = jax.lax.dynamic_update_slice_in_dim(dbias, rows, c.q_start, axis=2)
+                return dq, dk, dv, dbias
+            return run_calls
+
+        if not self.ring:
+            key, value = self._gathered(key, value)
+            dq, dk, dv, dbias = self._run_step(None, branch, (dq, zeros(key), zeros(value), dbias), key, value, 0)
+            dk, dv = self._scattered(dk), self._scattered(dv)
+            if dbias is not None and self.split.balance:
+                dbias = load_balance(dbias, self.split.balance, axis=3)
+        else:
+            dk, dv = zeros(key), zeros(value)
+            p = self.split.shards
+            for step in range(p):
+                dq, dk, dv, dbias = self._run_step(step, branch, (dq, dk, dv, dbias), key, value,
+                                                   self._block_index(step) * self.k_local)
+                if step < p - 1:
+                    key, value, dk, dv = self._shift((key, value, dk, dv))
+                else:
+                    dk, dv = self._shift((dk, dv))                 # home: block r's gradients to device r
+        found = {"dq": dq, "dk": dk, "dv": dv}
+        if dbias is not None:
+            found["dbias"] = dbias.astype(self.ops["bias"].dtype)
+        dtypes = {"dq": "query", "dk": "key", "dv": "value"}
+        return {name: x.astype(self.ops[dtypes[name]].dtype) if name in dtypes else x for name, x in found.items()}
+
+    # -- communication ------------------------------------------------------------------------------
+    def _block_index(self, step: int) -> Any:
+        """The key block this device holds at ring step ``step``."""
+        return (self.index - step) % self.split.shards
+
+    def _shift(self, arrays: tuple) -> tuple:
+        """Send every array to the next device on the ring (device ``r`` receives from ``r - 1``)."""
+        p = self.split.shards
+        return jax.lax.ppermute(arrays, self.split.axis_name(), perm=[(i, (i + 1) % p) for i in range(p)])
+
+    def _gathered(self, key: Any, value: Any) -> tuple[Any, Any]:
+        """All keys, in the natural order (the bias columns follow)."""
+        gathered = []
+        for x in (key, value):
+            if self.split.shards > 1:
+                x = jax.lax.all_gather(x, self.split.axis_name(), axis=self.seq, tiled=True)
+            if self.split.balance:
+                x = restore_order(x, self.split.balance, axis=self.seq)
+            gathered.append(x)
+        if self.bias is not None and self.split.balance:
+            self.bias = restore_order(self.bias, self.split.balance, axis=3)
+        return gathered[0], gathered[1]
+
+    def _scattered(self, x: Any) -> Any:
+        """The inverse of :meth:`_gathered` for gradients: each device's keys, summed over the devices."""
+        if self.split.balance:
+            x = load_balance(x, self.split.balance, axis=self.seq)
+        if self.split.shards > 1:
+            x = jax.lax.psum_scatter(x, self.split.axis_name(), scatter_dimension=self.seq, tiled=True)
+        return x
+
+    def _global_rows(self) -> Any:
+        """The global position of every local query row (of this device)."""
+        rows = [jnp.concatenate([jnp.arange(c.length, dtype=jnp.int32) + c.start for c in chunks])
+                for chunks in self.q_chunks]
+        return self._lookup(rows)
+
+
+def block_config(config: AttentionConfig, call: BlockCall) -> AttentionConfig:
+    """The kernel configuration of one block call of ``config`` (training: the merge needs the logsumexp)."""
+    mask = MaskSpec(right_bound=call.right_bound, left_bound=call.left_bound,
+                    padding=config.mask.padding or call.padded)
+    bias = config.bias and BiasSpec(config.bias.shape[:2] + (call.q_len, call.k_len), config.bias.differentiable)
+    return config.replace(q_len=call.q_len, kv_len=call.k_len, mask=mask, bias=bias, training=True)
+
+
+def block_configs(config: AttentionConfig, split: Split) -> set[AttentionConfig]:
+    """Every kernel configuration a split call of ``config`` builds (for build checks: plans are static)."""
+    p = split.shards
+    queries = [local_chunks(config.q_len, p, r, split.balance) for r in range(p)]
+    steps: list = [None] if split.scheme is Scheme.ALL_GATHER or p == 1 else list(range(p))
+    found = set()
+    for step in steps:
+        keys = ([local_chunks(config.kv_len, 1, 0)] * p if step is None else
+                [local_chunks(config.kv_len, p, (r - step) % p, split.balance) for r in range(p)])
+        plans = device_plans(queries, keys, Band.of(config), contiguous_only=config.mask.padding)
+        found |= {block_config(config, call) for calls in plans.plans for call in calls}
+    return found
+
+
+def _rows_with_keys(call: BlockCall, q_len: Any, kv_len: Any) -> Any:
+    """``(B, rows)`` bool: the row is a valid query with at least one admissible valid key in the call."""
+    i = jnp.arange(call.q_len, dtype=jnp.int32)[None, :]
+    first = jnp.zeros_like(i) if call.left_bound is None else jnp.maximum(i - call.left_bound + 1, 0)
+    last = kv_len[:, None] - 1
+    if call.right_bound is not None:
+        last = jnp.minimum(last, i + call.right_bound)
+    return (i < q_len[:, None]) & (first <= last)
+
+
+def _add_rows(acc: Any, x: Any, start: int, axis: int) -> Any:
+    part = jax.lax.slice_in_dim(acc, start, start + x.shape[axis], axis=axis) + x.astype(jnp.float32)
+    return jax.lax.dynamic_update_slice_in_dim(acc, part, start, axis=axis)
+
+
+# -- inside shard_map ------------------------------------------------------------------------------------
+
+def axis_size(axes: tuple[str, ...]) -> int:
+    """The number of devices on the mesh ``axes`` of the enclosing ``shard_map``."""
+    try:
+        return math.prod(jax.lax.axis_size(a) for a in axes)
+    except NameError as error:
+        raise ValueError(f"context_parallel: axis {axes} is not a mesh axis of an enclosing shard_map ({error}); "
+                         "ContextParallel(axis=...) is for calls inside shard_map - under jit, shard the query's "
+                         "sequence dimension instead") from None
+
+
+def whole_sequence(context: ContextParallel, key: Any, value: Any, layout: Any) -> tuple[Any, Any]:
+    """Inside ``shard_map`` (``context.axes``): shape stand-ins of the whole K and V, so that the call is
+    validated as the whole sequence (the bias has every key column); else ``key`` and ``value``."""
+    if not context.axes:
+        return key, value
+    shards = axis_size(context.axes)
+    seq = 1 if AttentionLayout.parse(layout) is AttentionLayout.BTNH else 2
+
+    def whole(x: Any) -> Any:
+        if getattr(x, "ndim", 0) != 4:
+            return x                              # prepare() reports the bad rank
+        shape = list(x.shape)
+        shape[seq] *= shards
+        return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+    return whole(key), whole(value)
+
+
+def whole_config(config: AttentionConfig, context: ContextParallel) -> AttentionConfig:
+    """The configuration of the whole sequence from one validated with local queries and whole keys."""
+    q_len = config.q_len * axis_size(context.axes)
+    bias = config.bias and BiasSpec(config.bias.shape[:2] + (q_len, config.kv_len), config.bias.differentiable)
+    return config.replace(q_len=q_len, bias=bias)
