@@ -311,7 +311,8 @@ def _check_real(call: _Call, name: str, value: Any, rule: str, accept: Callable[
     return float(value)
 
 
-def _check_score_mod(call: _Call, score_mod: Any, score_mod_args: Sequence[Any]) -> ScoreModSpec | None:
+def _check_score_mod(call: _Call, score_mod: Any, score_mod_args: Sequence[Any],
+                     score_shape: tuple[int, int, int, int]) -> ScoreModSpec | None:
     if not isinstance(score_mod_args, (tuple, list)):
         raise call.error("score_mod_args", f"must be a tuple of arrays, got {type(score_mod_args).__name__}")
     args = tuple(score_mod_args)
@@ -324,7 +325,10 @@ def _check_score_mod(call: _Call, score_mod: Any, score_mod_args: Sequence[Any])
     for i, a in enumerate(args):
         if not _is_array(a):
             raise call.error(f"score_mod_args[{i}]", f"must be an array, got {type(a).__name__}")
-    return ScoreModSpec(fn=score_mod, arg_shapes=tuple((_shape(a), dtype_name(a)) for a in args))
+    try:
+        return ScoreModSpec.trace(score_mod, score_shape, tuple((_shape(a), dtype_name(a)) for a in args))
+    except ValueError as error:        # "score_mod: <rule>" from the tracer
+        raise call.error("score_mod", str(error).removeprefix("score_mod: ")) from error
 
 
 # -- public -----------------------------------------------------------------------------------------
@@ -384,7 +388,7 @@ def prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None
 
     scale = _check_real(call, "scale", scale, "a finite real number", math.isfinite)
     dropout_rate = _check_real(call, "dropout_rate", dropout_rate, "a real number in [0, 1)", lambda p: 0.0 <= p < 1.0)
-    score_mod_spec = _check_score_mod(call, score_mod, score_mod_args)
+    score_mod_spec = _check_score_mod(call, score_mod, score_mod_args, (q.batch, q.heads, q.length, k.length))
     if sink is not None and (dtype_name(sink) != "float32" or _shape(sink) != (q.heads,)):
         raise call.error("sink", f"must be float32 of shape (N,) = ({q.heads},), got {_describe(sink)}")
 

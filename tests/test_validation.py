@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cudnn_attn.config import BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec
+from cudnn_attn.config import BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec, ScoreModSpec
 from cudnn_attn.types import FP8_PARAM_KEYS, AttentionLayout, MaskType
 from cudnn_attn.validation import LARGE_NEGATIVE, prepare, prepare_backward
 
@@ -122,7 +122,8 @@ def test_static_flags_and_score_mod_spec():
     sink = randn((N,), np.float32)
     config, operands = prepare(q, k, v, score_mod_args=args, sink=sink, score_mod=score_mod, dropout_rate=0.25,
                                training=True, deterministic=True)
-    assert config.score_mod.fn is score_mod and config.score_mod.name == "score_mod"
+    assert config.score_mod.name == "score_mod" and config.score_mod.score_shape == (B, N, T, S)
+    assert config.score_mod == ScoreModSpec.trace(score_mod, (B, N, T, S), config.score_mod.arg_shapes)
     assert config.score_mod.arg_shapes == (((N,), "float32"), ((1, 1), "float32"))
     assert config.sink and config.training and config.deterministic and config.dropout_rate == 0.25
     assert operands.score_mod_args == args and operands.sink is sink

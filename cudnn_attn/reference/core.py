@@ -66,14 +66,10 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
 
 
 def _score_mod_vjp(problem: Problem, score_input: np.ndarray, ds: np.ndarray) -> np.ndarray:
-    """Pull ``ds`` (gradient w.r.t. the modified score) back through ``score_mod`` with ``jax.vjp``."""
-    import jax
-    import jax.numpy as jnp
+    """Pull ``ds`` (gradient w.r.t. the modified score) back through ``score_mod`` (its traced VJP)."""
+    from ..graphs.score_mod_spec import vjp
 
-    args = tuple(jnp.asarray(a) for a in problem.score_mod_args)
-    _, pullback = jax.vjp(lambda score: problem.config.score_mod.fn(score, *args), jnp.asarray(score_input))
-    (ds_input,) = pullback(jnp.asarray(ds, dtype=jnp.float32))
-    return np.asarray(ds_input).astype(np.float64)
+    return vjp(problem.config.score_mod, score_input, ds, problem.score_mod_args).astype(np.float64)
 
 
 def _bias_gradient(ds: np.ndarray, bias_shape: tuple[int, ...]) -> np.ndarray:

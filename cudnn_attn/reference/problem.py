@@ -103,11 +103,10 @@ def scores(problem: Problem, qk_scale: float) -> tuple[np.ndarray, np.ndarray | 
         s = s + masks.alibi_bias(config, problem.segments)
     score_input = None
     if config.score_mod is not None:
+        from ..graphs.score_mod_spec import apply
+
         score_input = s.astype(np.float32)
-        s = np.asarray(config.score_mod.fn(score_input, *problem.score_mod_args)).astype(np.float64)
-        if s.shape != score_input.shape:
-            raise ValueError(f"score_mod: must return the score shape (B, N, T, S) = {score_input.shape}, "
-                             f"got {s.shape}")
+        s = apply(config.score_mod, score_input, problem.score_mod_args).astype(np.float64)
     return np.where(problem.allowed, s, -np.inf), score_input
 
 

@@ -140,7 +140,8 @@ def test_softcap_gradient_differs_from_an_identity_bprop():
 
 # -- masks, bias and more functions inside the modification (execution level) -------------------------
 def _spec(fn, *dtypes):
-    return ScoreModSpec(fn=fn, arg_shapes=tuple(((), d) for d in dtypes))
+    """The function and its argument dtypes; traced for the configuration's scores in :func:`_matrix_config`."""
+    return fn, tuple(((), d) for d in dtypes)
 
 
 MATRIX = {
@@ -162,9 +163,10 @@ MATRIX = {
 
 
 def _matrix_config(case):
-    call, spec, _ = MATRIX[case]
+    call, (fn, arg_shapes), _ = MATRIX[case]
     config = make_config(**call)
-    config = config.replace(score_mod=spec)
+    scores = (config.batch, config.q_heads, config.q_len, config.kv_len)
+    config = config.replace(score_mod=ScoreModSpec.trace(fn, scores, arg_shapes))
     if case == "softcap-of-biased-score":         # a bias nobody differentiates: added inside the modification
         config = config.replace(bias=BiasSpec(config.bias.shape, differentiable=False))
     return config
