@@ -8,6 +8,7 @@ forms of JAX's ``jax._src.cudnn.fused_attention_stablehlo`` (the same as :mod:`c
   logits), ``deterministic`` (deterministic backward accumulation) - as on the CuPy side;
 * ``cuda_graph=False`` - let XLA capture the GPU call into a CUDA graph (worth it for small shapes,
   where the host cost of the call dominates; see :mod:`.cudnn_target`);
+* ``check_values=None`` - the checked mode for sequence lengths, offsets and page ids (below).
 * ``backend="ffi" | "callback"`` - see :class:`~.kernel.Backend`.
 
 They work under ``jit``, ``grad`` (``jax.custom_vjp``: gradients of ``query``, ``key``, ``value``, of
@@ -17,28 +18,44 @@ JAX), ``vmap``, ``shard_map`` and automatic partitioning (batch and head shardin
 graph runs on XLA's stream and buffers; on CPU the NumPy reference runs behind the same primitives.
 The cotangent of ``logsumexp`` (``return_residual=True``) is ignored, as in JAX.
 
-The dropout ``seed`` must be a Python int: cuDNN binds it by value, so under ``jit`` it is a
-compile-time constant (a new seed compiles a new executable).  The CPU reference draws its dropout
-mask from NumPy, not from cuDNN's Philox stream.
+The dropout ``seed`` must be an int in ``[0, 2**63)`` (:func:`cudnn_attn.validation.check_seed`, as on
+every front): cuDNN binds it by value, so under ``jit`` it is a compile-time constant (a new seed
+compiles a new executable); the backward uses the forward's.  The CPU reference draws its dropout mask
+from NumPy, not from cuDNN's Philox stream.
 
-Errors, at trace time: ``ValueError`` for invalid arguments (:func:`cudnn_attn.validation.prepare`),
-:class:`~cudnn_attn.errors.UnsupportedConfigurationError` for valid calls that cannot run (on GPU,
-raised when the call is lowered, with the support table's reasons).
+Values cuDNN reads as positions (:mod:`cudnn_attn.values`) never reach it out of range.  Concrete
+arrays (eager calls, NumPy inputs) are checked before anything is bound: ``ValueError`` naming the
+argument, the row and the value, as the reference raises it.  Traced values are clamped into range by
+a few fused XLA operations (documented in :mod:`cudnn_attn.values`); in the checked mode
+(``check_values=True``, or ``CUDNN_ATTN_CHECK_VALUES=1``) they are instead checked on the host by a
+``jax.pure_callback`` the kernel's operands depend on - so a bad value never reaches the kernel - and
+the call fails at run time with XLA's error, whose message carries the ``ValueError`` (the argument,
+the row, the value).  The callback works under ``jit``, ``vmap`` (instance by instance), ``grad`` and
+sharding (XLA runs it where it chooses, gathering the small integer operands), and costs a device-host
+round trip per call: a debugging mode.
+
+Errors, at trace time, of the types the CuPy path raises: ``ValueError`` for invalid arguments
+(:func:`cudnn_attn.validation.prepare`, the seed, the options), and
+:class:`~cudnn_attn.errors.UnsupportedConfigurationError` for calls no backend runs (FP8 with dropout,
+a paged backward: :func:`cudnn_attn.support.check_everywhere`, before any primitive is bound).  What
+depends on the GPU (head dims, cuDNN version, ``score_mod`` translation) is checked when the call is
+lowered for it, with the support table's reasons - still before anything runs.
 """
 
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from cudnn_attn import values
 from cudnn_attn.config import AttentionConfig, AttentionOperands
-from cudnn_attn.errors import UnsupportedConfigurationError
+from cudnn_attn.support import check_everywhere
 from cudnn_attn.types import FP8_PARAM_KEYS, AttentionOutput, FP8Params, MaskType
-from cudnn_attn.validation import prepare
+from cudnn_attn.validation import check_seed, prepare
 
 from . import primitives
 from .kernel import Backend, KernelOptions
@@ -55,10 +72,10 @@ _COTANGENT_OF = {**GRADIENT_OF, "amax_dQ": "amax_dq", "amax_dK": "amax_dk", "ama
 def kernel_options(config: AttentionConfig, *, seed: Any = 42, backend: str | Backend = Backend.FFI,
                    cuda_graph: bool = False) -> KernelOptions:
     """The static options of a call (checked): the seed only matters with dropout."""
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise ValueError(f"seed: must be a Python int (cuDNN binds the dropout seed by value, so it is static "
-                         f"under jit), got {type(seed).__name__}")
-    return KernelOptions(seed=int(seed) if config.has_dropout else 0, backend=Backend.parse(backend),
+    seed = check_seed(seed)
+    if not isinstance(cuda_graph, (bool, np.bool_)):
+        raise ValueError(f"cuda_graph: must be True or False, got {cuda_graph!r}")
+    return KernelOptions(seed=seed if config.has_dropout else 0, backend=Backend.parse(backend),
                          cuda_graph=bool(cuda_graph))
 
 
@@ -84,8 +101,7 @@ def _attention(config: AttentionConfig, options: KernelOptions, inputs: dict[str
 
 def _attention_fwd(config: AttentionConfig, options: KernelOptions, inputs: dict[str, Any]) -> tuple[dict, tuple]:
     """The training forward (with the logsumexp); residuals: the inputs, the output, the logsumexp."""
-    if config.paging is not None:
-        raise UnsupportedConfigurationError(["paged attention has no backward (cuDNN provides none)"], config)
+    check_everywhere(config, kind="bwd")              # a paged call has no backward anywhere
     training = config.replace(training=True)
     results = primitives.forward(training, options, _select(training, FWD, inputs))
     primal = {name: results[name] for name in result_names(config, FWD)}
@@ -129,9 +145,42 @@ def _align_manual_axes(inputs: dict[str, Any]) -> dict[str, Any]:
             for name, x in inputs.items()}
 
 
-def attention(config: AttentionConfig, operands: AttentionOperands, options: KernelOptions) -> AttentionOutput:
+def guard_values(config: AttentionConfig, operands: AttentionOperands, check_values: bool | None = None,
+                 names: Mapping[str, str] | None = None) -> AttentionOperands:
+    """``operands`` whose lengths, offsets and page ids cannot take cuDNN outside the buffers (module doc):
+    checked now when concrete, checked by a host callback in the checked mode, else clamped.  ``names``
+    renames arguments in the messages (the ``jax.nn`` drop-in's).
+
+    Raises:
+        ValueError: a concrete value breaks the rules, or ``check_values`` is not a bool or ``None``.
+    """
+    checked = values.checking(check_values)
+    found = values.present(operands)
+    if not found or values.check_concrete(config, operands, names):
+        return operands
+    if not checked:
+        return values.sanitize(config, operands, jnp)
+    order = tuple(found)
+
+    def check_on_host(*arrays: Any) -> tuple[np.ndarray, ...]:
+        host = tuple(np.asarray(a) for a in arrays)
+        values.check_arrays(config, {n: a.astype(np.int64) for n, a in zip(order, host)}, names)
+        return host
+
+    types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in found.values()]
+    checked_values = jax.pure_callback(check_on_host, types, *found.values(), vmap_method="sequential")
+    return operands.replace(**dict(zip(order, checked_values)))
+
+
+def attention(config: AttentionConfig, operands: AttentionOperands, options: KernelOptions, *,
+              check_values: bool | None = None, names: Mapping[str, str] | None = None) -> AttentionOutput:
     """The native entry point: a prepared call (:func:`cudnn_attn.validation.prepare` with ``xp=jax.numpy``)
-    in, :class:`~cudnn_attn.types.AttentionOutput` out; differentiable with respect to the operands."""
+    in, :class:`~cudnn_attn.types.AttentionOutput` out; differentiable with respect to the operands.
+    The value operands pass :func:`guard_values` first (``check_values``, ``names``: see there).
+
+    Raises :class:`~cudnn_attn.errors.UnsupportedConfigurationError` at once for what no backend runs."""
+    check_everywhere(config, kind="fwd")
+    operands = guard_values(config, operands, check_values, names)
     results = _attention(config, options, _align_manual_axes(_inputs(config, operands)))
     return AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
 
@@ -147,7 +196,7 @@ def dot_product_attention(
     seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH", sliding_window_length: int | None = None,
     score_mod: Callable[..., Any] | None = None, use_fp8: bool = False, return_residual: bool = False,
     diagonal_alignment: str = "top_left", sink: Any = None, deterministic: bool = False,
-    cuda_graph: bool = False, backend: str = "ffi",
+    cuda_graph: bool = False, backend: str = "ffi", check_values: bool | None = None,
 ) -> Any:
     """Scaled dot-product attention (JAX's cuDNN ``dot_product_attention``; module doc for the extras).
 
@@ -165,7 +214,7 @@ def dot_product_attention(
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8, training=return_residual,
         diagonal_alignment=diagonal_alignment, deterministic=deterministic, xp=jnp)
     options = kernel_options(config, seed=seed, backend=backend, cuda_graph=cuda_graph)
-    return attention(config, operands, options).seed_form(use_fp8, return_residual)
+    return attention(config, operands, options, check_values=check_values).seed_form(use_fp8, return_residual)
 
 
 def paged_attention(
@@ -174,6 +223,7 @@ def paged_attention(
     mask_type: MaskType = MaskType.NO_MASK, seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH",
     sliding_window_length: int | None = None, use_fp8: bool = False, return_residual: bool = False,
     diagonal_alignment: str = "top_left", sink: Any = None, cuda_graph: bool = False, backend: str = "ffi",
+    check_values: bool | None = None,
 ) -> Any:
     """Attention over paged K/V caches (forward only; JAX's cuDNN ``paged_attention``).
 
@@ -188,4 +238,4 @@ def paged_attention(
         sliding_window_length=sliding_window_length, use_fp8=use_fp8, training=return_residual,
         diagonal_alignment=diagonal_alignment, xp=jnp)
     options = kernel_options(config, seed=seed, backend=backend, cuda_graph=cuda_graph)
-    return attention(config, operands, options).seed_form(use_fp8, return_residual)
+    return attention(config, operands, options, check_values=check_values).seed_form(use_fp8, return_residual)

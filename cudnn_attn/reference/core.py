@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 
 from ..config import AttentionConfig, AttentionOperands
-from ..errors import UnsupportedConfigurationError
+from ..support import check_everywhere
 from ..types import AttentionGrads, AttentionOutput
+from ..validation import check_seed
 from . import fp8, masks
 from .problem import Problem, load, probabilities, scores, sink_probabilities, softmax
 from .tensors import cast, io_dtype, to_physical
@@ -54,7 +55,14 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
     Returns:
         :class:`AttentionOutput`: ``output`` in the query's layout and io dtype; ``logsumexp`` float32
         ``config.lse_shape`` when ``config.training``; ``amax_s``/``amax_o`` for FP8.
+
+    Raises:
+        ValueError: a bad ``seed``, or sequence lengths, offsets or page-table entries that do not describe
+            the call (:func:`cudnn_attn.values.check`).
+        UnsupportedConfigurationError: what no backend runs (:func:`cudnn_attn.support.check_everywhere`).
     """
+    seed = check_seed(seed)
+    check_everywhere(config, kind="fwd")
     if config.fp8:
         return fp8.forward(config, operands, dropout_mask)
     problem = load(config, operands)
@@ -92,10 +100,11 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
         shape) when ``config.has_dbias``; ``dsink`` float32 ``(N,)`` when ``config.sink``; FP8 amax values.
 
     Raises:
-        UnsupportedConfigurationError: paged K/V (cuDNN has no paged backward either).
+        ValueError: as for :func:`forward`.
+        UnsupportedConfigurationError: paged K/V (cuDNN has no paged backward either), FP8 refusals.
     """
-    if config.paging is not None:
-        raise UnsupportedConfigurationError(["paged K/V has no backward (as in cuDNN)"], config)
+    seed = check_seed(seed)
+    check_everywhere(config, kind="bwd")
     if config.fp8:
         return fp8.backward(config, operands, output, grad_output, logsumexp, dropout_mask)
     problem = load(config, operands)

@@ -66,8 +66,8 @@ def _keys_and_values(config: AttentionConfig, operands: AttentionOperands) -> tu
     if config.paging is None:
         return to_logical(operands.key, config.layout), to_logical(operands.value, config.layout)
     kv_lengths = np.asarray(operands.kv_seqlen).astype(np.int64)
-    return (gather_pages(operands.key, operands.page_table_k, kv_lengths, config.layout, "page_table_k"),
-            gather_pages(operands.value, operands.page_table_v, kv_lengths, config.layout, "page_table_v"))
+    return (gather_pages(operands.key, operands.page_table_k, kv_lengths, config.layout),
+            gather_pages(operands.value, operands.page_table_v, kv_lengths, config.layout))
 
 
 def load(config: AttentionConfig, operands: AttentionOperands) -> Problem:
