@@ -150,18 +150,17 @@ def _vjp(fn, score, grad, args):
 
 # -- the traced programs against JAX ----------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(FUNCTIONS))
-def test_forward_program_equals_the_function(name):
+def test_forward_program_equals_the_function(name, rng):
     fn, args = FUNCTIONS[name]
-    score = _scores(np.random.default_rng())
+    score = _scores(rng)
     program = score_mod_program(_spec(fn, args)).forward
     np.testing.assert_allclose(evaluate(program, score=score, args=args), np.asarray(fn(jnp.asarray(score), *args)),
                                **TOLERANCE)
 
 
 @pytest.mark.parametrize("name", list(FUNCTIONS))
-def test_backward_program_equals_the_vjp(name):
+def test_backward_program_equals_the_vjp(name, rng):
     fn, args = FUNCTIONS[name]
-    rng = np.random.default_rng()
     score, grad = _scores(rng), rng.standard_normal(SHAPE).astype(np.float32)
     program = score_mod_program(_spec(fn, args)).backward
     np.testing.assert_allclose(evaluate(program, score=score, cotangent=grad, args=args),
@@ -284,9 +283,8 @@ MASKS = {
 
 @pytest.mark.parametrize("mask", list(MASKS), ids=list(MASKS))
 @pytest.mark.parametrize("name", ["softcap", "relative-bias-iota", "document-mask-int-args"])
-def test_masks_are_applied_inside_the_modification(mask, name):
+def test_masks_are_applied_inside_the_modification(mask, name, rng):
     fn, args = FUNCTIONS[name]
-    rng = np.random.default_rng()
     graph = score_mod_graph(_config(fn, args, mask=MASKS[mask]), "bwd")
     score, grad = _scores(rng), rng.standard_normal(SHAPE).astype(np.float32)
     q_len, kv_len = rng.integers(1, SHAPE[2] + 1, SHAPE[0]), rng.integers(1, SHAPE[3] + 1, SHAPE[0])
@@ -300,8 +298,7 @@ def test_masks_are_applied_inside_the_modification(mask, name):
     np.testing.assert_allclose(backward, np.where(keep, _vjp(fn, score, grad, args), 0.0), **TOLERANCE)
 
 
-def test_a_non_additive_modification_takes_the_bias_first():
-    rng = np.random.default_rng()
+def test_a_non_additive_modification_takes_the_bias_first(rng):
     cap = (np.float32(1.5),)
     graph = score_mod_graph(_config(softcap, cap, bias=BiasSpec((1, 3, 16, 24), differentiable=False)), "bwd")
     assert graph.takes_bias and graph.num_args == 1
@@ -436,9 +433,8 @@ def _assert_matcher_friendly(calls):
 
 
 @pytest.mark.parametrize("name", list(FUNCTIONS))
-def test_emitted_operations_compute_the_program(name):
+def test_emitted_operations_compute_the_program(name, rng):
     fn, args = FUNCTIONS[name]
-    rng = np.random.default_rng()
     score, grad = _scores(rng), rng.standard_normal(SHAPE).astype(np.float32)
     program = score_mod_program(_spec(fn, args))
     for prog, cotangent in ((program.forward, None), (program.backward, grad)):
@@ -449,9 +445,8 @@ def test_emitted_operations_compute_the_program(name):
 
 
 @pytest.mark.parametrize("mask", ["padding-causal", "window-6"])
-def test_emitted_masks_compute_the_program(mask):
+def test_emitted_masks_compute_the_program(mask, rng):
     fn, args = FUNCTIONS["softcap"]
-    rng = np.random.default_rng()
     graph = score_mod_graph(_config(fn, args, mask=MASKS[mask]), "bwd")
     score, grad = _scores(rng), rng.standard_normal(SHAPE).astype(np.float32)
     lengths = dict(seq_len_q=rng.integers(1, 17, 2), seq_len_kv=rng.integers(1, 25, 2)) if graph.takes_seq_lens else {}

@@ -90,9 +90,8 @@ def _qkv(rng, dtype, layout, B=2, T=128, S=128, N=4, H=64):
 
 
 @pytest.mark.parametrize("case", list(PUBLIC), ids=list(PUBLIC))
-def test_public_api_forward_and_backward_match_the_reference(case):
+def test_public_api_forward_and_backward_match_the_reference(case, rng):
     fn, args, dtype, layout = PUBLIC[case]
-    rng = np.random.default_rng()
     q, k, v = _qkv(rng, dtype, layout)
     kwargs = dict(score_mod=fn, scale=0.125, qkv_layout=layout)
     gq, gk, gv = (cp.asarray(x) for x in (q, k, v))
@@ -117,10 +116,9 @@ def softcap_without_derivative(score, cap):
 softcap_without_derivative.defvjp(lambda score, cap: (softcap(score, cap), None), lambda _, g: (g, None))
 
 
-def test_softcap_gradient_differs_from_an_identity_bprop():
+def test_softcap_gradient_differs_from_an_identity_bprop(rng):
     """The softcap gradient needs tanh' of the score, which cuDNN does not hand to score_mod_bprop.  With
     a small cap the two gradients differ by far more than the tolerance, and the GPU follows the true one."""
-    rng = np.random.default_rng()
     q, k, v = _qkv(rng, "float16", "BTNH")
     cap = (np.float32(1.0),)
     gq, gk, gv = (cp.asarray(x) for x in (q, k, v))
@@ -173,12 +171,11 @@ def _matrix_config(case):
 
 
 @pytest.mark.parametrize("case", list(MATRIX), ids=list(MATRIX))
-def test_modification_with_masks_and_bias_matches_the_reference(case):
+def test_modification_with_masks_and_bias_matches_the_reference(case, rng):
     config = _matrix_config(case)
     reasons = not_supported_reasons(config, Environment.detect())
     if reasons:
         pytest.skip(f"the support table refuses it: {reasons}")
-    rng = np.random.default_rng()
     operands = random_operands(config, rng, poison=False)
     operands = operands.replace(score_mod_args=tuple(np.asarray(a, d) for a, (_, d) in
                                                      zip(MATRIX[case][2], config.score_mod.arg_shapes)))
