@@ -19,15 +19,16 @@ semantics, translated onto the library's configuration:
 =====================================  =====================================================================
 
 Every argument is checked before anything is computed, and errors name the drop-in's own arguments
-(``query_seq_lengths``, ``local_window_size``, ``is_causal``, ...).  Refused with a ``ValueError``:
-anything but arrays for ``query``/``key``/``value``/``bias``/``mask`` and the lengths, ranks other than
-3 or 4, empty dimensions, float32/float64 inputs (cuDNN attention computes on float16 and bfloat16;
-cast first), a non-boolean ``mask`` (``jax.nn`` requires booleans; pass additive masks as ``bias``),
-lengths that are not int32 ``(B,)`` or (when their values are known, or with ``check_values``) lie
-outside ``[0, T]`` / ``[0, S]``, and window sizes that are not ints ``>= 0``.  ``return_residual`` and ``implementation`` are not part of the
-drop-in: the logsumexp is available from :func:`~.api.dot_product_attention`.  A query row whose keys
-are all masked out (by ``mask``) attends uniformly to the masked keys, as in ``jax.nn``'s XLA path,
-because the boolean mask becomes a finite additive bias.
+(``query_seq_lengths``, ``local_window_size``, ``is_causal``, ...). Refused with a ``ValueError``:
+anything but arrays for ``query``/``key``/``value``/``bias``/``mask`` and the lengths, ranks other
+than 3 or 4, empty dimensions, float32/float64 inputs (cuDNN attention computes on float16 and
+bfloat16; cast first), a non-boolean ``mask`` (``jax.nn`` requires booleans; pass additive masks as
+``bias``), lengths that are not int32 ``(B,)`` or (when their values are known, or with
+``check_values``) lie outside ``[0, T]`` / ``[0, S]``, and window sizes that are not ints ``>= 0``.
+``return_residual`` and ``implementation`` are not part of the drop-in: the logsumexp is available
+from :func:`~.api.dot_product_attention`. A query row whose keys are all masked out (by ``mask``)
+attends uniformly to the masked keys, as in ``jax.nn``'s XLA path, because the boolean mask becomes
+a finite additive bias.
 """
 
 from __future__ import annotations

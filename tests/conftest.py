@@ -5,12 +5,13 @@ initialises a backend, so it is set here, before any test module imports jax.
 
 Reproducible randomness: the ``rng`` fixture is a NumPy generator seeded from the test's id (the same
 seed on every run), or from ``$CUDNN_ATTN_TEST_SEED`` to explore other draws.  Every failing test
-prints a one-line reproduction - ``CUDNN_ATTN_TEST_SEED=<seed> python -m pytest '<test id>'`` - in its
+prints a one-line reproduction - ``CUDNN_ATTN_TEST_SEED=<seed> python -m pytest <test id>`` - in its
 report and again in the summary at the end of the run.  Tests that draw from their own fixed seeds
 (``np.random.default_rng(7)``) reproduce from the test id alone.
 """
 
 import os
+import shlex
 import zlib
 
 import numpy as np
@@ -44,7 +45,7 @@ def rng(request: pytest.FixtureRequest) -> np.random.Generator:
 def reproduction(item: pytest.Item) -> str:
     seed = dict(item.user_properties).get("seed")
     prefix = f"{SEED_ENV}={seed} " if seed is not None else ""
-    return f"{prefix}python -m pytest '{item.nodeid}'"
+    return f"{prefix}python -m pytest {shlex.quote(item.nodeid)}"
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -57,9 +57,11 @@ def _paged(rng, kv_seqlen, table, blocks=5, block_size=4):
     (lambda r: _padded(r, [3, T + 1], [2, 2]), r"q_seqlen: row 1 is 9, outside \[0, 8\] \(T = 8\)"),
     (lambda r: _padded(r, [3, 3], [-2, 2]), r"kv_seqlen: row 0 is -2, outside \[0, 12\] \(S = 12\)"),
     (lambda r: _packed(r, [[2, 3, -1], [4, -1, -1]], [[2, 3, -1], [4, -1, -1]], [[0, 2, -1, -1], [0, 5, -1, -1]],
-                       [[0, 2, -1, -1], [0, -1, -1, -1]]), r"q_offsets: row 1 is \[0, 5, -1, -1\], but q_seqlen\[1\] = \[4, -1, -1\] has 1 segment"),
+                       [[0, 2, -1, -1], [0, -1, -1, -1]]),
+     r"q_offsets: row 1 is \[0, 5, -1, -1\], but q_seqlen\[1\] = \[4, -1, -1\] has 1 segment"),
     (lambda r: _packed(r, [[2, 3, -1], [4, -1, -1]], [[2, 3, -1], [4, -1, -1]], [[0, 6, -1, -1], [0, -1, -1, -1]],
-                       [[0, 2, -1, -1], [0, -1, -1, -1]]), r"q_offsets: row 0, segment 1: \[6, 9\).*inside the row of 8"),
+                       [[0, 2, -1, -1], [0, -1, -1, -1]]),
+     r"q_offsets: row 0, segment 1: \[6, 9\).*inside the row of 8"),
     (lambda r: _packed(r, [[2, 3, -1], [4, -1, -1]], [[2, 3, -1], [4, -1, -1]], [[0, 1, -1, -1], [0, -1, -1, -1]],
                        [[0, 2, -1, -1], [0, -1, -1, -1]]), r"q_offsets: row 0, segment 1 starts at 1, before segment 0 "
                                                            r"ends at 2"),
@@ -99,7 +101,8 @@ def _safe(config, operands):
             assert (np.sort(~present, axis=1, kind="stable") == ~present).all()          # present slots first
             assert (np.where(present, lengths, 0) >= 0).all()
             assert (np.where(present, offsets[:, :slots] + lengths, 0) <= limit).all()
-            assert (np.where(present, 0, offsets[:, :slots] + 1) == 0).all() and (np.where(present, 0, lengths + 1) == 0).all()
+            assert (np.where(present, 0, offsets[:, :slots] + 1) == 0).all()           # absent: -1
+            assert (np.where(present, 0, lengths + 1) == 0).all()
     elif config.mask.padding:
         assert (0 <= np.asarray(operands.q_seqlen)).all() and (np.asarray(operands.q_seqlen) <= config.q_len).all()
         assert (0 <= np.asarray(operands.kv_seqlen)).all() and (np.asarray(operands.kv_seqlen) <= config.kv_len).all()
