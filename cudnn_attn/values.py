@@ -8,7 +8,8 @@ enforcing them:
 * :func:`check` reads the values on the host and raises ``ValueError`` naming the argument, the row
   and the value.  Concrete host values (NumPy arrays, JAX arrays that are not being traced) are always
   checked (:func:`check_concrete`); device values are checked in the *checked mode* (``check_values=True``,
-  or ``CUDNN_ATTN_CHECK_VALUES=1`` for whole programs; :func:`checking`), at the cost of a host read.
+  or ``CUDNN_ATTN_CHECK_VALUES=1`` for whole programs; :func:`checking`), at the cost of a host read
+  (CuPy: before the launch; JAX under ``jit``: a host callback at run time, see :mod:`cudnn_attn.jax_bridge.api`).
 * :func:`sanitize` clamps device values into ranges where cuDNN cannot leave the buffers, with array
   operations only (``xp`` is ``cupy`` or ``jax.numpy``: no host synchronisation, usable under ``jit``).
 

@@ -26,13 +26,16 @@ from NumPy, not from cuDNN's Philox stream.
 Values cuDNN reads as positions (:mod:`cudnn_attn.values`) never reach it out of range.  Concrete
 arrays (eager calls, NumPy inputs) are checked before anything is bound: ``ValueError`` naming the
 argument, the row and the value, as the reference raises it.  Traced values are clamped into range by
-a few fused XLA operations (documented in :mod:`cudnn_attn.values`); in the checked mode
-(``check_values=True``, or ``CUDNN_ATTN_CHECK_VALUES=1``) they are instead checked on the host by a
-``jax.pure_callback`` the kernel's operands depend on - so a bad value never reaches the kernel - and
-the call fails at run time with XLA's error, whose message carries the ``ValueError`` (the argument,
-the row, the value).  The callback works under ``jit``, ``vmap`` (instance by instance), ``grad`` and
-sharding (XLA runs it where it chooses, gathering the small integer operands), and costs a device-host
-round trip per call: a debugging mode.
+a few fused XLA operations (documented in :mod:`cudnn_attn.values`).  The checked mode
+(``check_values=True``, or ``CUDNN_ATTN_CHECK_VALUES=1``) adds a host check of the traced values, a
+``jax.debug.callback``: the call then fails at run time with XLA's error, whose message carries the
+``ValueError`` (the argument, the row, the value), while the kernel still sees only clamped values.  It
+works under ``jit``, ``vmap`` and ``grad`` and costs a device-host copy per call: a debugging mode.  In a
+program sharded over several devices the callback runs on one of them, and when it fails, a collective
+later in the program waits for that device (measured on 4 CPU devices: XLA aborts the process after
+40 s; a result-returning ``pure_callback`` deadlocked even without a later collective): there, debug
+with the program on one device.  ``jax.experimental.checkify`` would return the failure as a value
+instead, but only inside the caller's own ``checkify.checkify``, so it cannot be the library's default.
 
 Errors, at trace time, of the types the CuPy path raises: ``ValueError`` for invalid arguments
 (:func:`cudnn_attn.validation.prepare`, the seed, the options), and
@@ -148,8 +151,8 @@ def _align_manual_axes(inputs: dict[str, Any]) -> dict[str, Any]:
 def guard_values(config: AttentionConfig, operands: AttentionOperands, check_values: bool | None = None,
                  names: Mapping[str, str] | None = None) -> AttentionOperands:
     """``operands`` whose lengths, offsets and page ids cannot take cuDNN outside the buffers (module doc):
-    checked now when concrete, checked by a host callback in the checked mode, else clamped.  ``names``
-    renames arguments in the messages (the ``jax.nn`` drop-in's).
+    checked now when concrete; else clamped, and in the checked mode also checked on the host at run time.
+    ``names`` renames arguments in the messages (the ``jax.nn`` drop-in's).
 
     Raises:
         ValueError: a concrete value breaks the rules, or ``check_values`` is not a bool or ``None``.
@@ -158,18 +161,14 @@ def guard_values(config: AttentionConfig, operands: AttentionOperands, check_val
     found = values.present(operands)
     if not found or values.check_concrete(config, operands, names):
         return operands
-    if not checked:
-        return values.sanitize(config, operands, jnp)
-    order = tuple(found)
+    if checked:
+        order = tuple(found)
 
-    def check_on_host(*arrays: Any) -> tuple[np.ndarray, ...]:
-        host = tuple(np.asarray(a) for a in arrays)
-        values.check_arrays(config, {n: a.astype(np.int64) for n, a in zip(order, host)}, names)
-        return host
+        def check_on_host(*arrays: Any) -> None:
+            values.check_arrays(config, {n: np.asarray(a).astype(np.int64) for n, a in zip(order, arrays)}, names)
 
-    types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in found.values()]
-    checked_values = jax.pure_callback(check_on_host, types, *found.values(), vmap_method="sequential")
-    return operands.replace(**dict(zip(order, checked_values)))
+        jax.debug.callback(check_on_host, *found.values())
+    return values.sanitize(config, operands, jnp)
 
 
 def attention(config: AttentionConfig, operands: AttentionOperands, options: KernelOptions, *,

@@ -193,8 +193,8 @@ def test_invalid_input_is_a_value_error_at_trace_time():
 
 def test_bad_traced_values_are_clamped_or_checked_at_run_time():
     """A page id outside the cache under jit: clamped by default (the result is the reference's for the
-    clamped table); in the checked mode the host check fails the call with the argument, row and value in
-    XLA's message, before the kernel reads the table, and the runtime stays usable."""
+    clamped table); in the checked mode a host check fails the call with the argument, row and value in
+    XLA's message (the kernel still sees the clamped table), and the runtime stays usable."""
     rng = np.random.default_rng(10)
     q = normal(rng, (1, 4, 2, 8), "float16")
     cache = normal(rng, (2, 4, 2, 8), "float16")
