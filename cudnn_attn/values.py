@@ -188,9 +188,11 @@ def sanitize(config: AttentionConfig, operands: AttentionOperands, xp: Any) -> A
     return operands.replace(**changes) if changes else operands
 
 
-def _clamp(xp: Any, x: Any, low: Any, high: Any) -> Any:
-    """``x`` clamped into ``[low, high]`` (either bound may be an array), int32."""
-    return xp.minimum(xp.maximum(x, low), high).astype(xp.int32)
+def _clamp(xp: Any, x: Any, low: int, high: Any) -> Any:
+    """The int32 ``x`` clamped into ``[low, high]`` (``high`` may be an array): one kernel for scalar bounds."""
+    if isinstance(high, int):
+        return xp.clip(x, low, high)
+    return xp.minimum(xp.maximum(x, low), high)
 
 
 def _sanitize_packed(config: AttentionConfig, operands: AttentionOperands, xp: Any) -> dict[str, Any]:
@@ -205,7 +207,7 @@ def _sanitize_packed(config: AttentionConfig, operands: AttentionOperands, xp: A
     def side(offsets: Any, lengths: Any, limit: int) -> tuple[Any, Any]:
         start = _clamp(xp, xp.take_along_axis(offsets, order, axis=1), 0, limit)
         length = _clamp(xp, xp.take_along_axis(lengths, order, axis=1), 0, limit - start)
-        return xp.where(present_, start, -1).astype(xp.int32), xp.where(present_, length, -1).astype(xp.int32)
+        return xp.where(present_, start, -1), xp.where(present_, length, -1)
 
     q_start, q_length = side(q_offsets, q_seqlen, config.q_len)
     kv_start, kv_length = side(kv_offsets, kv_seqlen, config.kv_len)

@@ -135,6 +135,7 @@ def test_sanitize_brings_random_values_into_the_buffers_with_numpy_and_under_jit
             {n: jnp.asarray(x) for n, x in fields.items()})
         for name, x in traced.items():
             np.testing.assert_array_equal(np.asarray(x), getattr(clamped, name), err_msg=name)
+            assert x.dtype == np.int32 and getattr(clamped, name).dtype == np.int32, name
 
 
 def test_sanitize_keeps_valid_values_and_the_reference_agrees_with_hand_clamping():
