@@ -64,7 +64,7 @@ def _shape(x: Any) -> tuple[int, ...]:
 
 
 def _describe(x: Any) -> str:
-    if not _is_array(x):
+    if not is_array(x):
         return "None" if x is None else type(x).__name__
     return f"{dtype_name(x)}{list(_shape(x))}"
 
@@ -129,9 +129,6 @@ def is_array(x: Any) -> bool:
         and hasattr(x, "dtype")
 
 
-_is_array = is_array
-
-
 def _not_array(x: Any) -> str:
     """Why ``x`` is refused as an array (for the messages)."""
     if hasattr(x, "shape") and hasattr(x, "dtype"):
@@ -167,7 +164,7 @@ def _io_dtype_name(x: Any, fp8_dtype: str | None) -> str:
 
 def _check_qkv(call: _Call, query: Any, key: Any, value: Any, use_fp8: bool, fp8_dtype: str | None) -> str:
     for name, x in (("query", query), ("key", key), ("value", value)):
-        if not _is_array(x):
+        if not is_array(x):
             raise call.error(name, f"expected an array, {_not_array(x)}")
         if len(x.shape) != 4:
             raise call.error(name, f"must have rank 4, got rank {len(x.shape)}",
@@ -292,7 +289,7 @@ def _check_fp8(call: _Call, fp8_params: Any, **forbidden: Any) -> dict:
         raise call.error("fp8_params", f"missing keys: {', '.join(missing)}")
     for name in FP8_PARAM_KEYS:
         x = fp8_params[name]
-        if not _is_array(x) or dtype_name(x) != "float32" or math.prod(_shape(x)) != 1:
+        if not is_array(x) or dtype_name(x) != "float32" or math.prod(_shape(x)) != 1:
             found = _describe(x)
             raise call.error(f"fp8_params[{name!r}]", f"must be a float32 array with one element "
                              f"(shape () or (1, 1, 1, 1)), got {found}")
@@ -375,7 +372,7 @@ def _check_score_mod(call: _Call, score_mod: Any, score_mod_args: Sequence[Any],
     if not callable(score_mod):
         raise call.error("score_mod", f"must be callable as score_mod(score, *score_mod_args), got {score_mod!r}")
     for i, a in enumerate(args):
-        if not _is_array(a):
+        if not is_array(a):
             raise call.error(f"score_mod_args[{i}]", f"must be an array, got {type(a).__name__}")
     try:
         return ScoreModSpec.trace(score_mod, score_shape, tuple((_shape(a), dtype_name(a)) for a in args))
@@ -415,7 +412,7 @@ def prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None
     optional = dict(bias=bias, mask=mask, q_seqlen=q_seqlen, kv_seqlen=kv_seqlen, q_offsets=q_offsets,
                     kv_offsets=kv_offsets, page_table_k=page_table_k, page_table_v=page_table_v, sink=sink)
     for name, x in optional.items():
-        if x is not None and not _is_array(x):
+        if x is not None and not is_array(x):
             raise call.error(name, f"expected an array or None, {_not_array(x)}")
     use_fp8 = _check_flag(call, "use_fp8", use_fp8)
     training = _check_flag(call, "training (return_residual)", training)
@@ -485,7 +482,7 @@ def prepare_backward(config: AttentionConfig, output: Any, grad_output: Any, log
     for name, x in (("output", output), ("grad_output", grad_output), ("logsumexp", logsumexp)):
         shape, dtype = expected[name]
         found_dtype = _io_dtype_name(x, config.dtype if config.fp8 and name != "logsumexp" else None) \
-            if _is_array(x) else None
+            if is_array(x) else None
         if found_dtype is None or _shape(x) != shape or found_dtype != dtype:
             found = _describe(x)
             raise ValueError(f"{name}: expected {dtype}{list(shape)}, got {found}\n"

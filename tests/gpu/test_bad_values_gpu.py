@@ -3,7 +3,9 @@ row, page ids outside the cache - handed to cuDNN only after :func:`cudnn_attn.v
 
 For every kind of bad value: no error escapes but the documented ones (``ValueError`` in the checked
 mode, naming the argument, the row and the value), and the results equal the NumPy reference run on the
-clamped values (every element finite: results start NaN-poisoned where the test allocates them).
+clamped values (every element finite: results start NaN-poisoned where the test allocates them).  A
+negative ``kv_seqlen`` is left to the CPU tests and the probe: clamped to 0 it leaves queries without a
+key, whose result the reference does not pin down yet.
 
 * execution level: ``values.sanitize(config, operands, cupy)`` then :func:`cudnn_attn.execution.forward` /
   ``backward`` - independent of how the public call is wired;
@@ -36,7 +38,6 @@ BLOCK, BLOCKS_PER_SEQ, NUM_BLOCKS = 16, 4, 8
 CASES = {
     # name: (kind, value arrays, the argument the checked mode names)
     "kv_seqlen=999": ("padded", dict(q_seqlen=[64, 40], kv_seqlen=[999, 64]), "kv_seqlen"),
-    "kv_seqlen=-5": ("padded", dict(q_seqlen=[64, 40], kv_seqlen=[-5, 64]), "kv_seqlen"),
     "q_seqlen=999": ("padded", dict(q_seqlen=[999, 40], kv_seqlen=[50, 64]), "q_seqlen"),
     "q_seqlen=-1": ("padded", dict(q_seqlen=[-1, 40], kv_seqlen=[50, 64]), "q_seqlen"),
     "packed-offset-past-row": ("packed", dict(q_seqlen=[[20, 30, -1], [64, -1, -1]],
