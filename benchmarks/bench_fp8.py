@@ -106,13 +106,6 @@ def bench_bf16(shape: Shape, inputs: Inputs, row: Row) -> None:
     row.bwd_ms = event_ms(lambda: cudnn_attn.dot_product_attention_bwd(q, k, v, output, d_out, lse, **kwargs))
 
 
-class _Described(NamedTuple):
-    """Shape and FP8 dtype of a uint8 operand, for ``prepare`` (which reads nothing else)."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-
-
 def bench_fp8(shape: Shape, inputs: Inputs, row: Row) -> None:
     import cupy as cp
 
@@ -134,9 +127,8 @@ def bench_fp8(shape: Shape, inputs: Inputs, row: Row) -> None:
     fp8_params = params()
     row.fwd_ms = event_ms(lambda: cudnn_attn.dot_product_attention(q, k, v, fp8_params=fp8_params, **kwargs))
 
-    described = [_Described(tuple(x.shape), FP8) for x in (q, k, v)]
-    config, operands = prepare(*described, fp8_params=fp8_params, training=True, xp=cp, **kwargs)
-    forward = execution.forward(config, operands.replace(query=q, key=k, value=v))
+    config, operands = prepare(q, k, v, fp8_params=fp8_params, training=True, fp8_dtype=FP8.name, xp=cp, **kwargs)
+    forward = execution.forward(config, operands)
     first = cudnn_attn.dot_product_attention_bwd(q, k, v, forward.output, d_out, forward.logsumexp,
                                                  fp8_params=fp8_params, **kwargs)
     for name, amax in (("dQ", first.amax_dq), ("dK", first.amax_dk), ("dV", first.amax_dv), ("dP", first.amax_dp)):

@@ -42,31 +42,19 @@ Errors, before any GPU work: :class:`ValueError` for invalid arguments,
 
 from __future__ import annotations
 
-import numbers
 import weakref
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
-import numpy as np
 
 from . import execution, runtime
 from .config import AttentionConfig, AttentionOperands
 from .execution import set_autotune
 from .plan import BWD, FWD
 from .types import AttentionGrads, FP8Params, MaskType
-from .validation import prepare, prepare_backward
+from .validation import check_seed, prepare, prepare_backward
 
 __all__ = ["BoundAttention", "bind", "dot_product_attention", "dot_product_attention_bwd", "paged_attention",
            "set_autotune"]
-
-_INT64_MAX = 2**63 - 1
-
-
-def check_seed(seed: Any) -> int:
-    """The dropout ``seed`` as an int, or a ValueError naming it."""
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= _INT64_MAX:
-        raise ValueError(f"seed: must be an int in [0, 2**63 - 1] (the dropout seed), got {seed!r}")
-    return int(seed)
-
 
 # -- arrays in, arrays out ------------------------------------------------------------------------------
 
@@ -124,31 +112,6 @@ def _export(result: Any, exporter: Callable[[Any], Any] | None) -> Any:
 
 # -- validation, once per signature ---------------------------------------------------------------------
 
-FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")
-
-
-class _FP8Operand(NamedTuple):
-    """What validation reads of an FP8 operand held in a uint8 CuPy array: its shape and FP8 dtype."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-
-
-def _fp8_described(x: Any, fp8_dtype: str) -> Any:
-    """A uint8 array as the FP8 operand it holds (anything else unchanged: validation judges it)."""
-    if x is None or np.dtype(x.dtype) != np.uint8:
-        return x
-    return _FP8Operand(tuple(x.shape), np.dtype(fp8_dtype))
-
-
-def _check_fp8_dtype(fp8_dtype: str) -> None:
-    import ml_dtypes  # noqa: F401  (registers the float8 names with NumPy)
-
-    if fp8_dtype not in FP8_FORMATS:
-        raise ValueError(f"fp8_dtype: the FP8 format of the uint8 operands must be one of {', '.join(FP8_FORMATS)}, "
-                         f"got {fp8_dtype!r}")
-
-
 _OPERAND_FIELDS = ("query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets",
                    "page_table_k", "page_table_v", "sink")
 
@@ -199,17 +162,12 @@ _validated = _ValidationMemo()
 def _prepared(arrays: dict[str, Any], static: dict[str, Any], fp8_dtype: str | None = None) -> tuple[Any, Any]:
     """Validate (through the memo) on the query's device.  The bias cuDNN reads must be dense and in
     the io dtype: a mask folded by ``prepare`` may be neither (CuPy 14's bfloat16 ``where`` computes in
-    float32), so it is converted here.  With ``fp8_dtype``, uint8 Q/K/V are validated as that FP8
-    format and bound as they are."""
+    float32), so it is converted here.  With ``fp8_dtype``, uint8 Q/K/V are the bytes of that FP8 format
+    (CuPy has no float8 dtype): ``prepare`` reads them as such and they are bound as they are."""
+    if fp8_dtype is not None:
+        static = dict(static, fp8_dtype=fp8_dtype)
     with runtime.on_device(arrays["query"].device.id):
-        if fp8_dtype is None:
-            config, operands = _validated.prepare(arrays, static)
-        else:
-            _check_fp8_dtype(fp8_dtype)
-            qkv = {n: arrays[n] for n in ("query", "key", "value")}
-            config, operands = _validated.prepare(
-                {**arrays, **{n: _fp8_described(x, fp8_dtype) for n, x in qkv.items()}}, static)
-            operands = operands.replace(**qkv)
+        config, operands = _validated.prepare(arrays, static)
         bias, io = operands.bias, operands.query.dtype
         if bias is not None and (bias.dtype != io or not bias.flags.c_contiguous):
             operands = operands.replace(bias=_cupy().ascontiguousarray(bias.astype(io, copy=False)))
@@ -306,7 +264,7 @@ def dot_product_attention(
     seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH", sliding_window_length: int | None = None,
     score_mod: Callable[..., Any] | None = None, use_fp8: bool = False, return_residual: bool = False,
     diagonal_alignment: str = "top_left", sink: Any = None, stream: Any = None, autotune: bool | None = None,
-    fp8_dtype: str = "float8_e4m3fn", out_type: str | None = None,
+    fp8_dtype: str = "float8_e4m3fn", out_type: str | None = None, check_values: bool | None = None,
 ) -> Any:
     """cuDNN scaled dot-product attention (forward).
 
@@ -341,7 +299,8 @@ def dot_product_attention(
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8,
         training=return_residual, diagonal_alignment=diagonal_alignment), fp8_dtype if use_fp8 else None)
     seed = check_seed(seed)
-    result = execution.forward(config, operands, seed=seed, stream=stream, autotune=autotune)
+    result = execution.forward(config, operands, seed=seed, stream=stream, autotune=autotune,
+                               check_values=check_values)
     if plain:
         _remember_direct(FWD, (query, key, value), static, config, autotune, ("query", "key", "value"))
     return _export(result.seed_form(use_fp8, return_residual), exporter)
@@ -353,7 +312,7 @@ def paged_attention(
     mask_type: MaskType = MaskType.NO_MASK, seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH",
     sliding_window_length: int | None = None, use_fp8: bool = False, return_residual: bool = False,
     diagonal_alignment: str = "top_left", sink: Any = None, stream: Any = None, autotune: bool | None = None,
-    out_type: str | None = None,
+    out_type: str | None = None, check_values: bool | None = None,
 ) -> Any:
     """cuDNN attention over paged K/V caches (forward only).
 
@@ -369,7 +328,8 @@ def paged_attention(
         scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, use_fp8=use_fp8, training=return_residual,
         diagonal_alignment=diagonal_alignment))
-    result = execution.forward(config, operands, seed=check_seed(seed), stream=stream, autotune=autotune)
+    result = execution.forward(config, operands, seed=check_seed(seed), stream=stream, autotune=autotune,
+                               check_values=check_values)
     return _export(result.seed_form(use_fp8, return_residual), exporter)
 
 
@@ -381,7 +341,7 @@ def dot_product_attention_bwd(
     sliding_window_length: int | None = None, score_mod: Callable[..., Any] | None = None, use_fp8: bool = False,
     return_residual: bool = False, diagonal_alignment: str = "top_left", sink: Any = None,
     deterministic: bool = False, stream: Any = None, autotune: bool | None = None,
-    fp8_dtype: str = "float8_e4m3fn", out_type: str | None = None,
+    fp8_dtype: str = "float8_e4m3fn", out_type: str | None = None, check_values: bool | None = None,
 ) -> AttentionGrads:
     """Backward of :func:`dot_product_attention` called with the same arguments (and the same ``seed``).
 
@@ -418,11 +378,10 @@ def dot_product_attention_bwd(
         scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8, training=True,
         diagonal_alignment=diagonal_alignment, deterministic=deterministic), fp8_dtype if use_fp8 else None)
-    residuals = (output, grad_output)      # FP8 O and dO are uint8 bytes like Q/K/V
-    prepare_backward(config, *(_fp8_described(x, config.dtype) if config.fp8 else x for x in residuals), logsumexp)
+    prepare_backward(config, output, grad_output, logsumexp)      # FP8 O and dO: uint8 bytes like Q/K/V
     seed = check_seed(seed)
-    grads = execution.backward(config, operands, output, grad_output, logsumexp,
-                               seed=seed, stream=stream, autotune=autotune)
+    grads = execution.backward(config, operands, output, grad_output, logsumexp, seed=seed, stream=stream,
+                               autotune=autotune, check_values=check_values)
     if plain and not config.has_dbias and not config.sink:
         _remember_direct(BWD, residual_arrays, static, config, autotune,
                          ("query", "key", "value", "output", "grad_output", "logsumexp"))

@@ -105,18 +105,38 @@ class PagingSpec:
 
 @dataclass(frozen=True)
 class ScoreModSpec:
-    """A user ``score_mod(score, *args)`` on the float32 ``(B, N, T, S)`` scores.
+    """A user ``score_mod(score, *args)`` on the float32 ``(B, N, T, S)`` scores, as traced by JAX.
 
-    Identity is the function object itself plus the static shapes/dtypes of its arguments (their
-    values are runtime).
+    Identity is the traced program - ``digest``, a hash of its operations and constants - and the
+    static shapes/dtypes of its arguments (their values are runtime), never the function object: equal
+    functions give equal specs, and no spec keeps the function alive.  Built by :meth:`trace` (see
+    :mod:`cudnn_attn.graphs.score_mod_spec`), which also translates it for cuDNN: ``program`` holds the
+    pointwise programs of the forward and its VJP, or ``refusals`` why cuDNN cannot express them.
+    ``jaxpr`` (for the NumPy reference, at ``score_shape``) stays in the process: pickling drops it.
     """
 
-    fn: Callable[..., Any] = field(compare=True)
+    digest: str
     arg_shapes: tuple[tuple[tuple[int, ...], str], ...] = ()
+    name: str = field(default="score_mod", compare=False)
+    score_shape: tuple[int, ...] = field(default=(), compare=False)
+    program: Any = field(default=None, compare=False, repr=False)
+    refusals: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    jaxpr: Any = field(default=None, compare=False, repr=False)
 
-    @property
-    def name(self) -> str:
-        return getattr(self.fn, "__name__", type(self.fn).__name__)
+    @classmethod
+    def trace(cls, fn: Callable[..., Any], score_shape: tuple[int, ...],
+              arg_shapes: tuple[tuple[tuple[int, ...], str], ...] = ()) -> "ScoreModSpec":
+        """The spec of ``fn`` for scores of ``score_shape`` ``(B, N, T, S)`` and arguments ``((shape, dtype
+        name), ...)``; raises ``ValueError`` naming ``score_mod`` when ``fn`` is not a valid score_mod."""
+        from .graphs.score_mod_spec import score_mod_spec
+
+        return score_mod_spec(fn, score_shape, arg_shapes)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "jaxpr": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
 
 @dataclass(frozen=True)

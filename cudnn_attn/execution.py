@@ -149,13 +149,15 @@ def _host_float(x: Any) -> float:
 
 def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int = 42, stream: Any = None,
             autotune: bool | None = None, output: Any = None, logsumexp: Any = None,
-            rng_dump: Any = None) -> AttentionOutput:
+            rng_dump: Any = None, check_values: bool | None = None) -> AttentionOutput:
     """cuDNN attention forward on CuPy ``operands`` (see the module doc).
 
     ``output`` / ``logsumexp`` are optional preallocated results (``config.o_shape`` in the io dtype;
     float32 ``config.lse_shape``, only with ``config.training``).  ``rng_dump`` (debug/tests) is a
-    float32 ``(B*M, N, T, S)`` buffer that receives cuDNN's dropout keep-mask.
+    float32 ``(B*M, N, T, S)`` buffer that receives cuDNN's dropout keep-mask.  ``check_values``: the
+    checked mode for lengths, offsets and page ids (:func:`guarded`).
     """
+    operands = guarded(config, operands, check_values, stream)
     if logsumexp is not None and not config.training:
         raise ValueError("logsumexp: only produced when training (return_residual=True)")
     given = dict(output=output, logsumexp=logsumexp, rng_dump=rng_dump)
@@ -172,13 +174,14 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
 def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, grad_output: Any,
              logsumexp: Any, *, seed: int = 42, stream: Any = None, autotune: bool | None = None,
              dq: Any = None, dk: Any = None, dv: Any = None, dbias: Any = None, dsink: Any = None,
-             rng_dump: Any = None) -> AttentionGrads:
+             rng_dump: Any = None, check_values: bool | None = None) -> AttentionGrads:
     """cuDNN attention backward on CuPy arrays; ``seed`` must be the forward's (same dropout mask).
 
     ``output``/``logsumexp`` are the forward's results, ``grad_output`` the gradient of ``output``.
     ``dq``/``dk``/``dv``/``dbias``/``dsink`` are optional preallocated results.  ``dbias`` is returned
     when the bias is differentiable, ``dsink`` with a sink.
     """
+    operands = guarded(config, operands, check_values, stream)
     given = dict(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink=dsink, rng_dump=rng_dump)
     lifted = _lift(config, operands, stream)
     if lifted is not None:          # a kernel limit lifted by padding (cudnn_attn.lift): run padded, slice back
@@ -191,6 +194,26 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
     results = run(config, BWD, named, seed=seed, stream=stream, autotune=autotune, given=given,
                   score_mod_args=operands.score_mod_args)
     return AttentionGrads(**{name: results.get(name) for name in AttentionGrads._fields})
+
+
+def guarded(config: AttentionConfig, operands: AttentionOperands, check_values: bool | None, stream: Any) -> Any:
+    """``operands`` whose lengths, offsets and page ids cannot make cuDNN leave the buffers
+    (:mod:`cudnn_attn.values`): clamped on the device, on the call's stream; in the checked mode
+    (``check_values=True`` or ``CUDNN_ATTN_CHECK_VALUES=1``) read on the host instead, a ValueError naming
+    the argument, the row and the value.  Nothing to do (and no cost) without such arrays."""
+    from . import values
+
+    if not values.present(operands):
+        return operands
+    if values.checking(check_values):
+        values.check(config, operands)
+        return operands
+    device = operands.query.device.id
+    with runtime.on_device(device):
+        current = contextlib.nullcontext() if stream is None else \
+            runtime.device_context(device).stream(runtime.stream_pointer(stream, device))
+        with current:
+            return values.sanitize(config, operands, _cupy())
 
 
 def _lift(config: AttentionConfig, operands: AttentionOperands, stream: Any) -> Any:

@@ -10,7 +10,10 @@ Two tables, both data:
   library follows the JAX seed's policy, or has no path for it, although cuDNN might build it).
 
 :func:`not_supported_reasons` evaluates both against an :class:`Environment`; :func:`check_supported`
-raises :class:`~cudnn_attn.errors.UnsupportedConfigurationError` with the reasons.
+raises :class:`~cudnn_attn.errors.UnsupportedConfigurationError` with the reasons.  Some restrictions
+hold *everywhere* - the NumPy reference (the CPU backend) cannot run those calls either - and
+:func:`check_everywhere` raises them without an environment: the JAX bridge at trace time, the
+reference before computing.
 
 cuDNN versions are integers as ``cudnn.backend_version()`` returns them: ``91900`` is 9.19.0 and
 ``8904`` is 8.9.4.
@@ -56,6 +59,17 @@ class Environment:
     cudnn_version: int | None
     compute_capability: tuple[int, int] | None
     device_name: str | None = None
+
+    def __post_init__(self):
+        version, capability = self.cudnn_version, self.compute_capability
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise ValueError(f"cudnn_version: an int as cudnn.backend_version() returns it (91900 is 9.19.0) or "
+                             f"None, got {version!r}")
+        if capability is not None and not (isinstance(capability, tuple) and len(capability) == 2 and all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in capability)):
+            raise ValueError(f"compute_capability: a (major, minor) pair of ints or None, got {capability!r}")
+        if self.device_name is not None and not isinstance(self.device_name, str):
+            raise ValueError(f"device_name: a str or None, got {self.device_name!r}")
 
     @classmethod
     def detect(cls) -> "Environment":
@@ -175,6 +189,7 @@ class Restriction:
     check: Check
     enforced_by: str
     kinds: tuple[str, ...] = ("fwd", "bwd")   # the graphs the rule concerns
+    everywhere: bool = False                  # the NumPy reference cannot run it either
 
     def unmet(self, config: AttentionConfig, env: Environment) -> list[str]:
         found = self.check(config, env)
@@ -255,12 +270,7 @@ def _score_mod_limits(c: AttentionConfig, env: Environment) -> str | None:
         return None
     from .graphs.score_mod import score_mod_refusals   # imports JAX: only when score_mod is used
 
-    try:
-        refusals = score_mod_refusals(c)
-    except TypeError as error:
-        raise ValueError(f"score_mod: calling {c.score_mod.name!r} on the float32 scores and "
-                         f"{len(c.score_mod.arg_shapes)} score_mod_args failed: {error}") from error
-    return "; ".join(refusals) or None
+    return "; ".join(score_mod_refusals(c)) or None
 
 
 def _sink_needs_queries(c: AttentionConfig, env: Environment) -> str | None:
@@ -317,10 +327,13 @@ def _fp8_training_lengths(c: AttentionConfig, env: Environment) -> str | None:
 
 
 def _fp8_masks(c: AttentionConfig, env: Environment) -> str | None:
-    found = _present(("padding", c.mask.padding), ("sliding window", c.mask.left_bound is not None),
-                     ("ALiBi", c.mask.alibi))
+    found = _present(("padding", c.mask.padding), ("sliding window", c.mask.left_bound is not None))
     return f"no mask or a causal mask only, found {found} (packing and paging imply padding)" \
         if c.fp8 and found else None
+
+
+def _fp8_alibi(c: AttentionConfig, env: Environment) -> str | None:
+    return "no mask or a causal mask only, found ALiBi" if c.fp8 and c.mask.alibi else None
 
 
 def _fp8_extras(c: AttentionConfig, env: Environment) -> str | None:
@@ -375,15 +388,16 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     # the seed) run padded to even lengths (cudnn_attn.lift): no rule, users never meet them.
     Restriction("deterministic backward", _deterministic_sm100, CUDNN),
     Restriction("packed segments with dbias", _packed_dbias_sm100, CUDNN),
-    Restriction("FP8 attention", _fp8_bias, CUDNN),
+    Restriction("FP8 attention", _fp8_bias, CUDNN, everywhere=True),
     Restriction("FP8 attention", _fp8_sink, CUDNN),
     Restriction("FP8 attention", _fp8_head_dim, CUDNN),
     Restriction("FP8 attention", _fp8_backward_hopper, CUDNN),
-    Restriction("paged K/V cache", _paged_forward_only, CUDNN, kinds=("bwd",)),
+    Restriction("paged K/V cache", _paged_forward_only, CUDNN, kinds=("bwd",), everywhere=True),
     # This library's policy (the seed's rules) or a path it does not have; cuDNN may build these.
     Restriction("head dim", _head_dim_limit, LIBRARY),
     Restriction("FP8 attention", _fp8_masks, LIBRARY),
-    Restriction("FP8 attention", _fp8_extras, LIBRARY),
+    Restriction("FP8 attention", _fp8_alibi, LIBRARY, everywhere=True),
+    Restriction("FP8 attention", _fp8_extras, LIBRARY, everywhere=True),
     Restriction("FP8 attention", _fp8_training_head_dim, LIBRARY),
     Restriction("FP8 attention", _fp8_training_lengths, LIBRARY),
     Restriction("packed segments", _packed_layout, LIBRARY),
@@ -396,6 +410,22 @@ RESTRICTIONS: tuple[Restriction, ...] = (
 
 # -- public -----------------------------------------------------------------------------------------
 
+KINDS = ("fwd", "bwd")
+ENFORCERS = (CUDNN, LIBRARY)
+
+
+def _kinds(config: AttentionConfig, kind: str | None) -> tuple[str, ...]:
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"kind: expected 'fwd', 'bwd' or None (every graph the configuration needs), got {kind!r}")
+    return (kind,) if kind is not None else (KINDS if config.training else ("fwd",))
+
+
+def _check_config(config: AttentionConfig) -> None:
+    if not isinstance(config, AttentionConfig):
+        raise ValueError(f"config: expected an AttentionConfig (cudnn_attn.validation.prepare builds one), "
+                         f"got {type(config).__name__}")
+
+
 def not_supported_reasons(config: AttentionConfig, env: Environment | None = None, *,
                           kind: str | None = None, enforced_by: str | None = None) -> list[str]:
     """Every reason ``config`` cannot run in ``env`` (detected when ``None``); empty when it can.
@@ -403,10 +433,20 @@ def not_supported_reasons(config: AttentionConfig, env: Environment | None = Non
     ``kind`` (``"fwd"`` or ``"bwd"``) asks about one graph; ``None`` asks about every graph the
     configuration needs (the backward too when ``config.training``): a paged forward that returns the
     logsumexp is fine, its backward is not.  ``enforced_by`` (``CUDNN`` or ``LIBRARY``) keeps only the
-    rules of that kind (the missing GPU or cuDNN is reported by neither).
+    rules of that kind (the missing GPU or cuDNN is reported by neither).  With valid arguments this
+    never raises: everything it finds is a reason.
+
+    Raises:
+        ValueError: ``config`` is not an :class:`AttentionConfig`, ``env`` not an :class:`Environment`,
+            ``kind`` or ``enforced_by`` not one of the values above.
     """
+    _check_config(config)
+    if env is not None and not isinstance(env, Environment):
+        raise ValueError(f"env: expected a cudnn_attn.support.Environment or None, got {type(env).__name__}")
+    if enforced_by is not None and enforced_by not in ENFORCERS:
+        raise ValueError(f"enforced_by: expected {CUDNN!r}, {LIBRARY!r} or None, got {enforced_by!r}")
+    kinds = _kinds(config, kind)
     env = Environment.detect() if env is None else env
-    kinds = (kind,) if kind is not None else (("fwd", "bwd") if config.training else ("fwd",))
     reasons = []
     if enforced_by is None:
         if env.cudnn_version is None:
@@ -429,3 +469,15 @@ def check_supported(config: AttentionConfig, env: Environment | None = None, *, 
     reasons = not_supported_reasons(config, env, kind=kind)
     if reasons:
         raise UnsupportedConfigurationError(reasons, config, env)
+
+
+def check_everywhere(config: AttentionConfig, *, kind: str | None = None) -> None:
+    """Raise :class:`UnsupportedConfigurationError` with the restrictions no backend lifts - neither cuDNN
+    on any GPU nor the NumPy reference - with the same reasons :func:`check_supported` gives for them."""
+    _check_config(config)
+    kinds = _kinds(config, kind)
+    unknown = Environment(None, None)
+    reasons = [reason for rule in RESTRICTIONS if rule.everywhere and set(rule.kinds) & set(kinds)
+               for reason in rule.unmet(config, unknown)]
+    if reasons:
+        raise UnsupportedConfigurationError(reasons, config)

@@ -1,9 +1,13 @@
 """The public boundary: check one attention call and describe it as an :class:`AttentionConfig`.
 
-:func:`prepare` is the only place that looks at user arguments.  It reads nothing but ``.shape`` and
-``.dtype`` (so NumPy, CuPy and JAX arrays, tracers and ``jax.ShapeDtypeStruct`` all work and no value
-ever leaves the device), translates the seed's ``MaskType`` into the orthogonal
-:class:`~cudnn_attn.config.MaskSpec` fields and folds a ``mask`` into the additive bias.
+:func:`prepare` is the only place that looks at user arguments (with :func:`check_seed`, the one
+check of the dropout seed every front uses).  It takes real arrays only - NumPy, CuPy and JAX arrays,
+JAX tracers, and ``__dlpack__`` GPU arrays such as torch tensors; a shape/dtype description
+(``jax.ShapeDtypeStruct``, any object with ``.shape`` and ``.dtype``) is refused - and reads nothing but
+their ``.shape`` and ``.dtype`` (no value leaves the device: value rules live in :mod:`cudnn_attn.values`).
+It translates the seed's ``MaskType`` into the orthogonal :class:`~cudnn_attn.config.MaskSpec` fields,
+folds a ``mask`` into the additive bias and traces a ``score_mod`` (its program is its identity, see
+:mod:`cudnn_attn.graphs.score_mod_spec`).
 
 Every rule here is about *validity*: a violation raises :class:`ValueError` naming the argument,
 showing the shapes/dtypes of the call and stating the rule.  Whether a valid call can run on this
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -46,8 +51,12 @@ _PADDING_MASKS = (MaskType.PADDING, MaskType.PADDING_CAUSAL)
 # -- small helpers -----------------------------------------------------------------------------------
 
 def dtype_name(x: Any) -> str:
-    """NumPy name of ``x.dtype`` (``float16``, ``bfloat16``, ``float8_e4m3fn``, ``int32``, ``bool``)."""
-    return np.dtype(x.dtype).name
+    """NumPy name of ``x.dtype`` (``float16``, ``bfloat16``, ``float8_e4m3fn``, ``int32``, ``bool``); for a
+    dtype NumPy does not know (``torch.float16``), its own name (``float16``)."""
+    try:
+        return np.dtype(x.dtype).name
+    except TypeError:
+        return str(x.dtype).rpartition(".")[2]
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -55,7 +64,7 @@ def _shape(x: Any) -> tuple[int, ...]:
 
 
 def _describe(x: Any) -> str:
-    if not _is_array(x):
+    if not is_array(x):
         return "None" if x is None else type(x).__name__
     return f"{dtype_name(x)}{list(_shape(x))}"
 
@@ -96,8 +105,7 @@ class _Dims(NamedTuple):
 
 
 def _array_namespace(x: Any) -> Any:
-    """``numpy``, ``cupy`` or ``jax.numpy`` by the type of ``x`` (JAX tracers and ShapeDtypeStructs
-    count as JAX)."""
+    """``numpy``, ``cupy`` or ``jax.numpy`` by the type of ``x`` (JAX tracers count as JAX)."""
     root = type(x).__module__.partition(".")[0]
     if root in ("jax", "jaxlib"):
         import jax.numpy as jnp
@@ -108,27 +116,62 @@ def _array_namespace(x: Any) -> Any:
     return np
 
 
-def _is_array(x: Any) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
+def is_array(x: Any) -> bool:
+    """``x`` holds data: a NumPy array or scalar, a CuPy array, a JAX array or tracer, or a ``__dlpack__``
+    array (torch tensors).  Descriptions without data (``jax.ShapeDtypeStruct``) are not arrays."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return True
+    for module, kind in (("jax", "Array"), ("cupy", "ndarray")):
+        loaded = sys.modules.get(module)          # an array of a framework that is not imported cannot exist
+        if loaded is not None and isinstance(x, getattr(loaded, kind)):
+            return True
+    return hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__") and hasattr(x, "shape") \
+        and hasattr(x, "dtype")
 
 
-def _is_abstract(x: Any) -> bool:
-    """A shape/dtype description without data (``jax.ShapeDtypeStruct``)."""
-    return x is not None and not hasattr(x, "reshape")
+def _not_array(x: Any) -> str:
+    """Why ``x`` is refused as an array (for the messages)."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return (f"got {type(x).__name__} (a shape/dtype description without data); pass a NumPy, CuPy or JAX "
+                "array (e.g. numpy.empty(shape, dtype) to describe a call)")
+    return f"got {type(x).__name__}"
+
+
+def check_seed(seed: Any) -> int:
+    """The dropout seed as an int, checked the same way by every front (reference, CuPy, JAX): a Python or
+    NumPy integer in ``[0, 2**63)`` (cuDNN binds it as int64).  Forward and backward must be given the same
+    seed to draw the same dropout mask.
+
+    Raises:
+        ValueError: ``None``, a string, a bool, a float, a negative or too large value (naming ``seed``).
+    """
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"seed: the dropout seed must be a Python or NumPy int in [0, 2**63), got "
+                         f"{type(seed).__name__} {seed!r} (cuDNN binds it by value: it is static under jit, and "
+                         "the forward and its backward must use the same one)")
+    if not 0 <= int(seed) < 2 ** 63:
+        raise ValueError(f"seed: the dropout seed must be an int in [0, 2**63), got {int(seed)}")
+    return int(seed)
 
 
 # -- argument groups --------------------------------------------------------------------------------
 
-def _check_qkv(call: _Call, query: Any, key: Any, value: Any, use_fp8: bool) -> str:
+def _io_dtype_name(x: Any, fp8_dtype: str | None) -> str:
+    """The dtype of a Q/K/V-like array; uint8 bytes count as ``fp8_dtype`` when one is given."""
+    name = dtype_name(x)
+    return fp8_dtype if fp8_dtype is not None and name == "uint8" else name
+
+
+def _check_qkv(call: _Call, query: Any, key: Any, value: Any, use_fp8: bool, fp8_dtype: str | None) -> str:
     for name, x in (("query", query), ("key", key), ("value", value)):
-        if not _is_array(x):
-            raise call.error(name, f"expected an array with .shape and .dtype, got {type(x).__name__}")
+        if not is_array(x):
+            raise call.error(name, f"expected an array, {_not_array(x)}")
         if len(x.shape) != 4:
             raise call.error(name, f"must have rank 4, got rank {len(x.shape)}",
                              hint="Q is (B, T, N, H) for BTNH or (B, N, T, H) for BNTH; K/V likewise.")
         if 0 in _shape(x):
             raise call.error(name, f"every dimension must be >= 1, got shape {_shape(x)}")
-    names = {dtype_name(x) for x in (query, key, value)}
+    names = {_io_dtype_name(x, fp8_dtype) for x in (query, key, value)}
     if len(names) != 1:
         raise call.error("query/key/value", "must have the same dtype")
     dtype = names.pop()
@@ -246,7 +289,7 @@ def _check_fp8(call: _Call, fp8_params: Any, **forbidden: Any) -> dict:
         raise call.error("fp8_params", f"missing keys: {', '.join(missing)}")
     for name in FP8_PARAM_KEYS:
         x = fp8_params[name]
-        if not _is_array(x) or dtype_name(x) != "float32" or math.prod(_shape(x)) != 1:
+        if not is_array(x) or dtype_name(x) != "float32" or math.prod(_shape(x)) != 1:
             found = _describe(x)
             raise call.error(f"fp8_params[{name!r}]", f"must be a float32 array with one element "
                              f"(shape () or (1, 1, 1, 1)), got {found}")
@@ -294,24 +337,31 @@ def _prepare_bias(call: _Call, bias: Any, mask: Any, full: tuple[int, int, int, 
         shapes["mask"] = _check_bias_like(call, "mask", mask, full, ("bool", dtype))
     # Batch and heads stay broadcast (cuDNN reads them with stride 0); T and S are materialised.
     combined = tuple(max(dims) for dims in zip(*shapes.values()))[:2] + full[2:]
-    args = (bias, mask, shapes.get("bias"), shapes.get("mask"), combined, io_dtype)
-    if _is_abstract(bias) or _is_abstract(mask):
-        import jax
-        import jax.numpy as jnp
-        folded = jax.eval_shape(lambda b, m: _fold_bias(b, m, *args[2:], jnp), bias, mask)
-    else:
-        folded = _fold_bias(*args, xp)
+    folded = _fold_bias(bias, mask, shapes.get("bias"), shapes.get("mask"), combined, io_dtype, xp)
     differentiable = bias is not None or dtype_name(mask) != "bool"
     return folded, BiasSpec(shape=combined, differentiable=differentiable)
 
 
 def _check_real(call: _Call, name: str, value: Any, rule: str, accept: Callable[[float], bool]) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not accept(float(value)):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise call.error(name, f"must be {rule}, got {value!r}")
-    return float(value)
+    try:
+        number = float(value)
+    except (OverflowError, ValueError):          # 10**400 does not fit a float
+        raise call.error(name, f"must be {rule}, got {value!r}, which does not fit a float") from None
+    if not accept(number):
+        raise call.error(name, f"must be {rule}, got {value!r}")
+    return number
 
 
-def _check_score_mod(call: _Call, score_mod: Any, score_mod_args: Sequence[Any]) -> ScoreModSpec | None:
+def _check_flag(call: _Call, name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise call.error(name, f"must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _check_score_mod(call: _Call, score_mod: Any, score_mod_args: Sequence[Any],
+                     score_shape: tuple[int, int, int, int]) -> ScoreModSpec | None:
     if not isinstance(score_mod_args, (tuple, list)):
         raise call.error("score_mod_args", f"must be a tuple of arrays, got {type(score_mod_args).__name__}")
     args = tuple(score_mod_args)
@@ -322,9 +372,12 @@ def _check_score_mod(call: _Call, score_mod: Any, score_mod_args: Sequence[Any])
     if not callable(score_mod):
         raise call.error("score_mod", f"must be callable as score_mod(score, *score_mod_args), got {score_mod!r}")
     for i, a in enumerate(args):
-        if not _is_array(a):
+        if not is_array(a):
             raise call.error(f"score_mod_args[{i}]", f"must be an array, got {type(a).__name__}")
-    return ScoreModSpec(fn=score_mod, arg_shapes=tuple((_shape(a), dtype_name(a)) for a in args))
+    try:
+        return ScoreModSpec.trace(score_mod, score_shape, tuple((_shape(a), dtype_name(a)) for a in args))
+    except ValueError as error:        # "score_mod: <rule>" from the tracer
+        raise call.error("score_mod", str(error).removeprefix("score_mod: ")) from error
 
 
 # -- public -----------------------------------------------------------------------------------------
@@ -335,13 +388,15 @@ def prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None
             sink: Any = None, *, scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK,
             dropout_rate: float = 0.0, qkv_layout: Any = "BTNH", sliding_window_length: int | None = None,
             score_mod: Callable[..., Any] | None = None, use_fp8: bool = False, training: bool = False,
-            diagonal_alignment: Any = "top_left", deterministic: bool = False,
+            diagonal_alignment: Any = "top_left", deterministic: bool = False, fp8_dtype: str | None = None,
             xp: Any = None) -> tuple[AttentionConfig, AttentionOperands]:
     """Validate one attention call and describe it.
 
     Arguments follow the seed's ``dot_product_attention`` / ``paged_attention`` (see DESIGN.md);
     ``training`` asks the forward for the logsumexp, ``diagonal_alignment`` places the causal diagonal
-    and ``deterministic`` selects deterministic backward accumulation.  ``xp`` is the array namespace
+    and ``deterministic`` selects deterministic backward accumulation.  With ``use_fp8``, ``fp8_dtype``
+    (``"float8_e4m3fn"`` or ``"float8_e5m2"``) reads ``uint8`` Q/K/V as the bytes of that FP8 format
+    (CuPy has no float8 dtype); ``config.dtype`` is then the FP8 format.  ``xp`` is the array namespace
     used to fold ``mask`` into the bias (detected from ``query`` when ``None``).
 
     Returns the static :class:`AttentionConfig` and the :class:`AttentionOperands` holding the arrays
@@ -357,11 +412,17 @@ def prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None
     optional = dict(bias=bias, mask=mask, q_seqlen=q_seqlen, kv_seqlen=kv_seqlen, q_offsets=q_offsets,
                     kv_offsets=kv_offsets, page_table_k=page_table_k, page_table_v=page_table_v, sink=sink)
     for name, x in optional.items():
-        if x is not None and not _is_array(x):
-            raise call.error(name, f"expected an array with .shape and .dtype (or None), got {type(x).__name__}")
+        if x is not None and not is_array(x):
+            raise call.error(name, f"expected an array or None, {_not_array(x)}")
+    use_fp8 = _check_flag(call, "use_fp8", use_fp8)
+    training = _check_flag(call, "training (return_residual)", training)
+    deterministic = _check_flag(call, "deterministic", deterministic)
+    if fp8_dtype is not None and fp8_dtype not in FP8_DTYPES:
+        raise call.error("fp8_dtype", f"the FP8 format of uint8 operands must be one of {', '.join(FP8_DTYPES)}, "
+                         f"got {fp8_dtype!r}")
     if use_fp8 and (page_table_k is not None or page_table_v is not None):
         raise call.error("use_fp8", "paged attention does not support fp8")
-    dtype = _check_qkv(call, query, key, value, use_fp8)
+    dtype = _check_qkv(call, query, key, value, use_fp8, fp8_dtype if use_fp8 else None)
     q, k, v = (_Dims.of(x, layout) for x in (query, key, value))
     paging, k, v = _check_paging(call, layout, q, k, v, page_table_k, page_table_v)
     _check_shapes(call, q, k, v)
@@ -384,7 +445,7 @@ def prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None
 
     scale = _check_real(call, "scale", scale, "a finite real number", math.isfinite)
     dropout_rate = _check_real(call, "dropout_rate", dropout_rate, "a real number in [0, 1)", lambda p: 0.0 <= p < 1.0)
-    score_mod_spec = _check_score_mod(call, score_mod, score_mod_args)
+    score_mod_spec = _check_score_mod(call, score_mod, score_mod_args, (q.batch, q.heads, q.length, k.length))
     if sink is not None and (dtype_name(sink) != "float32" or _shape(sink) != (q.heads,)):
         raise call.error("sink", f"must be float32 of shape (N,) = ({q.heads},), got {_describe(sink)}")
 
@@ -394,8 +455,8 @@ def prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None
     config = AttentionConfig(
         batch=q.batch, q_heads=q.heads, kv_heads=k.heads, q_len=q.length, kv_len=k.length, qk_dim=q.dim,
         v_dim=v.dim, dtype=dtype, layout=layout, scale=scale, mask=mask_spec, bias=bias_spec,
-        dropout_rate=dropout_rate, packing=packing, paging=paging, fp8=bool(use_fp8), score_mod=score_mod_spec,
-        sink=sink is not None, training=bool(training), deterministic=bool(deterministic),
+        dropout_rate=dropout_rate, packing=packing, paging=paging, fp8=use_fp8, score_mod=score_mod_spec,
+        sink=sink is not None, training=training, deterministic=deterministic,
     )
     operands = AttentionOperands(
         query=query, key=key, value=value, bias=bias_array,
@@ -409,8 +470,9 @@ def prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None
 def prepare_backward(config: AttentionConfig, output: Any, grad_output: Any, logsumexp: Any) -> None:
     """Check the forward's residuals and the incoming gradient against ``config``.
 
-    ``output`` and ``grad_output`` must have ``config.o_shape`` and the io dtype; ``logsumexp`` must be
-    float32 of ``config.lse_shape``.  Raises :class:`ValueError` otherwise.
+    ``output`` and ``grad_output`` must have ``config.o_shape`` and the io dtype (with FP8, also ``uint8``
+    bytes of it, as :func:`prepare` accepts with ``fp8_dtype``); ``logsumexp`` must be float32 of
+    ``config.lse_shape``.  Raises :class:`ValueError` otherwise.
     """
     expected = {
         "output": (config.o_shape, config.dtype),
@@ -419,7 +481,9 @@ def prepare_backward(config: AttentionConfig, output: Any, grad_output: Any, log
     }
     for name, x in (("output", output), ("grad_output", grad_output), ("logsumexp", logsumexp)):
         shape, dtype = expected[name]
-        if not _is_array(x) or _shape(x) != shape or dtype_name(x) != dtype:
+        found_dtype = _io_dtype_name(x, config.dtype if config.fp8 and name != "logsumexp" else None) \
+            if is_array(x) else None
+        if found_dtype is None or _shape(x) != shape or found_dtype != dtype:
             found = _describe(x)
             raise ValueError(f"{name}: expected {dtype}{list(shape)}, got {found}\n"
                              f"  configuration: {config.describe()}")

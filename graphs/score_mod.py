@@ -5,8 +5,10 @@ Users write ``score_mod(score, *score_mod_args)`` with ``jax.numpy`` / ``jax.lax
 ``c * tanh(s / c)``, relative-position biases from ``lax.broadcasted_iota`` or ``jnp.arange``, document
 masks from index comparisons, ALiBi variants.  Here that function is
 
-1. traced with JAX (:mod:`.score_mod_trace`) into a pointwise :class:`~.score_mod_ir.Program` for the
-   forward and one for its VJP with respect to the score (``score_mod_bprop``);
+1. traced with JAX when the call is made (:mod:`.score_mod_spec`; its identity in the configuration is
+   the traced program) and translated (:mod:`.score_mod_trace`) into a pointwise
+   :class:`~.score_mod_ir.Program` for the forward and one for its VJP with respect to the score
+   (``score_mod_bprop``);
 2. combined with the configuration's masks (:func:`masked_programs`): cuDNN refuses ``score_mod``
    together with its built-in causal / window / padding masks, so they are expressed inside the
    modification;
@@ -55,80 +57,18 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from cudnn_attn.config import AttentionConfig, DiagonalAlignment, ScoreModSpec
+from cudnn_attn.config import AttentionConfig, DiagonalAlignment
 from cudnn_attn.errors import UnsupportedConfigurationError
 
 from .score_mod_ir import F32, I32, Program, ProgramBuilder, evaluate
-from .score_mod_trace import program_dtype, translate
+from .score_mod_spec import ScoreModProgram, score_mod_program
 
 NEGATIVE_INFINITY = -math.inf      # the fill of masked scores: cuDNN's own masks use -inf from cuDNN 9.10
-
-
-@dataclass(frozen=True)
-class ScoreModProgram:
-    """A ``score_mod`` translated for one score shape: its forward and its VJP as pointwise programs."""
-
-    name: str
-    forward: Program        # (score, *args) -> modified score
-    backward: Program       # (cotangent, score, *args) -> cotangent * d(modified)/d(score)
-    num_args: int
-
-    @property
-    def is_additive(self) -> bool:
-        """The modification adds something independent of the score (its VJP is the identity)."""
-        return self.backward.nodes[self.backward.output].op == "cotangent"
-
-    @property
-    def backward_reads_score(self) -> bool:
-        return self.backward.uses("score")
-
-
-@functools.lru_cache(maxsize=64)
-def trace_score_mod(spec: ScoreModSpec, score_shape: tuple[int, int, int, int]) -> ScoreModProgram:
-    """Translate ``spec.fn`` for scores of ``score_shape`` (forward and backward).
-
-    Raises:
-        UnsupportedConfigurationError: an argument is not a scalar, or the function uses a JAX
-            primitive without a cuDNN pointwise equivalent (the error names both).
-        ValueError: the function does not return a float array of the score's shape.
-    """
-    import jax
-
-    name = spec.name
-    for position, (shape, dtype) in enumerate(spec.arg_shapes):
-        if math.prod(shape) != 1:
-            raise UnsupportedConfigurationError([
-                f"score_mod {name!r}: score_mod_args[{position}] has shape {tuple(shape)}; cuDNN 9.19 takes "
-                "score_mod arguments as by-value scalars only (array operands give wrong gradients or fail "
-                "to compile), so build per-position values from lax.broadcasted_iota inside score_mod"])
-        try:
-            program_dtype(dtype)
-        except TypeError:
-            raise UnsupportedConfigurationError(
-                [f"score_mod {name!r}: score_mod_args[{position}] has dtype {dtype}"]) from None
-    score = jax.ShapeDtypeStruct(score_shape, np.float32)
-    args = [("arg", jax.ShapeDtypeStruct(tuple(shape), dtype)) for shape, dtype in spec.arg_shapes]
-    fn = spec.fn
-
-    def vjp(cotangent: Any, s: Any, *values: Any) -> Any:
-        return jax.vjp(lambda x: fn(x, *values), s)[1](cotangent)[0]
-
-    return ScoreModProgram(
-        name=name,
-        forward=translate(fn, [("score", score), *args], score_shape, name),
-        backward=translate(vjp, [("cotangent", score), ("score", score), *args], score_shape, f"{name} (backward)"),
-        num_args=len(args),
-    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # The configuration's masks, inside the modification
 # ---------------------------------------------------------------------------------------------------
-def score_shape(config: AttentionConfig) -> tuple[int, int, int, int]:
-    """The ``(B, N, T, S)`` shape ``score_mod`` is traced for (the spec's; cuDNN sees segments when packed)."""
-    return (config.batch, config.q_heads, config.q_len, config.kv_len)
-
-
 def _mask_conditions(b: ProgramBuilder, config: AttentionConfig) -> list[Callable[[str], int]]:
     """Builders of the conditions a (query i, key j) pair must meet under ``config.mask`` (see
     :class:`~cudnn_attn.config.MaskSpec`): padding, then the diagonal band.  Each takes a tag that keeps
@@ -195,7 +135,7 @@ def masked_programs(config: AttentionConfig) -> tuple[Program, Program]:
     Masked scores become ``-inf`` (as cuDNN's own masks since 9.10 and the reference); their
     gradients become 0.
     """
-    program = trace_score_mod(config.score_mod, score_shape(config))
+    program = score_mod_program(config.score_mod)
     return _with_mask(program.forward, config, NEGATIVE_INFINITY), _with_mask(program.backward, config, 0.0)
 
 
@@ -284,9 +224,6 @@ def score_mod_refusals(config: AttentionConfig, kind: str | None = None) -> list
 
     ``kind`` is ``"fwd"`` or ``"bwd"``; ``None`` means the graphs the configuration needs (the backward
     too when ``config.training``).  For the support table: the reasons :func:`score_mod_graph` raises.
-
-    Raises:
-        ValueError: the function does not return a float array of the score's shape.
     """
     if config.score_mod is None:
         return []
@@ -301,7 +238,7 @@ def score_mod_refusals(config: AttentionConfig, kind: str | None = None) -> list
                        "paging): inside the modification cuDNN 9.19 computes that mask wrongly (measured on the "
                        "H200); use the top-left diagonal, or equal lengths without padding")
     try:
-        program = trace_score_mod(config.score_mod, score_shape(config))
+        program = score_mod_program(config.score_mod)
     except UnsupportedConfigurationError as error:
         return reasons + error.reasons
     if config.packing is not None and any(n.op == "index" and n.param == 0
@@ -321,7 +258,7 @@ def score_mod_graph(config: AttentionConfig, kind: str) -> ScoreModGraph:
     Raises:
         UnsupportedConfigurationError: the function cannot be translated, or the configuration combines
             it with what cuDNN cannot do inside the modification (see :func:`score_mod_refusals`).
-        ValueError: no score_mod, a bad ``kind``, or a function that does not return the score's shape.
+        ValueError: no score_mod, or a bad ``kind``.
     """
     if config.score_mod is None:
         raise ValueError("config: has no score_mod")
@@ -331,7 +268,7 @@ def score_mod_graph(config: AttentionConfig, kind: str) -> ScoreModGraph:
     if reasons:
         raise UnsupportedConfigurationError(reasons, config)
     forward, backward = masked_programs(config)
-    return ScoreModGraph(config, trace_score_mod(config.score_mod, score_shape(config)), forward, backward)
+    return ScoreModGraph(config, score_mod_program(config.score_mod), forward, backward)
 
 
 def make_score_mod_callbacks(config: AttentionConfig, kind: str, args: Sequence[Any], *, bias: Any = None,

@@ -5,15 +5,22 @@ backward is the jaxpr of its VJP with respect to the score, ``(g, s, *args) -> g
 JAX's own cuDNN flex attention derives it.  Each equation becomes nodes of the program:
 
 * elementwise arithmetic, comparisons, logic, ``select_n``, ``clamp``, ``integer_pow``, ``sign``,
-  ``rem``, transcendental functions (see :data:`_ELEMENTWISE` and :meth:`_Translator._emit`);
+  ``rem``, ``is_finite``, transcendental functions, ``erfc``, ``polynomial`` (Horner's rule; JAX >= 0.12
+  emits it in the derivative of ``erf``) (see :data:`_ELEMENTWISE` and :meth:`_Translator._emit`);
 * ``iota`` (``lax.broadcasted_iota``, ``jnp.arange``) becomes a position along a score axis: which
   axis is found by following the value through ``broadcast_in_dim`` / ``reshape`` to the score's
   shape (:func:`_score_axes`);
 * ``broadcast_in_dim``, ``reshape``, ``squeeze``, ``copy``, ``stop_gradient`` and
   ``convert_element_type`` between types of the same kind cost nothing: every value broadcasts;
-* calls (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``, ...) are inlined.
+* calls (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``, ...) are inlined;
+* a float split into high and low parts by masking its low mantissa bits,
+  ``bitcast_convert_type(bitcast_convert_type(x, uint32) & mask, float32)`` (JAX >= 0.12 computes
+  ``exp(-x**2)`` in the derivative of ``erf`` this way, for accuracy) is ``x`` itself: the part below the
+  mask (less than ``2**-k`` of ``x`` for a mask clearing ``k < 23`` bits) then comes out as 0, so the
+  split's refinement is lost and the result is the plain float32 formula.  ``reduce_precision`` is
+  likewise the identity (cuDNN computes in float32).
 
-Anything else (reductions, gathers, matrix products, ...) raises
+Anything else (reductions, gathers, matrix products, other bit manipulations, ...) raises
 :class:`~cudnn_attn.errors.UnsupportedConfigurationError` naming the primitive and the function.
 Arguments must be scalars: cuDNN 9.19 receives them by value (see :mod:`.score_mod`).
 """
@@ -33,7 +40,7 @@ from .score_mod_ir import BOOL, F32, I32, Program, ProgramBuilder
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
                     "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint"})
 _PASS_THROUGH = frozenset({"broadcast_in_dim", "reshape", "squeeze", "copy", "copy_p", "stop_gradient",
-                           "optimization_barrier"})
+                           "optimization_barrier", "reduce_precision"})
 # JAX primitive -> program op, for the ones that map one to one.
 _ELEMENTWISE = {
     "neg": "neg", "abs": "abs", "exp": "exp", "log": "log", "tanh": "tanh", "logistic": "sigmoid",
@@ -45,7 +52,7 @@ _ELEMENTWISE = {
 }
 _LOGICAL = {"and": "logical_and", "or": "logical_or", "not": "logical_not", "xor": "cmp_ne"}
 _EXPANDED = frozenset({"iota", "convert_element_type", "select_n", "clamp", "integer_pow", "square",
-                       "one_minus_square", "sign", "exp2", "log1p", "expm1"})
+                       "one_minus_square", "sign", "exp2", "log1p", "expm1", "erfc", "is_finite", "polynomial"})
 SUPPORTED_PRIMITIVES = frozenset(_ELEMENTWISE) | frozenset(_LOGICAL) | _EXPANDED | _PASS_THROUGH | _CALLS
 
 
@@ -238,6 +245,15 @@ class _Translator:
             return b.op("log", b.op("add", x[0], b.const(1, F32)))
         if name == "expm1":
             return b.op("sub", b.op("exp", x[0]), b.const(1, F32))
+        if name == "erfc":
+            return b.op("sub", b.const(1, F32), b.op("erf", x[0]))
+        if name == "is_finite":                   # x - x is 0 for finite x, NaN for inf and NaN
+            return b.op("cmp_eq", b.op("sub", x[0], x[0]), b.const(0, F32))
+        if name == "polynomial":                  # a_0 + x (a_1 + x (a_2 + ...)), coefficients as operands
+            value = x[-1]
+            for coefficient in reversed(x[1:-1]):
+                value = b.op("add", b.op("mul", value, x[0]), coefficient)
+            return value
         raise self.unsupported(f"the JAX primitive {name!r} has no cuDNN pointwise equivalent")
 
     def _integer_pow(self, x: int, y: int, dtype: str) -> int:
@@ -254,6 +270,37 @@ class _Translator:
         return b.op("reciprocal", result) if y < 0 else result
 
 
+_MANTISSA_BITS = 23      # float32
+
+
+def _keeps_high_bits(mask: np.ndarray) -> bool:
+    """``mask`` (a 32-bit integer) clears only low mantissa bits of a float32: ``~(2**k - 1)``, ``k < 23``."""
+    cleared = ~int(mask) & 0xFFFFFFFF
+    return (cleared & (cleared + 1)) == 0 and cleared < (1 << _MANTISSA_BITS)
+
+
+def _merge_mantissa_splits(flat: _Flattener) -> None:
+    """Rewrite ``bitcast(bitcast(x, u32) & mask, f32)`` (the high part of ``x``) as ``x`` (module doc)."""
+    producer = {vid: eqn for eqn in flat.eqns for vid in eqn.outputs}
+
+    def float32(vid: int) -> bool:
+        return np.dtype(flat.dtypes[vid]) == np.float32
+
+    for position, eqn in enumerate(flat.eqns):
+        if eqn.primitive != "bitcast_convert_type" or not float32(eqn.outputs[0]):
+            continue
+        masked = producer.get(eqn.inputs[0])
+        if masked is None or masked.primitive != "and" or len(masked.inputs) != 2:
+            continue
+        for bits, mask in (masked.inputs, masked.inputs[::-1]):
+            source = producer.get(bits)
+            if (mask in flat.literals and source is not None and source.primitive == "bitcast_convert_type"
+                    and float32(source.inputs[0]) and np.dtype(flat.dtypes[bits]).itemsize == 4
+                    and _keeps_high_bits(flat.literals[mask])):
+                flat.eqns[position] = _Eqn("copy", {}, [source.inputs[0]], eqn.outputs)
+                break
+
+
 def _live(eqns: list[_Eqn], output: int) -> list[_Eqn]:
     needed, live = {output}, []
     for eqn in reversed(eqns):
@@ -265,35 +312,46 @@ def _live(eqns: list[_Eqn], output: int) -> list[_Eqn]:
 
 def translate(fn: Callable[..., Any], inputs: Sequence[tuple[str, Any]], score_shape: tuple[int, ...],
               name: str) -> Program:
-    """Trace ``fn(*inputs)`` and translate its jaxpr into a :class:`Program` called ``name``.
-
-    ``inputs`` are ``(leaf, aval)`` pairs: ``("score", ...)``, ``("cotangent", ...)`` or
-    ``("arg", ...)`` (numbered in order).  The result must have the score's shape and a float dtype.
-    """
+    """Trace ``fn(*inputs)`` and translate its jaxpr (:func:`translate_jaxpr`); ``inputs`` are
+    ``(leaf, aval)`` pairs: ``("score", ...)``, ``("cotangent", ...)`` or ``("arg", ...)``."""
     import jax
 
+    closed = jax.make_jaxpr(fn)(*(aval for _, aval in inputs))
+    return translate_jaxpr(closed, [leaf for leaf, _ in inputs], score_shape, name)
+
+
+def translate_jaxpr(closed: Any, leaves: Sequence[str], score_shape: tuple[int, ...], name: str) -> Program:
+    """Translate a closed jaxpr into a :class:`Program` called ``name``.
+
+    ``leaves`` names the jaxpr's inputs in order: ``"score"``, ``"cotangent"`` or ``"arg"`` (numbered in
+    order).  The result must have the score's shape and a float dtype.
+
+    Raises:
+        UnsupportedConfigurationError: a primitive or a pattern without a cuDNN pointwise equivalent.
+        ValueError: the jaxpr does not return one float array of the score's shape.
+    """
     def unsupported(why: str) -> UnsupportedConfigurationError:
         return UnsupportedConfigurationError([f"score_mod {name!r} cannot run inside cuDNN: {why}"])
 
-    closed = jax.make_jaxpr(fn)(*(aval for _, aval in inputs))
     flat = _Flattener(unsupported)
-    leaves = [flat.new_value(aval) for _, aval in inputs]
-    outputs = flat.inline(closed.jaxpr, closed.consts, leaves)
+    inputs = [flat.new_value(var.aval) for var in closed.jaxpr.invars]
+    outputs = flat.inline(closed.jaxpr, closed.consts, inputs)
     output = outputs[0]
     if len(outputs) != 1 or flat.shapes[output] != tuple(score_shape) or _safe_kind(flat.dtypes[output]) != F32:
         got = [(flat.shapes[o], str(np.dtype(flat.dtypes[o]))) for o in outputs]
         raise ValueError(f"score_mod: {name!r} must return one float array of the score's shape "
                          f"{tuple(score_shape)}, got {got}")
+    _merge_mantissa_splits(flat)
     live = _live(flat.eqns, output)
     axes = _score_axes(flat, live, output, tuple(score_shape), unsupported)
     builder = ProgramBuilder(name)
     translator = _Translator(flat, axes, builder, unsupported)
     arg_position = 0
-    for vid, (leaf, aval) in zip(leaves, inputs):
+    for vid, leaf in zip(inputs, leaves):
         if leaf == "arg":
             # By-value scalars reach cuDNN as float32; integer and bool arguments are converted back.
             value = builder.leaf("arg", F32, arg_position)
-            translator.env[vid] = builder.op("cast", value, dtype=program_dtype(aval.dtype))
+            translator.env[vid] = builder.op("cast", value, dtype=program_dtype(flat.dtypes[vid]))
             arg_position += 1
         else:
             translator.env[vid] = builder.leaf(leaf, F32)

@@ -9,6 +9,7 @@ forms of JAX's ``jax._src.cudnn.fused_attention_stablehlo`` (the same as :mod:`c
 * ``cuda_graph=None`` - XLA may capture the GPU call into its CUDA graphs (command buffers) and replay
   it without running Python (the default, and ``True``); ``False`` runs the Python handler on every
   execution (see :mod:`.cudnn_target`);
+* ``check_values=None`` - the checked mode for sequence lengths, offsets and page ids (below).
 * ``backend="ffi" | "callback"`` - see :class:`~.kernel.Backend`.
 
 They work under ``jit``, ``grad`` (``jax.custom_vjp``: gradients of ``query``, ``key``, ``value``, of
@@ -24,29 +25,48 @@ says how a call whose sequence is sharded runs: under ``jit`` a query sharded al
 dimension dispatches to it; inside ``shard_map``, ``ContextParallel(axis=...)`` names the sequence axis
 and the call takes its local Q/K/V (the bias: local rows, all columns; the lengths: global).
 
-The dropout ``seed`` must be a Python int: cuDNN binds it by value, so under ``jit`` it is a
-compile-time constant (a new seed compiles a new executable).  The CPU reference draws its dropout
-mask from NumPy, not from cuDNN's Philox stream.
+The dropout ``seed`` must be an int in ``[0, 2**63)`` (:func:`cudnn_attn.validation.check_seed`, as on
+every front): cuDNN binds it by value, so under ``jit`` it is a compile-time constant (a new seed
+compiles a new executable); the backward uses the forward's.  The CPU reference draws its dropout mask
+from NumPy, not from cuDNN's Philox stream.
 
-Errors, at trace time: ``ValueError`` for invalid arguments (:func:`cudnn_attn.validation.prepare`),
-:class:`~cudnn_attn.errors.UnsupportedConfigurationError` for valid calls that cannot run (on GPU,
-raised when the call is lowered, with the support table's reasons).
+Values cuDNN reads as positions (:mod:`cudnn_attn.values`) never reach it out of range.  Concrete
+arrays (eager calls, NumPy inputs) are checked before anything is bound: ``ValueError`` naming the
+argument, the row and the value, as the reference raises it.  Traced values are clamped into range by
+a few fused XLA operations (documented in :mod:`cudnn_attn.values`).  The checked mode
+(``check_values=True``, or ``CUDNN_ATTN_CHECK_VALUES=1``) adds a host check of the traced values, a
+``jax.debug.callback``: the call then fails at run time with XLA's error, whose message carries the
+``ValueError`` (the argument, the row, the value), while the kernel still sees only clamped values.  It
+works under ``jit``, ``vmap`` and ``grad`` and costs a device-host copy per call: a debugging mode.  In a
+program sharded over several devices the callback runs on one of them, and when it fails, a collective
+later in the program waits for that device (measured on 4 CPU devices: XLA aborts the process after
+40 s; a result-returning ``pure_callback`` deadlocked even without a later collective): there, debug
+with the program on one device.  ``jax.experimental.checkify`` would return the failure as a value
+instead, but only inside the caller's own ``checkify.checkify``, so it cannot be the library's default.
+
+Errors, at trace time, of the types the CuPy path raises: ``ValueError`` for invalid arguments
+(:func:`cudnn_attn.validation.prepare`, the seed, the options), and
+:class:`~cudnn_attn.errors.UnsupportedConfigurationError` for calls no backend runs (FP8 with dropout,
+a paged backward: :func:`cudnn_attn.support.check_everywhere`, before any primitive is bound).  What
+depends on the GPU (head dims, cuDNN version, ``score_mod`` translation) is checked when the call is
+lowered for it, with the support table's reasons - still before anything runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from cudnn_attn import values
 from cudnn_attn.config import AttentionConfig, AttentionOperands
-from cudnn_attn.errors import UnsupportedConfigurationError
+from cudnn_attn.support import check_everywhere
 from cudnn_attn.types import FP8_PARAM_KEYS, AttentionOutput, FP8Params, MaskType
-from cudnn_attn.validation import prepare
+from cudnn_attn.validation import check_seed, prepare
 
 from . import context_parallel as sequence_split
 from . import lifting, primitives
@@ -65,11 +85,11 @@ def kernel_options(config: AttentionConfig, *, seed: Any = 42, backend: str | Ba
                    cuda_graph: bool | None = None, context_parallel: Any = None) -> KernelOptions:
     """The static options of a call (checked): the seed only matters with dropout; ``context_parallel``
     (a :class:`~.context_parallel.ContextParallel`, a scheme name, or ``None`` for the current default)."""
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise ValueError(f"seed: must be a Python int (cuDNN binds the dropout seed by value, so it is static "
-                         f"under jit), got {type(seed).__name__}")
+    seed = check_seed(seed)
+    if cuda_graph is not None and not isinstance(cuda_graph, (bool, np.bool_)):
+        raise ValueError(f"cuda_graph: must be None, True or False, got {cuda_graph!r}")
     context = sequence_split.resolve(context_parallel)
-    return KernelOptions(seed=int(seed) if config.has_dropout else 0, backend=Backend.parse(backend),
+    return KernelOptions(seed=seed if config.has_dropout else 0, backend=Backend.parse(backend),
                          cuda_graph=True if cuda_graph is None else bool(cuda_graph),
                          context=None if context == sequence_split.ContextParallel() else context)
 
@@ -119,8 +139,7 @@ def _attention(config: AttentionConfig, options: KernelOptions, inputs: dict[str
 
 def _attention_fwd(config: AttentionConfig, options: KernelOptions, inputs: dict[str, Any]) -> tuple[dict, tuple]:
     """The training forward (with the logsumexp); residuals: the inputs, the output, the logsumexp."""
-    if config.paging is not None:
-        raise UnsupportedConfigurationError(["paged attention has no backward (cuDNN provides none)"], config)
+    check_everywhere(config, kind="bwd")              # a paged call has no backward anywhere
     training = config.replace(training=True)
     results = _run(FWD, training, options, _select(training, FWD, inputs))
     primal = {name: results[name] for name in result_names(config, FWD)}
@@ -164,9 +183,38 @@ def _align_manual_axes(inputs: dict[str, Any]) -> dict[str, Any]:
             for name, x in inputs.items()}
 
 
-def attention(config: AttentionConfig, operands: AttentionOperands, options: KernelOptions) -> AttentionOutput:
+def guard_values(config: AttentionConfig, operands: AttentionOperands, check_values: bool | None = None,
+                 names: Mapping[str, str] | None = None) -> AttentionOperands:
+    """``operands`` whose lengths, offsets and page ids cannot take cuDNN outside the buffers (module doc):
+    checked now when concrete; else clamped, and in the checked mode also checked on the host at run time.
+    ``names`` renames arguments in the messages (the ``jax.nn`` drop-in's).
+
+    Raises:
+        ValueError: a concrete value breaks the rules, or ``check_values`` is not a bool or ``None``.
+    """
+    checked = values.checking(check_values)
+    found = values.present(operands)
+    if not found or values.check_concrete(config, operands, names):
+        return operands
+    if checked:
+        order = tuple(found)
+
+        def check_on_host(*arrays: Any) -> None:
+            values.check_arrays(config, {n: np.asarray(a).astype(np.int64) for n, a in zip(order, arrays)}, names)
+
+        jax.debug.callback(check_on_host, *found.values())
+    return values.sanitize(config, operands, jnp)
+
+
+def attention(config: AttentionConfig, operands: AttentionOperands, options: KernelOptions, *,
+              check_values: bool | None = None, names: Mapping[str, str] | None = None) -> AttentionOutput:
     """The native entry point: a prepared call (:func:`cudnn_attn.validation.prepare` with ``xp=jax.numpy``)
-    in, :class:`~cudnn_attn.types.AttentionOutput` out; differentiable with respect to the operands."""
+    in, :class:`~cudnn_attn.types.AttentionOutput` out; differentiable with respect to the operands.
+    The value operands pass :func:`guard_values` first (``check_values``, ``names``: see there).
+
+    Raises :class:`~cudnn_attn.errors.UnsupportedConfigurationError` at once for what no backend runs."""
+    check_everywhere(config, kind="fwd")
+    operands = guard_values(config, operands, check_values, names)
     results = _attention(config, options, _align_manual_axes(_inputs(config, operands)))
     return AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
 
@@ -183,6 +231,7 @@ def dot_product_attention(
     score_mod: Callable[..., Any] | None = None, use_fp8: bool = False, return_residual: bool = False,
     diagonal_alignment: str = "top_left", sink: Any = None, deterministic: bool = False,
     cuda_graph: bool | None = None, backend: str = "ffi", context_parallel: Any = None,
+    check_values: bool | None = None,
 ) -> Any:
     """Scaled dot-product attention (JAX's cuDNN ``dot_product_attention``; module doc for the extras).
 
@@ -205,7 +254,7 @@ def dot_product_attention(
         config = sequence_split.whole_config(config, context)
         operands = operands.replace(key=key, value=value)
     options = kernel_options(config, seed=seed, backend=backend, cuda_graph=cuda_graph, context_parallel=context)
-    return attention(config, operands, options).seed_form(use_fp8, return_residual)
+    return attention(config, operands, options, check_values=check_values).seed_form(use_fp8, return_residual)
 
 
 def paged_attention(
@@ -214,6 +263,7 @@ def paged_attention(
     mask_type: MaskType = MaskType.NO_MASK, seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH",
     sliding_window_length: int | None = None, use_fp8: bool = False, return_residual: bool = False,
     diagonal_alignment: str = "top_left", sink: Any = None, cuda_graph: bool | None = None, backend: str = "ffi",
+    check_values: bool | None = None,
 ) -> Any:
     """Attention over paged K/V caches (forward only; JAX's cuDNN ``paged_attention``).
 
@@ -228,4 +278,4 @@ def paged_attention(
         sliding_window_length=sliding_window_length, use_fp8=use_fp8, training=return_residual,
         diagonal_alignment=diagonal_alignment, xp=jnp)
     options = kernel_options(config, seed=seed, backend=backend, cuda_graph=cuda_graph)
-    return attention(config, operands, options).seed_form(use_fp8, return_residual)
+    return attention(config, operands, options, check_values=check_values).seed_form(use_fp8, return_residual)

@@ -1,5 +1,25 @@
 #!/usr/bin/env bash
-# Set up .venv (Python 3.12, the project with its test extra) and run the whole CPU test suite,
-# including the deviceless cuDNN tier. Extra arguments go to pytest.
+# CI and local runs. 1) Set up .venv (Python 3.12, jax pinned as on the GPU machine) and run the whole
+# CPU test suite, including the deviceless cuDNN tier. 2) Run the tests that touch JAX or score_mod, and
+# the fuzz test of the front doors, against the newest JAX release in .venv-jax-latest, set up the same way.
+# Extra arguments go to pytest in both runs; naming test files or ids (a focused run) skips the second
+# unless CUDNN_ATTN_JAX_LATEST=1 (=0 always skips it). Exits non-zero when either run fails.
 source "$(dirname "$0")/_venv.sh" test
-"$PY" -m pytest "$@"
+status=0
+"$PY" -m pytest "$@" || status=$?
+
+latest_run=${CUDNN_ATTN_JAX_LATEST:-auto}
+if [ "$latest_run" = auto ]; then
+  latest_run=1
+  for arg in "$@"; do
+    case "$arg" in tests*|*.py|*.py::*) latest_run=0 ;; esac
+  done
+fi
+if [ "$latest_run" = 1 ]; then
+  latest="${CUDNN_ATTN_VENV_JAX_LATEST:-$root/.venv-jax-latest}"
+  make_venv "$latest" test latest
+  echo "== newest JAX: jax $("$latest/bin/python" -c 'import jax; print(jax.__version__)'): JAX, score_mod, values, fuzz =="
+  "$latest/bin/python" -m pytest "$@" tests/test_jax_*.py tests/test_score_mod*.py tests/test_values.py \
+    tests/test_fuzz_front_doors.py || status=$?
+fi
+exit $status

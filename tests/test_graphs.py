@@ -164,7 +164,7 @@ def test_rng_dump_is_a_float_BNTS_tensor():
 @pytest.mark.parametrize("mask", [MaskSpec(), PADDING_CAUSAL], ids=["no-mask", "padding-causal"])
 def test_score_mod_arguments_are_by_value_float_scalars(kind, mask):
     pytest.importorskip("jax")
-    spec = ScoreModSpec(fn=softcap, arg_shapes=(((), "float32"),))
+    spec = ScoreModSpec.trace(softcap, (B, N, T, S), (((), "float32"),))
     graph, uids = declare_graph(config(score_mod=spec, mask=mask), kind)
     graph.validate()
     arg = graph.find_tensor(int(T_.SCORE_MOD_ARG_0))
@@ -174,7 +174,7 @@ def test_score_mod_arguments_are_by_value_float_scalars(kind, mask):
 
 
 def test_non_scalar_score_mod_arguments_are_refused():
-    spec = ScoreModSpec(fn=lambda s, table: s, arg_shapes=(((4, 128), "float32"),))
+    spec = ScoreModSpec.trace(lambda s, table: s, (B, N, T, S), (((4, 128), "float32"),))
     with pytest.raises(UnsupportedConfigurationError, match="scalars"):
         declare_graph(config(score_mod=spec), "fwd")
 

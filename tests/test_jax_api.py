@@ -185,22 +185,36 @@ def test_invalid_input_is_a_value_error_at_trace_time():
     q, k, v = qkv(np.random.default_rng(9))
     with pytest.raises(ValueError, match="key: head dim"):
         jax.jit(lambda q, k, v: jb.dot_product_attention(q, k[..., :4], v))(q, k, v)
-    with pytest.raises(ValueError, match="seed: must be a Python int"):
+    with pytest.raises(ValueError, match="seed: the dropout seed must be a Python or NumPy int"):
         jax.jit(lambda q, s: jb.dot_product_attention(q, k, v, dropout_rate=0.1, seed=s))(q, jnp.int32(3))
     with pytest.raises(ValueError, match="backend"):
         jb.dot_product_attention(q, k, v, backend="tvm")
 
 
-def test_error_inside_the_kernel_is_reported_not_crashing():
-    """A page table entry outside the cache is only visible to the kernel; its ValueError comes back as
-    an XLA error carrying the message, and the runtime stays usable."""
+def test_bad_traced_values_are_clamped_or_checked_at_run_time():
+    """A page id outside the cache under jit: clamped by default (the result is the reference's for the
+    clamped table); in the checked mode a host check fails the call with the argument, row and value in
+    XLA's message (the kernel still sees the clamped table), and the runtime stays usable."""
     rng = np.random.default_rng(10)
     q = normal(rng, (1, 4, 2, 8), "float16")
     cache = normal(rng, (2, 4, 2, 8), "float16")
     table = jnp.asarray([[[[0], [5]]]], jnp.int32)
-    f = jax.jit(lambda q, t: jb.paged_attention(q, cache, cache, _seq([4]), _seq([8]), t, t))
-    with pytest.raises(Exception, match="page_table_k.*not a block index") as info:
-        jax.block_until_ready(f(q, table))
-    assert "INVALID_ARGUMENT" in str(info.value)
-    good = f(q, jnp.asarray([[[[0], [1]]]], jnp.int32))
-    assert np.all(np.isfinite(np.asarray(good, np.float32)))
+    call = lambda q, t, **kw: jb.paged_attention(q, cache, cache, _seq([4]), _seq([8]), t, t, **kw)  # noqa: E731
+    clamped = jax.jit(call)(q, table)
+    want = reference.paged_attention(np.asarray(q), np.asarray(cache), np.asarray(cache), np.array([4], np.int32),
+                                     np.array([8], np.int32), *(np.array([[[[0], [1]]]], np.int32),) * 2)
+    np.testing.assert_array_equal(np.asarray(clamped), want)
+    checked = jax.jit(lambda q, t: call(q, t, check_values=True))
+    with pytest.raises(Exception, match=r"page_table_k: row 0: entry \[0, 0, 1, 0\] = 5 is not a block index"):
+        jax.block_until_ready(checked(q, table))
+    good = checked(q, jnp.asarray([[[[0], [1]]]], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(good), want)
+
+
+def test_concrete_bad_values_raise_value_errors_eagerly():
+    rng = np.random.default_rng(11)
+    q = normal(rng, (2, 4, 2, 8), "float16")
+    with pytest.raises(ValueError, match=r"kv_seqlen: row 1 is 9, outside \[0, 4\]"):
+        jb.dot_product_attention(q, q, q, q_seqlen=_seq([4, 4]), kv_seqlen=_seq([4, 9]), mask_type=MaskType.PADDING)
+    with pytest.raises(ValueError, match=r"query_seq_lengths: row 0 is -1"):
+        jb.dot_product_attention_nn(q, q, q, query_seq_lengths=_seq([-1, 2]))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from cudnn_attn import MaskType
@@ -34,31 +35,36 @@ def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def _array(shape, dtype):
+    """A real array to describe a call (validation refuses shape/dtype descriptions); values never matter."""
+    return np.zeros(shape, np.dtype(dtype))
+
+
 def _config(case: str, training: bool):
     f16 = jnp.float16
     dtype = jnp.float8_e4m3fn if case == "fp8" else f16
-    arrays = [_sds((B, T, N, H), dtype), _sds((B, S, K, H), dtype), _sds((B, S, K, H), dtype)]
+    arrays = [_array((B, T, N, H), dtype), _array((B, S, K, H), dtype), _array((B, S, K, H), dtype)]
     kwargs: dict = {"training": training}
     if case == "bias_dbias":
-        kwargs["bias"] = _sds((1, N, T, S), f16)
+        kwargs["bias"] = _array((1, N, T, S), f16)
     if case == "mask_only":
-        kwargs["mask"] = _sds((B, 1, T, S), jnp.bool_)
+        kwargs["mask"] = _array((B, 1, T, S), jnp.bool_)
     if case == "padding_causal":
-        kwargs.update(q_seqlen=_sds((B,), jnp.int32), kv_seqlen=_sds((B,), jnp.int32),
+        kwargs.update(q_seqlen=_array((B,), jnp.int32), kv_seqlen=_array((B,), jnp.int32),
                       mask_type=MaskType.PADDING_CAUSAL)
     if case == "packed":
-        kwargs.update(q_seqlen=_sds((B, 3), jnp.int32), kv_seqlen=_sds((B, 3), jnp.int32),
-                      q_offsets=_sds((B, 4), jnp.int32), kv_offsets=_sds((B, 4), jnp.int32))
+        kwargs.update(q_seqlen=_array((B, 3), jnp.int32), kv_seqlen=_array((B, 3), jnp.int32),
+                      q_offsets=_array((B, 4), jnp.int32), kv_offsets=_array((B, 4), jnp.int32))
     if case == "paged":
-        arrays[1:] = [_sds((7, 16, K, H), f16), _sds((7, 16, K, H), f16)]
-        kwargs.update(q_seqlen=_sds((B,), jnp.int32), kv_seqlen=_sds((B,), jnp.int32),
-                      page_table_k=_sds((B, 1, 3, 1), jnp.int32), page_table_v=_sds((B, 1, 3, 1), jnp.int32))
+        arrays[1:] = [_array((7, 16, K, H), f16), _array((7, 16, K, H), f16)]
+        kwargs.update(q_seqlen=_array((B,), jnp.int32), kv_seqlen=_array((B,), jnp.int32),
+                      page_table_k=_array((B, 1, 3, 1), jnp.int32), page_table_v=_array((B, 1, 3, 1), jnp.int32))
     if case == "dropout_sink":
-        kwargs.update(dropout_rate=0.1, sink=_sds((N,), jnp.float32))
+        kwargs.update(dropout_rate=0.1, sink=_array((N,), jnp.float32))
     if case == "alibi_window":
         kwargs.update(mask_type=MaskType.ALIBI, sliding_window_length=8)
     if case == "fp8":
-        kwargs.update(fp8_params={k: _sds((1, 1, 1, 1), jnp.float32) for k in FP8_PARAM_KEYS}, use_fp8=True,
+        kwargs.update(fp8_params={k: _array((1, 1, 1, 1), jnp.float32) for k in FP8_PARAM_KEYS}, use_fp8=True,
                       mask_type=MaskType.CAUSAL)
     return prepare(*arrays, xp=jnp, **kwargs)
 
@@ -135,7 +141,7 @@ def test_zero_rows_sets_padded_query_rows_to_zero():
 def test_score_mod_arguments_are_refused_on_the_gpu_path():
     from cudnn_attn import UnsupportedConfigurationError
 
-    q = _sds((B, T, N, H), jnp.float16)
-    config, _ = prepare(q, q, q, score_mod=lambda s, c: s * c, score_mod_args=(_sds((), jnp.float32),), xp=jnp)
+    q = _array((B, T, N, H), jnp.float16)
+    config, _ = prepare(q, q, q, score_mod=lambda s, c: s * c, score_mod_args=(_array((), jnp.float32),), xp=jnp)
     with pytest.raises(UnsupportedConfigurationError, match="score_mod arguments are traced arrays"):
         cudnn_target._check_expressible(Kernel(config, FWD))

@@ -25,7 +25,8 @@ from jax import lax
 from cudnn_attn.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, ScoreModSpec
 from cudnn_attn.errors import UnsupportedConfigurationError
 from cudnn_attn.graphs import score_mod_cudnn
-from cudnn_attn.graphs.score_mod import score_mod_graph, score_mod_refusals, trace_score_mod
+from cudnn_attn.graphs.score_mod import score_mod_graph, score_mod_refusals
+from cudnn_attn.graphs.score_mod_spec import score_mod_program
 from cudnn_attn.graphs.score_mod_ir import F32, I32, ProgramBuilder, evaluate
 
 from deviceless.conftest import deviceless  # noqa: F401  (the session fixture of the deviceless tier)
@@ -134,8 +135,9 @@ FUNCTIONS = {
 }
 
 
-def _spec(fn, args=()):
-    return ScoreModSpec(fn=fn, arg_shapes=tuple((np.shape(a), np.asarray(a).dtype.name) for a in args))
+def _spec(fn, args=(), shape=SHAPE):
+    return ScoreModSpec.trace(fn, shape, tuple((np.shape(a), np.asarray(a).dtype.name) for a in args))
+
 
 
 def _scores(rng, shape=SHAPE):
@@ -148,27 +150,26 @@ def _vjp(fn, score, grad, args):
 
 # -- the traced programs against JAX ----------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(FUNCTIONS))
-def test_forward_program_equals_the_function(name):
+def test_forward_program_equals_the_function(name, rng):
     fn, args = FUNCTIONS[name]
-    score = _scores(np.random.default_rng())
-    program = trace_score_mod(_spec(fn, args), SHAPE).forward
+    score = _scores(rng)
+    program = score_mod_program(_spec(fn, args)).forward
     np.testing.assert_allclose(evaluate(program, score=score, args=args), np.asarray(fn(jnp.asarray(score), *args)),
                                **TOLERANCE)
 
 
 @pytest.mark.parametrize("name", list(FUNCTIONS))
-def test_backward_program_equals_the_vjp(name):
+def test_backward_program_equals_the_vjp(name, rng):
     fn, args = FUNCTIONS[name]
-    rng = np.random.default_rng()
     score, grad = _scores(rng), rng.standard_normal(SHAPE).astype(np.float32)
-    program = trace_score_mod(_spec(fn, args), SHAPE).backward
+    program = score_mod_program(_spec(fn, args)).backward
     np.testing.assert_allclose(evaluate(program, score=score, cotangent=grad, args=args),
                                _vjp(fn, score, grad, args), **TOLERANCE)
 
 
 def test_additive_modifications_have_the_identity_as_backward():
-    relative = trace_score_mod(_spec(relative_bias, (np.float32(1.0),)), SHAPE)
-    capped = trace_score_mod(_spec(softcap, (np.float32(1.0),)), SHAPE)
+    relative = score_mod_program(_spec(relative_bias, (np.float32(1.0),)))
+    capped = score_mod_program(_spec(softcap, (np.float32(1.0),)))
     assert relative.is_additive and not relative.backward_reads_score and len(relative.backward.nodes) == 1
     assert not capped.is_additive and capped.backward_reads_score
 
@@ -225,25 +226,26 @@ def row_sums(score):
 ], ids=["reduction", "closed-over-array", "bitwise"])
 def test_untranslatable_functions_are_refused_naming_the_operation(fn, needle):
     with pytest.raises(UnsupportedConfigurationError) as error:
-        trace_score_mod(_spec(fn), SHAPE)
+        score_mod_program(_spec(fn))
     message = str(error.value)
     assert needle in message and repr(fn.__name__) in message
 
 
 def test_a_value_broadcast_to_two_axes_is_refused():
     with pytest.raises(UnsupportedConfigurationError, match="broadcast to the score in two different ways"):
-        trace_score_mod(_spec(square_positions), (1, 1, 16, 16))
+        score_mod_program(_spec(square_positions, shape=(1, 1, 16, 16)))
 
 
 def test_array_arguments_are_refused_with_the_reason():
-    spec = ScoreModSpec(fn=relative_bias, arg_shapes=(((24,), "float32"),))
+    spec = ScoreModSpec.trace(relative_bias, SHAPE, (((24,), "float32"),))
     with pytest.raises(UnsupportedConfigurationError, match=r"score_mod_args\[0\] has shape \(24,\).*by-value scalars"):
-        trace_score_mod(spec, SHAPE)
+        score_mod_program(spec)
 
 
 def test_a_result_of_another_shape_is_a_value_error():
-    with pytest.raises(ValueError, match=r"must return one float array of the score's shape \(2, 3, 16, 24\)"):
-        trace_score_mod(_spec(row_sums), SHAPE)
+    with pytest.raises(ValueError, match=r"score_mod: 'row_sums' must return one float array of the score's shape "
+                                         r"\(B, N, T, S\) = \(2, 3, 16, 24\), got float32\[2, 3, 16\]"):
+        _spec(row_sums)
 
 
 # -- masks and bias inside the modification ----------------------------------------------------------
@@ -281,9 +283,8 @@ MASKS = {
 
 @pytest.mark.parametrize("mask", list(MASKS), ids=list(MASKS))
 @pytest.mark.parametrize("name", ["softcap", "relative-bias-iota", "document-mask-int-args"])
-def test_masks_are_applied_inside_the_modification(mask, name):
+def test_masks_are_applied_inside_the_modification(mask, name, rng):
     fn, args = FUNCTIONS[name]
-    rng = np.random.default_rng()
     graph = score_mod_graph(_config(fn, args, mask=MASKS[mask]), "bwd")
     score, grad = _scores(rng), rng.standard_normal(SHAPE).astype(np.float32)
     q_len, kv_len = rng.integers(1, SHAPE[2] + 1, SHAPE[0]), rng.integers(1, SHAPE[3] + 1, SHAPE[0])
@@ -297,8 +298,7 @@ def test_masks_are_applied_inside_the_modification(mask, name):
     np.testing.assert_allclose(backward, np.where(keep, _vjp(fn, score, grad, args), 0.0), **TOLERANCE)
 
 
-def test_a_non_additive_modification_takes_the_bias_first():
-    rng = np.random.default_rng()
+def test_a_non_additive_modification_takes_the_bias_first(rng):
     cap = (np.float32(1.5),)
     graph = score_mod_graph(_config(softcap, cap, bias=BiasSpec((1, 3, 16, 24), differentiable=False)), "bwd")
     assert graph.takes_bias and graph.num_args == 1
@@ -433,11 +433,10 @@ def _assert_matcher_friendly(calls):
 
 
 @pytest.mark.parametrize("name", list(FUNCTIONS))
-def test_emitted_operations_compute_the_program(name):
+def test_emitted_operations_compute_the_program(name, rng):
     fn, args = FUNCTIONS[name]
-    rng = np.random.default_rng()
     score, grad = _scores(rng), rng.standard_normal(SHAPE).astype(np.float32)
-    program = trace_score_mod(_spec(fn, args), SHAPE)
+    program = score_mod_program(_spec(fn, args))
     for prog, cotangent in ((program.forward, None), (program.backward, grad)):
         got, calls = _run_emitted(prog, score, cotangent, [np.float32(a) for a in args])
         want = evaluate(prog, score=score, cotangent=cotangent, args=args)
@@ -446,9 +445,8 @@ def test_emitted_operations_compute_the_program(name):
 
 
 @pytest.mark.parametrize("mask", ["padding-causal", "window-6"])
-def test_emitted_masks_compute_the_program(mask):
+def test_emitted_masks_compute_the_program(mask, rng):
     fn, args = FUNCTIONS["softcap"]
-    rng = np.random.default_rng()
     graph = score_mod_graph(_config(fn, args, mask=MASKS[mask]), "bwd")
     score, grad = _scores(rng), rng.standard_normal(SHAPE).astype(np.float32)
     lengths = dict(seq_len_q=rng.integers(1, 17, 2), seq_len_kv=rng.integers(1, 25, 2)) if graph.takes_seq_lens else {}

@@ -43,7 +43,13 @@ def scaled_score_mod(score, *factors):
     return score
 
 
-SCORE_MOD = ScoreModSpec(fn=score_mod)
+SCORES = (2, 4, 128, 128)                     # (B, N, T, S) of BASE
+SCORE_MOD = ScoreModSpec.trace(score_mod, SCORES)
+
+
+def scaled(*arg_shapes):
+    """The spec of ``scaled_score_mod`` with arguments of these ``(shape, dtype)``."""
+    return ScoreModSpec.trace(scaled_score_mod, SCORES, arg_shapes)
 
 
 def env(version=91900, capability=(9, 0)):
@@ -241,13 +247,11 @@ CASES = [
      LIBRARY, BASE.replace(**PACKED)),
     ("packed-paged", BASE.replace(paging=PAGED["paging"], **PACKED), SM90,
      "packed segments: cannot be combined with paged K/V", LIBRARY, BASE.replace(**PACKED)),
-    ("score_mod-9-args", BASE.replace(score_mod=ScoreModSpec(scaled_score_mod, (((), "float32"),) * 9)), SM90,
-     "score_mod: takes at most 8 arguments, found 9", LIBRARY,
-     BASE.replace(score_mod=ScoreModSpec(scaled_score_mod, (((), "float32"),) * 8))),
-    ("score_mod-vector-arg",
-     BASE.replace(score_mod=ScoreModSpec(scaled_score_mod, (((1, 1, 1, 1), "float32"), ((4,), "float32")))), SM90,
-     "score_mod: arguments must be scalars (bound by value), found shapes [(1, 1, 1, 1), (4,)]", LIBRARY,
-     BASE.replace(score_mod=ScoreModSpec(scaled_score_mod, (((1, 1, 1, 1), "float32"),)))),
+    ("score_mod-9-args", BASE.replace(score_mod=scaled(*[((), "float32")] * 9)), SM90,
+     "score_mod: takes at most 8 arguments, found 9", LIBRARY, BASE.replace(score_mod=scaled(*[((), "float32")] * 8))),
+    ("score_mod-vector-arg", BASE.replace(score_mod=scaled(((1, 1, 1, 1), "float32"), ((128,), "float32"))), SM90,
+     "score_mod: arguments must be scalars (bound by value), found shapes [(1, 1, 1, 1), (128,)]", LIBRARY,
+     BASE.replace(score_mod=scaled(((1, 1, 1, 1), "float32"),))),
     ("sm103-old-cudnn", BASE, env(91000, (10, 3)), "GPU: sm103 needs cuDNN >= 9.11.0, found 9.10.0", LIBRARY,
      env(91100, (10, 3))),
 ]

@@ -11,11 +11,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cudnn_attn.config import BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec
+from cudnn_attn.config import BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec, ScoreModSpec
 from cudnn_attn.types import FP8_PARAM_KEYS, AttentionLayout, MaskType
 from cudnn_attn.validation import LARGE_NEGATIVE, prepare, prepare_backward
 
-RNG = np.random.default_rng()
+RNG = np.random.default_rng(20261130)
 B, T, S, N, K, H = 2, 16, 24, 4, 2, 32
 
 
@@ -122,7 +122,8 @@ def test_static_flags_and_score_mod_spec():
     sink = randn((N,), np.float32)
     config, operands = prepare(q, k, v, score_mod_args=args, sink=sink, score_mod=score_mod, dropout_rate=0.25,
                                training=True, deterministic=True)
-    assert config.score_mod.fn is score_mod and config.score_mod.name == "score_mod"
+    assert config.score_mod.name == "score_mod" and config.score_mod.score_shape == (B, N, T, S)
+    assert config.score_mod == ScoreModSpec.trace(score_mod, (B, N, T, S), config.score_mod.arg_shapes)
     assert config.score_mod.arg_shapes == (((N,), "float32"), ((1, 1), "float32"))
     assert config.sink and config.training and config.deterministic and config.dropout_rate == 0.25
     assert operands.score_mod_args == args and operands.sink is sink
@@ -210,15 +211,15 @@ def test_prepare_under_jit_reads_no_values():
     np.testing.assert_array_equal(np.asarray(folded(q, k, v, mask)), prepare(q, k, v, mask=mask)[1].bias)
 
 
-def test_prepare_on_shape_dtype_structs():
+@pytest.mark.parametrize("name", ["query", "key", "value", "bias", "mask", "q_seqlen", "sink"])
+def test_descriptions_without_data_are_refused(name):
+    """``jax.ShapeDtypeStruct`` (or any object with .shape and .dtype) is not an array: refused up front."""
     q, k, v = qkv()
-    bias, mask = randn((B, 1, T, S)), RNG.random((T, S)) < 0.5
-    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, bias, mask)]
-    config, operands = prepare(*abstract[:3], bias=abstract[3], mask=abstract[4], q_seqlen=jax.ShapeDtypeStruct(
-        (B,), np.int32), kv_seqlen=jax.ShapeDtypeStruct((B,), np.int32), mask_type=MaskType.PADDING)
-    assert config == prepare(q, k, v, bias=bias, mask=mask, q_seqlen=seqlens(), kv_seqlen=seqlens(),
-                             mask_type=MaskType.PADDING)[0]
-    assert operands.bias == jax.ShapeDtypeStruct((B, 1, T, S), np.float16)
+    arrays = dict(query=q, key=k, value=v, bias=randn((B, 1, T, S)), mask=RNG.random((T, S)) < 0.5,
+                  q_seqlen=seqlens(), kv_seqlen=seqlens(), sink=randn((N,), np.float32))
+    arrays[name] = jax.ShapeDtypeStruct(arrays[name].shape, arrays[name].dtype)
+    with pytest.raises(ValueError, match=rf"^{name}: expected an array.*ShapeDtypeStruct \(a shape/dtype description"):
+        prepare(**arrays, mask_type=MaskType.PADDING)
 
 
 # -- errors -----------------------------------------------------------------------------------------
@@ -281,7 +282,7 @@ def _packed(**changes):
 ERRORS = [
     # Q/K/V
     ("query-rank-3", _with(query=From(lambda a: a["query"][0])), "query", "must have rank 4, got rank 3"),
-    ("key-not-an-array", _with(key=[1.0, 2.0]), "key", "expected an array with .shape and .dtype"),
+    ("key-not-an-array", _with(key=[1.0, 2.0]), "key", "expected an array, got list"),
     ("value-zero-length", _with(value=From(lambda a: a["value"][:, :0])), "value", "every dimension must be >= 1"),
     ("float32-inputs", _with(**{n: From(lambda a, n=n: a[n].astype(np.float32)) for n in ("query", "key", "value")}),
      "query", "dtype must be one of float16, bfloat16, got float32"),
@@ -301,7 +302,7 @@ ERRORS = [
      "key/value", "query heads N=4 must be a multiple of key/value heads K=3"),
     ("kv-lengths", _with(value=From(lambda a: a["value"][:, :S - 1])), "value", f"sequence length {S - 1} must equal"),
     # bias and mask
-    ("bias-list", _with(bias=[[0.0]]), "bias", "expected an array with .shape and .dtype (or None), got list"),
+    ("bias-list", _with(bias=[[0.0]]), "bias", "expected an array or None, got list"),
     ("kv_seqlen-tuple", _with(q_seqlen=seqlens(), kv_seqlen=(3, 4), mask_type=MaskType.PADDING), "kv_seqlen",
      "got tuple"),
     ("bias-rank-5", _with(bias=randn((1, B, N, T, S))), "bias", "does not broadcast to (B, N, T, S)"),

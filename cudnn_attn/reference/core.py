@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 
 from ..config import AttentionConfig, AttentionOperands
-from ..errors import UnsupportedConfigurationError
+from ..support import check_everywhere
 from ..types import AttentionGrads, AttentionOutput
+from ..validation import check_seed
 from . import fp8, masks
 from .problem import Problem, load, probabilities, scores, sink_probabilities, softmax
 from .tensors import cast, io_dtype, to_physical
@@ -54,7 +55,14 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
     Returns:
         :class:`AttentionOutput`: ``output`` in the query's layout and io dtype; ``logsumexp`` float32
         ``config.lse_shape`` when ``config.training``; ``amax_s``/``amax_o`` for FP8.
+
+    Raises:
+        ValueError: a bad ``seed``, or sequence lengths, offsets or page-table entries that do not describe
+            the call (:func:`cudnn_attn.values.check`).
+        UnsupportedConfigurationError: what no backend runs (:func:`cudnn_attn.support.check_everywhere`).
     """
+    seed = check_seed(seed)
+    check_everywhere(config, kind="fwd")
     if config.fp8:
         return fp8.forward(config, operands, dropout_mask)
     problem = load(config, operands)
@@ -66,14 +74,10 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
 
 
 def _score_mod_vjp(problem: Problem, score_input: np.ndarray, ds: np.ndarray) -> np.ndarray:
-    """Pull ``ds`` (gradient w.r.t. the modified score) back through ``score_mod`` with ``jax.vjp``."""
-    import jax
-    import jax.numpy as jnp
+    """Pull ``ds`` (gradient w.r.t. the modified score) back through ``score_mod`` (its traced VJP)."""
+    from ..graphs.score_mod_spec import vjp
 
-    args = tuple(jnp.asarray(a) for a in problem.score_mod_args)
-    _, pullback = jax.vjp(lambda score: problem.config.score_mod.fn(score, *args), jnp.asarray(score_input))
-    (ds_input,) = pullback(jnp.asarray(ds, dtype=jnp.float32))
-    return np.asarray(ds_input).astype(np.float64)
+    return vjp(problem.config.score_mod, score_input, ds, problem.score_mod_args).astype(np.float64)
 
 
 def _bias_gradient(ds: np.ndarray, bias_shape: tuple[int, ...]) -> np.ndarray:
@@ -96,10 +100,11 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
         shape) when ``config.has_dbias``; ``dsink`` float32 ``(N,)`` when ``config.sink``; FP8 amax values.
 
     Raises:
-        UnsupportedConfigurationError: paged K/V (cuDNN has no paged backward either).
+        ValueError: as for :func:`forward`.
+        UnsupportedConfigurationError: paged K/V (cuDNN has no paged backward either), FP8 refusals.
     """
-    if config.paging is not None:
-        raise UnsupportedConfigurationError(["paged K/V has no backward (as in cuDNN)"], config)
+    seed = check_seed(seed)
+    check_everywhere(config, kind="bwd")
     if config.fp8:
         return fp8.backward(config, operands, output, grad_output, logsumexp, dropout_mask)
     problem = load(config, operands)

@@ -36,21 +36,17 @@ from typing import Any
 import numpy as np
 
 from ..config import AttentionConfig, AttentionOperands
-from ..errors import UnsupportedConfigurationError
 from ..types import AttentionGrads, AttentionOutput
 from .problem import load, probabilities, scores, sink_probabilities, softmax
 from .tensors import amax_array, as_float64, cast, io_dtype, scalar, to_physical
 
 
 def _check_emulated(config: AttentionConfig, dropout_mask: Any) -> None:
-    reasons = [reason for present, reason in (
-        (config.bias is not None, "bias/mask (cuDNN's FP8 attention takes none)"),
-        (config.mask.alibi, "ALiBi"),
-        (config.has_dropout or dropout_mask is not None, "dropout"),
-        (config.score_mod is not None, "score_mod"),
-    ) if present]
-    if reasons:
-        raise UnsupportedConfigurationError([f"the FP8 reference does not emulate {r}" for r in reasons], config)
+    """The FP8 features neither cuDNN nor this emulation has (bias, ALiBi, dropout, score_mod) are refused
+    before this module by the support table (:func:`~cudnn_attn.support.check_everywhere`); a dropout mask
+    is meaningless here."""
+    if dropout_mask is not None:
+        raise ValueError(f"dropout_mask: FP8 attention has no dropout ({config.describe()})")
 
 
 def _quantised(x: np.ndarray, config: AttentionConfig) -> np.ndarray:

@@ -66,8 +66,8 @@ def _keys_and_values(config: AttentionConfig, operands: AttentionOperands) -> tu
     if config.paging is None:
         return to_logical(operands.key, config.layout), to_logical(operands.value, config.layout)
     kv_lengths = np.asarray(operands.kv_seqlen).astype(np.int64)
-    return (gather_pages(operands.key, operands.page_table_k, kv_lengths, config.layout, "page_table_k"),
-            gather_pages(operands.value, operands.page_table_v, kv_lengths, config.layout, "page_table_v"))
+    return (gather_pages(operands.key, operands.page_table_k, kv_lengths, config.layout),
+            gather_pages(operands.value, operands.page_table_v, kv_lengths, config.layout))
 
 
 def load(config: AttentionConfig, operands: AttentionOperands) -> Problem:
@@ -103,11 +103,10 @@ def scores(problem: Problem, qk_scale: float) -> tuple[np.ndarray, np.ndarray | 
         s = s + masks.alibi_bias(config, problem.segments)
     score_input = None
     if config.score_mod is not None:
+        from ..graphs.score_mod_spec import apply
+
         score_input = s.astype(np.float32)
-        s = np.asarray(config.score_mod.fn(score_input, *problem.score_mod_args)).astype(np.float64)
-        if s.shape != score_input.shape:
-            raise ValueError(f"score_mod: must return the score shape (B, N, T, S) = {score_input.shape}, "
-                             f"got {s.shape}")
+        s = apply(config.score_mod, score_input, problem.score_mod_args).astype(np.float64)
     return np.where(problem.allowed, s, -np.inf), score_input
 
 

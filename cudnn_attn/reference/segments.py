@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..config import AttentionConfig, AttentionOperands
+from ..values import check
 
 
 @dataclass(frozen=True)
@@ -71,36 +72,14 @@ def _ints(x: Any) -> np.ndarray:
     return np.asarray(x).astype(np.int64)
 
 
-def _check_lengths(name: str, lengths: np.ndarray, limit: int) -> None:
-    bad = (lengths < 0) | (lengths > limit)
-    if bad.any():
-        b = int(np.argwhere(bad)[0][0])
-        raise ValueError(f"{name}: every length must lie in [0, {limit}], got {name}[{b}] = {lengths[b]} "
-                         f"(all: {lengths.tolist()})")
-
-
 def _packed_segments(q_seqlen: np.ndarray, kv_seqlen: np.ndarray, q_offsets: np.ndarray,
-                     kv_offsets: np.ndarray, q_limit: int, kv_limit: int) -> list[tuple[int, ...]]:
-    """``(row, q_start, q_len, kv_start, kv_len)`` of the valid segments, rows then segments in order."""
-    arrays = {"q_seqlen": q_seqlen, "kv_seqlen": kv_seqlen, "q_offsets": q_offsets, "kv_offsets": kv_offsets}
+                     kv_offsets: np.ndarray) -> list[tuple[int, ...]]:
+    """``(row, q_start, q_len, kv_start, kv_len)`` of the valid segments, rows then segments in order (the
+    values follow the rules of :mod:`cudnn_attn.values`)."""
     found = []
     for b in range(q_seqlen.shape[0]):
-        count = int((q_seqlen[b] >= 0).sum())
-        for name, x in arrays.items():
-            valid = x[b] >= 0
-            if not valid[:count].all() or valid[count:].any():
-                raise ValueError(
-                    f"{name}: row {b} is {x[b].tolist()}, but q_seqlen[{b}] = {q_seqlen[b].tolist()} has {count} "
-                    f"segment(s); each row must list exactly its {count} segment(s) first (start offsets, lengths) "
-                    "and pad the rest with -1")
-        for m in range(count):
-            q_start, q_len = int(q_offsets[b, m]), int(q_seqlen[b, m])
-            kv_start, kv_len = int(kv_offsets[b, m]), int(kv_seqlen[b, m])
-            if q_start + q_len > q_limit or kv_start + kv_len > kv_limit:
-                raise ValueError(
-                    f"q_offsets/kv_offsets: segment {m} of row {b} (queries [{q_start}, {q_start + q_len}), keys "
-                    f"[{kv_start}, {kv_start + kv_len})) must lie inside the row (T={q_limit}, S={kv_limit})")
-            found.append((b, q_start, q_len, kv_start, kv_len))
+        for m in range(int((q_seqlen[b] >= 0).sum())):
+            found.append((b, int(q_offsets[b, m]), int(q_seqlen[b, m]), int(kv_offsets[b, m]), int(kv_seqlen[b, m])))
     return found
 
 
@@ -111,12 +90,8 @@ def _token_maps(found: list[tuple[int, ...]], batch: int, length: int, side: str
     column = 1 if side == "q" else 3
     for g, entry in enumerate(found):
         b, start, size = entry[0], entry[column], entry[column + 1]
-        span = slice(start, start + size)
-        if (segment[b, span] >= 0).any():
-            other = int(segment[b, span][segment[b, span] >= 0][0])
-            raise ValueError(f"{side}_offsets: segments {other} and {g} (global indices) overlap in row {b}")
-        segment[b, span] = g
-        position[b, span] = np.arange(size)
+        segment[b, start:start + size] = g
+        position[b, start:start + size] = np.arange(size)
     return segment, position
 
 
@@ -124,16 +99,16 @@ def segments_of(config: AttentionConfig, operands: AttentionOperands) -> Segment
     """The segments of one call, read from its seqlens/offsets (values are read: this is NumPy).
 
     Raises:
-        ValueError: lengths or offsets that do not describe segments inside the rows.
+        ValueError: lengths or offsets that do not describe segments inside the rows
+            (:func:`cudnn_attn.values.check`, naming the argument, the row and the value).
     """
+    check(config, operands)
     batch, q_limit, kv_limit = config.batch, config.q_len, config.kv_len
     if config.packing:
         found = _packed_segments(_ints(operands.q_seqlen), _ints(operands.kv_seqlen), _ints(operands.q_offsets),
-                                 _ints(operands.kv_offsets), q_limit, kv_limit)
+                                 _ints(operands.kv_offsets))
     elif config.mask.padding:
         q_lengths, kv_lengths = _ints(operands.q_seqlen), _ints(operands.kv_seqlen)
-        _check_lengths("q_seqlen", q_lengths, q_limit)
-        _check_lengths("kv_seqlen", kv_lengths, kv_limit)
         found = [(b, 0, int(q_lengths[b]), 0, int(kv_lengths[b])) for b in range(batch)]
     else:
         found = [(b, 0, q_limit, 0, kv_limit) for b in range(batch)]

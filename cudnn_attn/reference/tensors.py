@@ -53,17 +53,14 @@ def cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return np.asarray(x).astype(dtype)
 
 
-def gather_pages(cache: Any, page_table: Any, kv_lengths: np.ndarray, layout: AttentionLayout,
-                 name: str) -> np.ndarray:
+def gather_pages(cache: Any, page_table: Any, kv_lengths: np.ndarray, layout: AttentionLayout) -> np.ndarray:
     """Logical ``(B, K, blocks_per_seq * block_size, dim)`` K or V from a paged cache.
 
     ``K[b, :, s] = cache[page_table[b, 0, s // block_size, 0], s % block_size]`` (layout-aware).
     Only the table entries of blocks that hold a token ``s < kv_lengths[b]`` are read (the others may
-    hold anything); tokens at ``s >= kv_lengths[b]`` are whatever the cache holds and are left to the
-    caller to discard (:func:`.problem.load` zeroes them).
-
-    Raises:
-        ValueError: a used table entry is not a block index of ``cache``.
+    hold anything; the used ones are block indices, :func:`cudnn_attn.values.check`); tokens at
+    ``s >= kv_lengths[b]`` are whatever the cache holds and are left to the caller to discard
+    (:func:`.problem.load` zeroes them).
     """
     cache = as_float64(cache)
     if layout is AttentionLayout.BTNH:                       # (blocks, block_size, K, dim)
@@ -72,12 +69,6 @@ def gather_pages(cache: Any, page_table: Any, kv_lengths: np.ndarray, layout: At
     table = np.asarray(page_table)[:, 0, :, 0].astype(np.int64)          # (B, blocks_per_seq)
     batch, blocks_per_seq = table.shape
     used = np.arange(blocks_per_seq)[None, :] * block_size < kv_lengths[:, None]
-    bad = used & ((table < 0) | (table >= num_blocks))
-    if bad.any():
-        b, j = (int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"{name}: entry [{b}, 0, {j}, 0] = {table[b, j]} is not a block index of the cache "
-                         f"(0 <= index < num_blocks = {num_blocks}); it is used since kv_seqlen[{b}] = "
-                         f"{int(kv_lengths[b])} > {j * block_size}")
     blocks = cache[np.where(used, table, 0)]                 # (B, blocks_per_seq, K, block_size, dim)
     return blocks.transpose(0, 2, 1, 3, 4).reshape(batch, heads, blocks_per_seq * block_size, dim)
 

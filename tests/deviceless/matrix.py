@@ -62,4 +62,4 @@ def softcap(score, cap):
     return cap * jnp.tanh(score / cap)
 
 
-SOFTCAP = ScoreModSpec(fn=softcap, arg_shapes=(((), "float32"),))
+SOFTCAP = ScoreModSpec.trace(softcap, (B, N, T, S), (((), "float32"),))

@@ -27,10 +27,9 @@ def _qkv(rng, dtype, B=2, T=128, S=128, N=4, K=4, H=64):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_seed_forms_and_boolean_mask(dtype):
+def test_seed_forms_and_boolean_mask(dtype, rng):
     """``dot_product_attention`` returns ``output`` or ``(output, logsumexp)``; a boolean mask is folded
     into the bias and gets no dbias."""
-    rng = np.random.default_rng()
     q, k, v = _qkv(rng, dtype)
     mask = rng.random((2, 1, 128, 128)) < 0.8
     mask[..., 0] = True                                  # every query keeps a key
@@ -50,8 +49,7 @@ def test_seed_forms_and_boolean_mask(dtype):
         assert_close(name, getattr(grads, name), getattr(ref_grads, name), dtype)
 
 
-def test_bias_gradient_through_the_public_api():
-    rng = np.random.default_rng()
+def test_bias_gradient_through_the_public_api(rng):
     q, k, v = _qkv(rng, "float16")
     bias = rng.standard_normal((1, 4, 128, 128)).astype(np.float16)
     g = [cp.asarray(x) for x in (q, k, v, bias)]
@@ -64,11 +62,10 @@ def test_bias_gradient_through_the_public_api():
     assert_close("dbias", grads.dbias, ref.dbias, "float16")
 
 
-def test_torch_tensors_zero_copy():
+def test_torch_tensors_zero_copy(rng):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
-    rng = np.random.default_rng()
     q, k, v = _qkv(rng, "bfloat16")
     tq, tk, tv = (torch.from_dlpack(cp.asarray(x)) for x in (q, k, v))
     assert tq.dtype == torch.bfloat16
@@ -88,13 +85,12 @@ def test_torch_tensors_zero_copy():
     assert isinstance(on_stream, torch.Tensor) and cp.array_equal(cp.from_dlpack(on_stream), out)
 
 
-def test_jax_arrays_zero_copy():
+def test_jax_arrays_zero_copy(rng):
     jax = pytest.importorskip("jax")
     if not any(d.platform == "gpu" for d in jax.devices()):
         pytest.skip("JAX without a GPU backend")
     import jax.numpy as jnp
 
-    rng = np.random.default_rng()
     q, k, v = _qkv(rng, "bfloat16")
     jq, jk, jv = (jnp.asarray(x) for x in (q, k, v))
     out = cudnn_attn.dot_product_attention(jq, jk, jv, scale=0.125)
@@ -105,8 +101,7 @@ def test_jax_arrays_zero_copy():
     assert isinstance(as_cupy, cp.ndarray) and cp.array_equal(as_cupy, cp.from_dlpack(out))
 
 
-def test_explicit_stream_orders_the_work():
-    rng = np.random.default_rng()
+def test_explicit_stream_orders_the_work(rng):
     q, k, v = (cp.asarray(x) for x in _qkv(rng, "float16"))
     expected = cudnn_attn.dot_product_attention(q, k, v)
     stream = cp.cuda.Stream(non_blocking=True)
@@ -120,8 +115,7 @@ def test_explicit_stream_orders_the_work():
     assert cp.array_equal(out, expected)
 
 
-def test_non_contiguous_inputs_are_copied():
-    rng = np.random.default_rng()
+def test_non_contiguous_inputs_are_copied(rng):
     q, k, v = _qkv(rng, "float16")
     wide = cp.asarray(np.concatenate([q, q], axis=-1))
     view = wide[..., :64]
@@ -130,8 +124,7 @@ def test_non_contiguous_inputs_are_copied():
     assert_close("output", out, reference.dot_product_attention(q, k, v), "float16")
 
 
-def test_cache_hits_listing_and_dump():
-    rng = np.random.default_rng()
+def test_cache_hits_listing_and_dump(rng):
     config = make_config(T=192, S=192, mask_type=MaskType.CAUSAL)
     gpu = to_gpu(random_operands(config, rng, poison=False))
     execution.forward(config, gpu)
@@ -148,8 +141,7 @@ def test_cache_hits_listing_and_dump():
 
 
 @pytest.mark.parametrize("path", [launch.FAST, launch.FRONTEND])
-def test_both_execute_paths_give_identical_results(path, monkeypatch):
-    rng = np.random.default_rng()
+def test_both_execute_paths_give_identical_results(path, monkeypatch, rng):
     config = make_config(dropout_rate=0.2, mask_type=MaskType.PADDING_CAUSAL, T=160, S=160)
     gpu = to_gpu(random_operands(config, rng, poison=False))
     reference_run = execution.forward(config, gpu, seed=5)
@@ -162,8 +154,7 @@ def test_both_execute_paths_give_identical_results(path, monkeypatch):
     assert cp.array_equal(again.logsumexp, reference_run.logsumexp)
 
 
-def test_autotune_keeps_a_timed_plan():
-    rng = np.random.default_rng()
+def test_autotune_keeps_a_timed_plan(rng):
     config = make_config(T=256, S=256, mask_type=MaskType.CAUSAL, dtype="bfloat16")
     operands = random_operands(config, rng, poison=False)
     result = execution.forward(config, to_gpu(operands), autotune=True,
@@ -173,11 +164,10 @@ def test_autotune_keeps_a_timed_plan():
     assert_close("output", result.output, reference.forward(config, operands).output, "bfloat16")
 
 
-def test_paged_attention_ignores_unused_blocks():
+def test_paged_attention_ignores_unused_blocks(rng):
     """Decode (T=1) and prefill over shuffled page tables with padding; unused cache blocks and the
     cache past ``kv_seqlen`` hold garbage (a large constant: cuDNN's prefill kernel reads the tail of
     a used block and masks it, so NaN there would propagate - measured on the H200, cuDNN 9.19)."""
-    rng = np.random.default_rng()
     for T in (1, 64):
         B, N, H, bs, per_seq = 2, 4, 64, 32, 4
         qf = np.empty((B, T, N, H), np.float16)
@@ -194,9 +184,8 @@ def test_paged_attention_ignores_unused_blocks():
         assert_close(f"output T={T}", out, reference.forward(config, operands).output, "float16")
 
 
-def test_unsupported_configuration_fails_before_building():
+def test_unsupported_configuration_fails_before_building(rng):
     """Bottom-right causal with a bias: cuDNN refuses it; the support table says so first."""
-    rng = np.random.default_rng()
     q, k, v = (cp.asarray(x) for x in _qkv(rng, "float16", T=64, S=128))
     bias = cp.asarray(rng.standard_normal((1, 4, 64, 128)).astype(np.float16))
     before = graph_cache.stats()
@@ -207,8 +196,7 @@ def test_unsupported_configuration_fails_before_building():
     assert after.entries == before.entries and after.build_seconds == before.build_seconds
 
 
-def test_invalid_input_is_a_value_error_naming_the_argument():
-    rng = np.random.default_rng()
+def test_invalid_input_is_a_value_error_naming_the_argument(rng):
     q, k, v = (cp.asarray(x) for x in _qkv(rng, "float16"))
     with pytest.raises(ValueError, match="key"):
         cudnn_attn.dot_product_attention(q, k[:, :, :, :32], v)

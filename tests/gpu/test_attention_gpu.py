@@ -108,18 +108,16 @@ def _operands(config, rng, *, poison):
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_forward_and_gradients_match_the_reference(case):
-    rng = np.random.default_rng()
+def test_forward_and_gradients_match_the_reference(case, rng):
     config = make_config(**CASES[case])
     operands = _operands(config, rng, poison=False)
     _check(config, *_run(config, operands, rng))
 
 
 @pytest.mark.parametrize("case", ["padding-bf16", "padding-BNTH-fp16", "packed-3-fp16", "packed-2-causal-bf16"])
-def test_garbage_outside_the_sequences_never_leaks(case):
+def test_garbage_outside_the_sequences_never_leaks(case, rng):
     """Q/K/V tokens outside every sequence hold garbage: results must equal the reference, and the
     output, dq, dk and dv there are exactly 0 (results are NaN-poisoned before the call)."""
-    rng = np.random.default_rng()
     config = make_config(**CASES[case])
     operands = _operands(config, rng, poison=True)
     result, expected, grads, expected_grads = _run(config, operands, rng)
@@ -135,11 +133,10 @@ def test_garbage_outside_the_sequences_never_leaks(case):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("extra", [{}, {"mask_type": MaskType.PADDING_CAUSAL, "bias_shape": (1, 4, 128, 128)}],
                          ids=["plain", "padding-causal-bias"])
-def test_dropout_matches_the_reference_with_cudnns_keep_mask(dtype, extra):
+def test_dropout_matches_the_reference_with_cudnns_keep_mask(dtype, extra, rng):
     """cuDNN's Philox keep-mask (``rng_dump``) fed to the reference: forward and backward agree, so the
     backward regenerated the forward's mask from the seed.  Tolerance 1.5x: the kept, bf16-rounded
     probabilities are rescaled by 1 / (1 - p) (measured dq error 1.01e-2 in bf16 at p = 0.25)."""
-    rng = np.random.default_rng()
     rate = 0.25
     config = make_config(dtype=dtype, dropout_rate=rate, **extra)
     operands = random_operands(config, rng, poison=False)
@@ -152,8 +149,7 @@ def test_dropout_matches_the_reference_with_cudnns_keep_mask(dtype, extra):
     _check(config, result, expected, grads, expected_grads, scale=1.5)
 
 
-def test_dropout_seed_is_a_runtime_value():
-    rng = np.random.default_rng()
+def test_dropout_seed_is_a_runtime_value(rng):
     config = make_config(dropout_rate=0.5)
     gpu = to_gpu(random_operands(config, rng, poison=False))
     from cudnn_attn.cache import graph_cache
@@ -166,8 +162,7 @@ def test_dropout_seed_is_a_runtime_value():
     assert cp.array_equal(first, again) and not cp.array_equal(first, other)
 
 
-def test_deterministic_backward_is_bit_identical():
-    rng = np.random.default_rng()
+def test_deterministic_backward_is_bit_identical(rng):
     config = make_config(N=8, K=2, T=256, S=256, mask_type=MaskType.CAUSAL, deterministic=True)
     operands = random_operands(config, rng, poison=False)
     gpu = to_gpu(operands)
@@ -181,8 +176,7 @@ def test_deterministic_backward_is_bit_identical():
     assert_close("dq", runs[0].dq, expected_grads.dq, "float16")
 
 
-def test_inference_forward_has_no_logsumexp():
-    rng = np.random.default_rng()
+def test_inference_forward_has_no_logsumexp(rng):
     config = make_config(training=False, mask_type=MaskType.CAUSAL)
     operands = random_operands(config, rng, poison=False)
     result = execution.forward(config, to_gpu(operands), output=poisoned(config.o_shape, np.float16))

@@ -182,10 +182,9 @@ def assert_amax_o(got: float, max_o: float, spread: float, max_v: float, config,
 
 # -- forward -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", list(FORWARD), ids=list(FORWARD))
-def test_forward_through_the_public_api(case):
+def test_forward_through_the_public_api(case, rng):
     """The seed's form ``(output, amax_s, amax_o)``; the output, dequantised, follows FlashAttention's
     rule; the native call into a NaN-filled buffer writes every element, the same values."""
-    rng = np.random.default_rng()
     config = fp8_config(FORWARD[case], training=False)
     operands = random_operands(config, rng, poison=False)
     gpu = device_operands(operands)
@@ -207,11 +206,10 @@ def test_forward_through_the_public_api(case):
     assert_amax_o(value(cp.asnumpy(amax_o)), float(np.abs(exact).max()), spread, max_v, config, sc["descale_s"])
 
 
-def test_amax_bounds_hold_for_the_emulation():
+def test_amax_bounds_hold_for_the_emulation(rng):
     """The amax bounds above are not vacuous: the emulation, which rounds P at other points than
     cuDNN, meets them; and they reject the neighbouring wrong semantics (amax_s of the unnormalised
     terms, amax_o after scale_o)."""
-    rng = np.random.default_rng()
     config = fp8_config(FORWARD["e4m3-d128-BNTH"], training=False)
     operands = random_operands(config, rng, poison=False)
     sc = scales_of(operands)
@@ -248,11 +246,10 @@ def with_backward_scales(config, operands, output: np.ndarray, logsumexp: np.nda
 
 
 @pytest.mark.parametrize("case", list(BACKWARD), ids=list(BACKWARD))
-def test_backward_through_the_public_api(case):
+def test_backward_through_the_public_api(case, rng):
     """Forward in training mode (native API: the seed's FP8 form returns no logsumexp) into NaN-filled
     results, then ``dot_product_attention_bwd(use_fp8=True)``: dq/dk/dv follow FlashAttention's rule
     against float64 backpropagating the same O, dO and logsumexp; amax_dQ/dK/dV/dP match the emulation."""
-    rng = np.random.default_rng()
     config = fp8_config(BACKWARD[case], training=True)
     operands = random_operands(config, rng, poison=False)
     gpu = device_operands(operands)
@@ -298,12 +295,12 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("case", list(REFUSED), ids=list(REFUSED))
-def test_unsupported_fp8_calls_are_refused_before_building(case):
+def test_unsupported_fp8_calls_are_refused_before_building(case, rng):
     """The support table refuses what the H200's cuDNN cannot run (the sm90 FP8 backward takes head dim
     128 only; FP8 training needs T and S multiples of 128): no graph is built."""
     shape, training, mentioned = REFUSED[case]
     config = fp8_config(shape, training=training)
-    operands = random_operands(config, np.random.default_rng(), poison=False)
+    operands = random_operands(config, rng, poison=False)
     gpu = device_operands(operands)
     kwargs = public_kwargs(config, operands)
     before = graph_cache.stats()
@@ -324,17 +321,17 @@ def test_unsupported_fp8_calls_are_refused_before_building(case):
     (dict(fp8_params=None), "fp8_params"),
     (dict(mask_type=MaskType.PADDING), "mask_type"),
 ], ids=["unknown-format", "no-params", "padding-mask"])
-def test_invalid_fp8_calls_are_value_errors(change, argument):
+def test_invalid_fp8_calls_are_value_errors(change, argument, rng):
     config = fp8_config({}, training=False)
-    operands = random_operands(config, np.random.default_rng(), poison=False)
+    operands = random_operands(config, rng, poison=False)
     gpu = device_operands(operands)
     with pytest.raises(ValueError, match=argument):
         cudnn_attn.dot_product_attention(gpu.query, gpu.key, gpu.value, **{**public_kwargs(config, operands), **change})
 
 
-def test_fp16_inputs_with_use_fp8_are_a_value_error():
+def test_fp16_inputs_with_use_fp8_are_a_value_error(rng):
     config = fp8_config({}, training=False)
-    operands = random_operands(config, np.random.default_rng(), poison=False)
+    operands = random_operands(config, rng, poison=False)
     q = cp.asarray(operands.query.astype(np.float16))
     with pytest.raises(ValueError, match="query"):
         cudnn_attn.dot_product_attention(q, q, q, **public_kwargs(config, operands))

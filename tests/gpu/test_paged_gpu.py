@@ -90,12 +90,11 @@ def to_gpu(operands):
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_paged_attention_matches_the_reference_and_never_reads_unused_blocks(case):
+def test_paged_attention_matches_the_reference_and_never_reads_unused_blocks(case, rng):
     """The public call against the reference (every element finite), rows past ``q_seqlen`` exactly 0,
     and the native call into a NaN-filled buffer (every element written)."""
     call = dict(CASES[case])
     shared_prefix = call.pop("shared_prefix", False)
-    rng = np.random.default_rng()
     config = paged_config(**call)
     operands = poisoned_operands(config, rng, shared_prefix=shared_prefix)
     gpu = to_gpu(operands)

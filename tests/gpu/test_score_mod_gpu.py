@@ -90,9 +90,8 @@ def _qkv(rng, dtype, layout, B=2, T=128, S=128, N=4, H=64):
 
 
 @pytest.mark.parametrize("case", list(PUBLIC), ids=list(PUBLIC))
-def test_public_api_forward_and_backward_match_the_reference(case):
+def test_public_api_forward_and_backward_match_the_reference(case, rng):
     fn, args, dtype, layout = PUBLIC[case]
-    rng = np.random.default_rng()
     q, k, v = _qkv(rng, dtype, layout)
     kwargs = dict(score_mod=fn, scale=0.125, qkv_layout=layout)
     gq, gk, gv = (cp.asarray(x) for x in (q, k, v))
@@ -117,10 +116,9 @@ def softcap_without_derivative(score, cap):
 softcap_without_derivative.defvjp(lambda score, cap: (softcap(score, cap), None), lambda _, g: (g, None))
 
 
-def test_softcap_gradient_differs_from_an_identity_bprop():
+def test_softcap_gradient_differs_from_an_identity_bprop(rng):
     """The softcap gradient needs tanh' of the score, which cuDNN does not hand to score_mod_bprop.  With
     a small cap the two gradients differ by far more than the tolerance, and the GPU follows the true one."""
-    rng = np.random.default_rng()
     q, k, v = _qkv(rng, "float16", "BTNH")
     cap = (np.float32(1.0),)
     gq, gk, gv = (cp.asarray(x) for x in (q, k, v))
@@ -140,7 +138,8 @@ def test_softcap_gradient_differs_from_an_identity_bprop():
 
 # -- masks, bias and more functions inside the modification (execution level) -------------------------
 def _spec(fn, *dtypes):
-    return ScoreModSpec(fn=fn, arg_shapes=tuple(((), d) for d in dtypes))
+    """The function and its argument dtypes; traced for the configuration's scores in :func:`_matrix_config`."""
+    return fn, tuple(((), d) for d in dtypes)
 
 
 MATRIX = {
@@ -162,21 +161,21 @@ MATRIX = {
 
 
 def _matrix_config(case):
-    call, spec, _ = MATRIX[case]
+    call, (fn, arg_shapes), _ = MATRIX[case]
     config = make_config(**call)
-    config = config.replace(score_mod=spec)
+    scores = (config.batch, config.q_heads, config.q_len, config.kv_len)
+    config = config.replace(score_mod=ScoreModSpec.trace(fn, scores, arg_shapes))
     if case == "softcap-of-biased-score":         # a bias nobody differentiates: added inside the modification
         config = config.replace(bias=BiasSpec(config.bias.shape, differentiable=False))
     return config
 
 
 @pytest.mark.parametrize("case", list(MATRIX), ids=list(MATRIX))
-def test_modification_with_masks_and_bias_matches_the_reference(case):
+def test_modification_with_masks_and_bias_matches_the_reference(case, rng):
     config = _matrix_config(case)
     reasons = not_supported_reasons(config, Environment.detect())
     if reasons:
         pytest.skip(f"the support table refuses it: {reasons}")
-    rng = np.random.default_rng()
     operands = random_operands(config, rng, poison=False)
     operands = operands.replace(score_mod_args=tuple(np.asarray(a, d) for a, (_, d) in
                                                      zip(MATRIX[case][2], config.score_mod.arg_shapes)))

@@ -73,8 +73,7 @@ def relative_error(got, want) -> float:
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_sink_forward_logsumexp_and_gradients(case):
-    rng = np.random.default_rng()
+def test_sink_forward_logsumexp_and_gradients(case, rng):
     config = sink_config(CASES[case])
     operands = sink_operands(config, rng)
     expected = reference.forward(config, operands)
@@ -109,7 +108,7 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("case", list(REFUSED), ids=list(REFUSED))
-def test_unsupported_sink_calls_are_refused_before_building(case):
+def test_unsupported_sink_calls_are_refused_before_building(case, rng):
     """cuDNN 9.19 has no sink with a single query, and no sink gradient for packed segments (9.26):
     the call fails with the support table's reasons and builds nothing."""
     shape, training = REFUSED[case]
@@ -117,7 +116,7 @@ def test_unsupported_sink_calls_are_refused_before_building(case):
     reasons = not_supported_reasons(config)
     if not reasons:
         pytest.skip(f"supported by this GPU and cuDNN: {config.describe()}")
-    operands = random_operands(config, np.random.default_rng(), poison=False)
+    operands = random_operands(config, rng, poison=False)
     arrays = {name: cp.asarray(getattr(operands, name)) for name in (
         "query", "key", "value", "sink", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets")
         if getattr(operands, name) is not None}

@@ -1,0 +1,431 @@
+"""Soak: many threads, mixed configurations, a graph cache that evicts all the time (issue #11.8) - GPU, not a test.
+
+16 threads (``--threads``) share 100,000 calls (``--calls``; ``--quick``: 4,000) drawn at random over eight
+configurations (causal, padding with GQA, sliding window, bias, dropout, decode, BNTH, packed segments;
+fp16 and bf16) and four paths: the CuPy path forward and backward (``cudnn_attn.dot_product_attention`` /
+``dot_product_attention_bwd`` on CuPy arrays) and the JAX bridge under ``jit``, forward and ``grad``.
+The graph cache is replaced by a new :class:`cudnn_attn.GraphCache` of ``--cache-size`` graphs (4) - far
+fewer than the ~20 graphs the mix needs - so that it evicts and rebuilds constantly while other threads
+use the same configurations.
+
+Every call's results are compared with those of the same inputs computed single-threaded before the soak:
+exactly (the backward runs with ``deterministic=True``).  Reported: errors (by type, with the first
+messages), mismatches, and the growth of host RSS, CuPy's memory pool (bytes in use) and device memory in
+use (``cudaMemGetInfo``; JAX is told to preallocate only ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.3`` unless
+set) over the soak after a settling tenth of it (every thread has run, the allocator's per-thread arenas
+and caches exist: growth after that is what accumulates).  Targets: 0 errors, 0 mismatches,
+growth < 1 MiB.  A short table is printed last; ``--out FILE`` writes everything as JSON (with memory
+samples every few seconds).  Exit status 1 when a target is missed.
+
+``--dry-run`` runs the same machinery on a CPU: the NumPy reference stands in for the CuPy path and the
+JAX bridge runs on its CPU target (``tests/test_soak_dry_run.py`` uses it).
+
+    python benchmarks/soak.py --out soak.json          # on the GPU machine (about 10 minutes)
+    python benchmarks/soak.py --quick
+    python benchmarks/soak.py --dry-run --calls 200 --threads 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import gc
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.3")
+
+MIB = 1 << 20
+PATHS = ("direct-fwd", "direct-bwd", "jax-fwd", "jax-grad")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration of the mix: shapes and the public keyword arguments."""
+
+    name: str
+    B: int
+    T: int
+    S: int
+    N: int
+    K: int
+    H: int
+    dtype: str = "float16"
+    layout: str = "BTNH"
+    kwargs: tuple = ()                  # static keyword arguments, ((name, value), ...)
+    padding: bool = False
+    packed: bool = False
+    bias: bool = False
+    backward: bool = True
+
+    def shape(self, length: int, heads: int) -> tuple[int, ...]:
+        return (self.B, length, heads, self.H) if self.layout == "BTNH" else (self.B, heads, length, self.H)
+
+
+def _configs(quick: bool) -> list[Config]:
+    from cudnn_attn import MaskType
+
+    small = 64 if quick else 128
+    return [
+        Config("causal-fp16", 2, 2 * small, 2 * small, 8, 8, 64, kwargs=(("mask_type", MaskType.CAUSAL),)),
+        Config("padding-gqa-bf16", 2, small + 64, 2 * small, 8, 2, 128, "bfloat16", padding=True,
+               kwargs=(("mask_type", MaskType.PADDING),)),
+        Config("window-fp16", 1, 2 * small, 2 * small, 4, 4, 64,
+               kwargs=(("mask_type", MaskType.CAUSAL), ("sliding_window_length", 32))),
+        Config("bias-fp16", 2, small, small, 4, 4, 64, bias=True),
+        Config("dropout-bf16", 1, small, small, 4, 4, 64, "bfloat16", kwargs=(("dropout_rate", 0.1), ("seed", 7))),
+        Config("decode-gqa-fp16", 4, 1, 4 * small, 8, 1, 128, backward=False),
+        Config("causal-bnth-bf16", 2, small, small, 4, 2, 64, "bfloat16", "BNTH",
+               kwargs=(("mask_type", MaskType.CAUSAL),)),
+        Config("packed-fp16", 2, 2 * small, 2 * small, 4, 4, 64, packed=True),
+    ]
+
+
+# -- the two backends ----------------------------------------------------------------------------------------
+class Backend:
+    """Where the direct path runs and how results are compared and memory is read."""
+
+    name = "gpu"
+
+    def __init__(self):
+        import cupy
+
+        self.cp = cupy
+
+    def array(self, x: np.ndarray) -> Any:
+        return self.cp.asarray(x)
+
+    def direct(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        import cudnn_attn
+
+        return cudnn_attn.dot_product_attention, cudnn_attn.dot_product_attention_bwd
+
+    def equal(self, got: Any, want: Any) -> bool:
+        cp = self.cp
+        if not isinstance(got, cp.ndarray):          # a JAX array on the GPU: zero-copy into CuPy
+            got = cp.from_dlpack(got)
+        return bool(cp.array_equal(got, want))
+
+    def keep(self, x: Any) -> Any:
+        """A copy of a result to compare later calls with (on the device)."""
+        cp = self.cp
+        return (cp.from_dlpack(x) if not isinstance(x, cp.ndarray) else x).copy()
+
+    def synchronize(self) -> None:
+        self.cp.cuda.runtime.deviceSynchronize()
+
+    def memory(self) -> dict[str, int]:
+        free, total = self.cp.cuda.runtime.memGetInfo()
+        return {"host_rss": _rss(), "cupy_pool_used": self.cp.get_default_memory_pool().used_bytes(),
+                "device_used": total - free}
+
+
+class DryRunBackend(Backend):
+    """The CPU stand-in: the NumPy reference is the direct path; the JAX bridge runs on CPU."""
+
+    name = "dry-run (CPU: NumPy reference, JAX bridge on its CPU target)"
+
+    def __init__(self):
+        self.cp = None
+
+    def array(self, x: np.ndarray) -> Any:
+        return x
+
+    def direct(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        from cudnn_attn import reference
+
+        return reference.dot_product_attention, reference.dot_product_attention_bwd
+
+    def equal(self, got: Any, want: Any) -> bool:
+        return bool(np.array_equal(np.asarray(got), np.asarray(want)))
+
+    def keep(self, x: Any) -> Any:
+        return np.array(x)
+
+    def synchronize(self) -> None:
+        pass
+
+    def memory(self) -> dict[str, int]:
+        return {"host_rss": _rss()}
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:                     # not Linux: the peak, which can only grow
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@contextlib.contextmanager
+def small_cache(maxsize: int) -> Iterator[Any]:
+    """The library's graph cache replaced by a new ``GraphCache(maxsize)`` wherever a module refers to it;
+    the old one is put back on exit."""
+    import cudnn_attn
+    from cudnn_attn.cache import GraphCache
+
+    old, new = cudnn_attn.graph_cache, GraphCache(maxsize)
+    modules = [m for name, m in list(sys.modules.items())
+               if name.startswith("cudnn_attn") and getattr(m, "graph_cache", None) is old]
+    for module in modules:
+        module.graph_cache = new
+    try:
+        yield new
+    finally:
+        for module in modules:
+            module.graph_cache = old
+
+
+# -- one configuration's fixed inputs and single-threaded results -------------------------------------------------
+class Workload:
+    """Fixed inputs of one configuration and the results every path must reproduce."""
+
+    def __init__(self, config: Config, backend: Backend, rng: np.random.Generator):
+        import ml_dtypes
+
+        self.config, self.backend = config, backend
+        dtype = np.dtype(ml_dtypes.bfloat16) if config.dtype == "bfloat16" else np.dtype(np.float16)
+        host = {"query": rng.standard_normal(config.shape(config.T, config.N)).astype(dtype),
+                "key": rng.standard_normal(config.shape(config.S, config.K)).astype(dtype),
+                "value": rng.standard_normal(config.shape(config.S, config.K)).astype(dtype)}
+        if config.padding:
+            host.update(q_seqlen=np.array([config.T - 17, config.T], np.int32)[:config.B],
+                        kv_seqlen=np.array([config.S, config.S - 40], np.int32)[:config.B])
+        if config.packed:
+            half_t, half_s = config.T // 2, config.S // 2
+            host.update(q_seqlen=np.array([[half_t - 3, half_t], [config.T, -1]], np.int32),
+                        kv_seqlen=np.array([[half_s, half_s - 5], [config.S, -1]], np.int32),
+                        q_offsets=np.array([[0, half_t, -1], [0, -1, -1]], np.int32),
+                        kv_offsets=np.array([[0, half_s, -1], [0, -1, -1]], np.int32))
+        if config.bias:
+            host["bias"] = rng.standard_normal((1, config.N, config.T, config.S)).astype(dtype)
+        self.static = dict(config.kwargs, scale=config.H ** -0.5)
+        self.host = host
+        self.arrays = {n: backend.array(x) for n, x in host.items()}
+        out_shape = config.shape(config.T, config.N)
+        self.grad_host = rng.standard_normal(out_shape).astype(dtype)
+        self.grad = backend.array(self.grad_host)
+        self.expected: dict[str, tuple] = {}
+        self._jax: dict[str, Callable[..., Any]] = {}
+
+    def paths(self) -> tuple[str, ...]:
+        return PATHS if self.config.backward else ("direct-fwd", "jax-fwd")
+
+    def _jax_functions(self) -> dict[str, Callable[..., Any]]:
+        import jax
+        import jax.numpy as jnp
+
+        from cudnn_attn import jax_bridge as jb
+
+        static = self.static
+
+        def forward(arrays: dict) -> Any:
+            return jb.dot_product_attention(**arrays, **static)
+
+        def loss(q: Any, k: Any, v: Any, rest: dict, grad: Any) -> Any:
+            out = jb.dot_product_attention(q, k, v, **rest, **static, deterministic=True)
+            return jnp.sum(out.astype(jnp.float32) * grad.astype(jnp.float32))
+
+        return {"jax-fwd": jax.jit(forward), "jax-grad": jax.jit(jax.grad(loss, argnums=(0, 1, 2)))}
+
+    def run(self, path: str) -> tuple:
+        """One call of ``path``; its results as a tuple of arrays."""
+        forward, backward = self.backend.direct()
+        if path == "direct-fwd":
+            return (forward(**self.arrays, **self.static),)
+        if path == "direct-bwd":
+            output, lse = self.residuals
+            grads = backward(**self.arrays, output=output, grad_output=self.grad, logsumexp=lse, **self.static,
+                             deterministic=True)
+            return grads.dq, grads.dk, grads.dv
+        import jax.numpy as jnp
+
+        if not self._jax:
+            self._jax = self._jax_functions()
+        arrays = self._jax_arrays
+        if path == "jax-fwd":
+            return (self._jax[path](arrays),)
+        rest = {n: x for n, x in arrays.items() if n not in ("query", "key", "value")}
+        grad = jnp.asarray(self.grad_host)
+        return tuple(self._jax[path](arrays["query"], arrays["key"], arrays["value"], rest, grad))
+
+    def warm_up(self) -> None:
+        """Single-threaded: the residuals the backward takes, then the expected results of every path."""
+        import jax.numpy as jnp
+
+        forward, _ = self.backend.direct()
+        self.residuals = forward(**self.arrays, **self.static, return_residual=True)
+        self._jax_arrays = {n: jnp.asarray(x) for n, x in self.host.items()}
+        for path in self.paths():
+            self.expected[path] = tuple(self.backend.keep(x) for x in self.run(path))
+        self.backend.synchronize()
+
+    def check(self, path: str, results: tuple) -> bool:
+        return all(self.backend.equal(got, want) for got, want in zip(results, self.expected[path]))
+
+
+# -- the soak ---------------------------------------------------------------------------------------------------
+@dataclass
+class Tally:
+    calls: collections.Counter = field(default_factory=collections.Counter)
+    errors: collections.Counter = field(default_factory=collections.Counter)
+    mismatches: collections.Counter = field(default_factory=collections.Counter)
+    messages: list = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record(self, path: str, error: BaseException | None = None, mismatch: str | None = None) -> None:
+        with self.lock:
+            self.calls[path] += 1
+            if error is not None:
+                self.errors[f"{path}: {type(error).__name__}"] += 1
+                if len(self.messages) < 10:
+                    self.messages.append(f"{path}: {type(error).__name__}: {str(error)[:300]}")
+            if mismatch is not None:
+                self.mismatches[path] += 1
+                if len(self.messages) < 10:
+                    self.messages.append(f"{path}: mismatch in {mismatch}")
+
+
+def _worker(index: int, calls: int, workloads: list[Workload], tally: Tally, seed: int) -> None:
+    rng = np.random.default_rng(seed + index)
+    for _ in range(calls):
+        workload = workloads[int(rng.integers(len(workloads)))]
+        paths = workload.paths()
+        path = paths[int(rng.integers(len(paths)))]
+        try:
+            results = workload.run(path)
+            same = workload.check(path, results)
+        except Exception as error:  # noqa: BLE001 -- counted and reported: the soak is about exactly this
+            tally.record(path, error=error)
+            continue
+        tally.record(path, mismatch=None if same else workload.config.name)
+
+
+def _sampler(backend: Backend, stop: threading.Event, samples: list, period: float) -> None:
+    start = time.perf_counter()
+    while not stop.wait(period):
+        samples.append({"seconds": round(time.perf_counter() - start, 1), **backend.memory()})
+
+
+def _run_threads(calls: int, threads: int, workloads: list[Workload], tally: Tally, seed: int) -> None:
+    per_thread = [calls // threads + (1 if i < calls % threads else 0) for i in range(threads)]
+    workers = [threading.Thread(target=_worker, args=(i, n, workloads, tally, seed)) for i, n in enumerate(per_thread)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+
+
+def soak(*, calls: int, threads: int, cache_size: int, quick: bool, dry_run: bool, seed: int) -> dict:
+    with small_cache(cache_size) as cache:
+        return _soak(cache, calls=calls, threads=threads, cache_size=cache_size, quick=quick, dry_run=dry_run,
+                     seed=seed)
+
+
+def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool, dry_run: bool, seed: int) -> dict:
+    backend = DryRunBackend() if dry_run else Backend()
+    rng = np.random.default_rng(seed)
+    workloads = [Workload(config, backend, rng) for config in _configs(quick or dry_run)]
+    started = time.perf_counter()
+    for workload in workloads:
+        workload.warm_up()
+    warm_up_seconds = time.perf_counter() - started
+    tally, samples, stop = Tally(), [], threading.Event()
+    settle = min(calls - 1, max(threads, calls // 10))
+    _run_threads(settle, threads, workloads, tally, seed)
+    backend.synchronize()
+    gc.collect()
+    before = backend.memory()
+    sampler = threading.Thread(target=_sampler, args=(backend, stop, samples, 5.0), daemon=True)
+    sampler.start()
+    started = time.perf_counter()
+    _run_threads(calls - settle, threads, workloads, tally, seed + 1000)
+    seconds = time.perf_counter() - started
+    stop.set()
+    sampler.join()
+    backend.synchronize()
+    gc.collect()
+    after = backend.memory()
+    stats = cache.stats()
+    return {
+        "backend": backend.name, "threads": threads, "calls": sum(tally.calls.values()), "settling_calls": settle,
+        "seconds": round(seconds, 1), "warm_up_seconds": round(warm_up_seconds, 1),
+        "configurations": [w.config.name for w in workloads],
+        "calls_by_path": dict(tally.calls), "errors": dict(tally.errors), "mismatches": dict(tally.mismatches),
+        "messages": tally.messages, "memory_before": before, "memory_after": after,
+        "growth": {k: after[k] - before[k] for k in before}, "samples": samples,
+        "graph_cache": {"maxsize": cache_size, "hits": stats.hits, "misses": stats.misses,
+                        "evictions": stats.evictions, "entries": stats.entries},
+    }
+
+
+def verdict(report: dict, growth_limit: int = MIB) -> tuple[bool, list[str]]:
+    failures = []
+    if report["errors"]:
+        failures.append(f"{sum(report['errors'].values())} errors")
+    if report["mismatches"]:
+        failures.append(f"{sum(report['mismatches'].values())} mismatches")
+    failures += [f"{name} grew {value / MIB:.2f} MiB" for name, value in report["growth"].items()
+                 if value >= growth_limit]
+    return not failures, failures
+
+
+def table(report: dict) -> str:
+    errors = collections.Counter()
+    for key, count in report["errors"].items():
+        errors[key.split(":")[0]] += count
+    lines = [f"soak: {report['calls']} calls ({report['settling_calls']} settling), {report['threads']} threads, "
+             f"{report['seconds']} s, {report['backend']}",
+             f"{'path':12s} {'calls':>8s} {'errors':>7s} {'mismatches':>10s}"]
+    for path in PATHS:
+        lines.append(f"{path:12s} {report['calls_by_path'].get(path, 0):8d} {errors.get(path, 0):7d} "
+                     f"{report['mismatches'].get(path, 0):10d}")
+    lines.append(f"{'memory':16s} {'before MiB':>11s} {'after MiB':>10s} {'growth MiB':>11s}")
+    for name, value in report["growth"].items():
+        before, after = report["memory_before"][name] / MIB, report["memory_after"][name] / MIB
+        lines.append(f"{name:16s} {before:11.2f} {after:10.2f} {value / MIB:11.3f}")
+    cache = report["graph_cache"]
+    lines.append(f"graph cache: maxsize {cache['maxsize']}, {cache['hits']} hits, {cache['misses']} misses, "
+                 f"{cache['evictions']} evictions")
+    ok, failures = verdict(report)
+    lines.append("PASS (0 errors, 0 mismatches, growth < 1 MiB)" if ok else "FAIL: " + "; ".join(failures))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=None, help="total calls (default 100000; --quick 4000)")
+    parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--cache-size", type=int, default=4, help="graphs the cache keeps (the mix needs ~20)")
+    parser.add_argument("--quick", action="store_true", help="4000 calls on smaller shapes")
+    parser.add_argument("--dry-run", action="store_true", help="CPU: the NumPy reference and JAX on CPU")
+    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--out", help="write the report as JSON")
+    args = parser.parse_args(argv)
+    if args.threads < 1 or (args.calls is not None and args.calls < 1):
+        parser.error("--threads and --calls must be >= 1")
+    calls = args.calls or (4000 if args.quick else 100_000)
+    report = soak(calls=calls, threads=args.threads, cache_size=args.cache_size, quick=args.quick,
+                  dry_run=args.dry_run, seed=args.seed)
+    report["passed"], report["failures"] = verdict(report)
+    if args.out:
+        with open(args.out, "w") as out:
+            json.dump(report, out, indent=1, default=str)
+    for message in report["messages"]:
+        print(message)
+    print(table(report))
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The CPU-runnable parts of ``benchmarks/soak.py`` (the soak itself runs on the GPU machine): its
+configurations, threads, single-threaded expected results, comparisons, report and table, with the NumPy
+reference standing in for the CuPy path and the JAX bridge on its CPU target.  Only errors and mismatches
+are asserted (the memory targets are the GPU run's)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+
+
+def _soak():
+    spec = importlib.util.spec_from_file_location("soak", SOAK)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = module                       # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_has_no_errors_and_no_mismatches(tmp_path, capsys):
+    import cudnn_attn
+
+    soak = _soak()
+    cache = cudnn_attn.graph_cache
+    out = tmp_path / "soak.json"
+    soak.main(["--dry-run", "--calls", "96", "--threads", "3", "--cache-size", "2", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["errors"] == {} and report["mismatches"] == {}, report["messages"]
+    assert report["calls"] == 96 and set(report["calls_by_path"]) == set(soak.PATHS)
+    assert report["growth"].keys() == {"host_rss"}
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith(("PASS", "FAIL"))   # the table comes last
+    assert cudnn_attn.graph_cache is cache and cudnn_attn.execution.graph_cache is cache     # put back
