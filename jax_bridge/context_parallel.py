@@ -510,8 +510,9 @@ def axis_size(axes: tuple[str, ...]) -> int:
 
 
 def whole_sequence(context: ContextParallel, key: Any, value: Any, layout: Any) -> tuple[Any, Any]:
-    """Inside ``shard_map`` (``context.axes``): shape stand-ins of the whole K and V, so that the call is
-    validated as the whole sequence (the bias has every key column); else ``key`` and ``value``."""
+    """Inside ``shard_map`` (``context.axes``): shape stand-ins of the whole K and V (``numpy.empty``: no
+    memory is touched, validation reads shapes and dtypes only), so that the call is validated as the whole
+    sequence (the bias has every key column); else ``key`` and ``value``."""
     if not context.axes:
         return key, value
     shards = axis_size(context.axes)
@@ -522,7 +523,7 @@ def whole_sequence(context: ContextParallel, key: Any, value: Any, layout: Any) 
             return x                              # prepare() reports the bad rank
         shape = list(x.shape)
         shape[seq] *= shards
-        return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+        return np.empty(tuple(shape), x.dtype)
 
     return whole(key), whole(value)
 
