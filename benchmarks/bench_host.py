@@ -70,6 +70,8 @@ def cupy_rows(q, k, v, do, calls, rounds) -> dict:
                                       calls=calls, rounds=rounds)
     bound = cudnn_attn.bind(q, k, v, scale=SCALE)
     rows[("bound", "fwd")] = host_us(lambda: bound(q, k, v), calls=calls, rounds=rounds)
+    out = cp.empty_like(q)
+    rows[("bound, out=", "fwd")] = host_us(lambda: bound(q, k, v, out=out), calls=calls, rounds=rounds)
     rows[("bound", "bwd")] = host_us(lambda: bound.backward(q, k, v, o, do, lse), calls=calls, rounds=rounds)
     config = bound.config
     stream = cp.cuda.get_current_stream().ptr
@@ -127,7 +129,7 @@ def jax_rows(q, k, v, do, rounds) -> dict:
     import jax.numpy as jnp
 
     from cudnn_attn import jax_bridge as jb
-    from cudnn_attn.jax_bridge import ffi
+    from cudnn_attn.jax_bridge import cudnn_target, ffi
 
     jq, jk, jv, jdo = (jax.dlpack.from_dlpack(x) for x in (q, k, v, do))
     rows = {}
@@ -156,12 +158,17 @@ def jax_rows(q, k, v, do, rounds) -> dict:
             for _ in range(3):
                 jax.block_until_ready(fn(jq))
             times = ffi.record_handler_times(name == "ours-eager")
+            cudnn_target.stages = [] if name == "ours-eager" else None
             samples = []
             for _ in range(rounds * 4):
                 start = time.perf_counter()
                 jax.block_until_ready(fn(jq))
                 samples.append((time.perf_counter() - start) / chain * 1e6)
             ffi.record_handler_times(False)
+            stages, cudnn_target.stages = cudnn_target.stages, None
+            if stages:
+                rows[("  of which: read call + find plan", mode)] = statistics.median(a for a, _ in stages) / 1e3
+                rows[("  of which: plan.launch", mode)] = statistics.median(b for _, b in stages) / 1e3
             rows[(f"jax jit call ({name})", mode)] = statistics.median(samples)
             if times:
                 for target in sorted({t for t, _ in times}):

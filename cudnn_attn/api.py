@@ -206,17 +206,26 @@ class _Direct:
         self._results = tuple((spec.shape, spec.dtype) for spec in plan.results)
         return plan
 
-    def __call__(self, arrays: tuple, seed: int) -> list[Any]:
+    def __call__(self, arrays: tuple, seed: int, out: Any = None) -> list[Any]:
         plan = self._plan() or self.plan()
         cupy = _CUPY or _cupy()
         if cupy.cuda.runtime.getDevice() != self.device:
             with cupy.cuda.Device(self.device):
-                return self._launch(cupy, plan, arrays, seed)
-        return self._launch(cupy, plan, arrays, seed)
+                return self._launch(cupy, plan, arrays, seed, out)
+        return self._launch(cupy, plan, arrays, seed, out)
 
-    def _launch(self, cupy: Any, plan: Any, arrays: tuple, seed: int) -> list[Any]:
+    def _launch(self, cupy: Any, plan: Any, arrays: tuple, seed: int, out: Any) -> list[Any]:
         empty = cupy.empty
-        results = [empty(shape, dtype) for shape, dtype in self._results]
+        if out is None:
+            results = [empty(shape, dtype) for shape, dtype in self._results]
+        else:
+            shape, dtype = self._results[0]
+            if type(out) is not type(arrays[0]) or out.shape != shape or out.dtype != dtype \
+                    or not out.flags.c_contiguous or out.data.device_id != self.device:
+                raise ValueError(f"out: must be a C-contiguous CuPy array {dtype}{list(shape)} on GPU {self.device}, "
+                                 f"got {type(out).__name__}" + (f" {out.dtype}{list(out.shape)}"
+                                                               if hasattr(out, "shape") else ""))
+            results = [out] + [empty(shape, dtype) for shape, dtype in self._results[1:]]
         pointers = [arrays[i].data.ptr for i in self.order]
         pointers += [r.data.ptr for r in results]
         plan.launch(pointers, cupy.cuda.get_current_stream().ptr, scalars=(seed, 0) if self.dropout else ())
@@ -412,6 +421,8 @@ class BoundAttention:
         self.config: AttentionConfig = self._forward.config
 
     def _make(self, kind: str, arrays: tuple) -> _Direct:
+        from .lift import lifted_config
+
         static = dict(self._static)
         deterministic = static.pop("deterministic")
         return_residual = static.pop("return_residual")
@@ -420,6 +431,9 @@ class BoundAttention:
             static, training=training, deterministic=deterministic and kind == BWD))
         if kind == BWD:
             prepare_backward(config, *arrays[3:])
+        if lifted_config(config) is not None:
+            raise ValueError(f"bind: the {kind} of {config.describe()} runs padded to even lengths (cudnn_attn.lift); "
+                             "call dot_product_attention / dot_product_attention_bwd for it")
         return _Direct(config, kind, arrays, None, self._BWD_NAMES[:len(arrays)])
 
     def _check(self, direct: _Direct, arrays: tuple) -> None:
@@ -434,10 +448,12 @@ class BoundAttention:
                                  f"{strides} on GPU {direct.device}, got {type(x).__name__}"
                                  + (f" {x.dtype}{list(x.shape)}" if hasattr(x, "shape") else ""))
 
-    def __call__(self, query: Any, key: Any, value: Any) -> Any:
+    def __call__(self, query: Any, key: Any, value: Any, *, out: Any = None) -> Any:
+        """The forward; ``out`` (optional) is a preallocated output (C-contiguous, the output's shape and
+        dtype, on the bound device) that receives the result instead of a new array."""
         arrays = (query, key, value)
         self._check(self._forward, arrays)
-        results = self._forward(arrays, self._seed)
+        results = self._forward(arrays, self._seed, out)
         return (results[0], results[1]) if self._forward.training else results[0]
 
     def backward(self, query: Any, key: Any, value: Any, output: Any, grad_output: Any,

@@ -32,6 +32,7 @@ its executable dies); the graph cache's bound applies to everything else.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -91,6 +92,7 @@ def pinned_plan(key: int, device: int) -> Any:
 
 def _run(call: ffi.Call) -> None:
     """The handler: XLA's buffers and stream into the pinned plan's launch (see the module doc)."""
+    start = time.perf_counter_ns() if stages is not None else 0
     key, args, results, stream, device = call.snapshot()
     if device is None:                                # a runtime without the query: XLA made the device current
         import cupy
@@ -105,7 +107,15 @@ def _run(call: ffi.Call) -> None:
             f"XLA runs a program. Lower the computation for this device (jax.jit with its sharding).")
     plan, scalars = found
     workspace = results.pop()
+    if start:
+        found_at = time.perf_counter_ns()
     plan.launch(args + results, stream, workspace=workspace if plan.workspace_size else 0, scalars=scalars)
+    if start:
+        stages.append((found_at - start, time.perf_counter_ns() - found_at))
+
+
+stages: list[tuple[int, int]] | None = None
+"""When a list (benchmarks): ``(read the call and find the plan, launch)`` nanoseconds of every run."""
 
 
 HANDLERS = (ffi.make_handler(TARGET, _run, command_buffer_compatible=True), ffi.make_handler(EAGER_TARGET, _run))

@@ -234,8 +234,8 @@ def _functions(api_address: int) -> _Functions:
                       _BY_ADDRESS(api.Stream_Get), _BY_ADDRESS(api.DeviceOrdinal_Get) if has_ordinal else None)
 
 
-class _QueryArgs(threading.local):
-    """This thread's argument structures for the stream and device queries (filled in place per call)."""
+class _QueryArgs:
+    """One thread's argument structures for the stream and device queries (filled in place per call)."""
 
     def __init__(self):
         self.stream = _ContextArgs(C.sizeof(_ContextArgs), None, None, None)
@@ -244,7 +244,18 @@ class _QueryArgs(threading.local):
         self.device_address = C.addressof(self.device)
 
 
-_query_args = _QueryArgs()
+# By OS thread id, not threading.local: XLA's threads enter Python through ctypes with a fresh thread state
+# per call, so thread-local data would be rebuilt on every call (measured on the H200 with the code before
+# issue #8: the per-thread cuDNN handles of those threads were recreated 24 times in 8 training steps).
+_query_args: dict[int, _QueryArgs] = {}
+
+
+def _thread_query_args() -> _QueryArgs:
+    ident = threading.get_ident()
+    args = _query_args.get(ident)
+    if args is None:
+        args = _query_args.setdefault(ident, _QueryArgs())
+    return args
 
 
 class Snapshot(NamedTuple):
@@ -341,7 +352,7 @@ class Call:
         return C.c_int64.from_address(value).value
 
     def _stream(self, functions: _Functions, ctx: int) -> int:
-        args = _query_args
+        args = _thread_query_args()
         args.stream.ctx = ctx
         self._check(functions, functions.stream_get(args.stream_address), "XLA_FFI_Stream_Get")
         return args.stream.out or 0
@@ -349,7 +360,7 @@ class Call:
     def _device(self, functions: _Functions, ctx: int) -> int | None:
         if functions.device_ordinal_get is None:
             return None
-        args = _query_args
+        args = _thread_query_args()
         args.device.ctx = ctx
         self._check(functions, functions.device_ordinal_get(args.device_address), "XLA_FFI_DeviceOrdinal_Get")
         return args.device.device_ordinal

@@ -141,8 +141,8 @@ def main() -> int:
             rc = 0 if all("error" not in r for r in results) else 1
         elif phase in BENCHES:
             quick = [] if args.full else ["--quick"]
-            rc, took = run(f"bench_{phase}", [sys.executable, f"benchmarks/bench_{phase}.py", "--out", OUT, *quick],
-                           limit)
+            script = "benchmarks/soak.py" if phase == "soak" else f"benchmarks/bench_{phase}.py"
+            rc, took = run(f"bench_{phase}", [sys.executable, script, "--out", OUT, *quick], limit)
             text = open(os.path.join(OUT, f"bench_{phase}.log"), errors="replace").read()
             start = text.rfind("\n== ")
             summary.append(text[start + 1:].rstrip() if start >= 0 else f"bench_{phase}: no table; log tail:\n"

@@ -139,8 +139,8 @@ def test_jax_bridge_backward_at_a_single_token():
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     for name, g in zip(("dq", "dk", "dv"), grads):
         want = getattr(ref, name)
-        if name == "dq":                       # one key: P = 1, so dq = 0 exactly
-            assert float(np.abs(np.asarray(g, np.float32)).max()) < 1e-3
+        if name in ("dq", "dk"):               # one key: P = 1, so dq = dk = 0 up to rounding
+            assert float(np.abs(np.asarray(g, np.float32)).max()) < 1e-3, name
         else:
             assert_close(name, np.asarray(g), want, "bfloat16")
 
@@ -168,5 +168,5 @@ def test_cupy_path_trains_with_a_bias_at_odd_lengths_and_backward_at_a_single_to
     d1 = rng.standard_normal(o1.shape).astype(o1.dtype)
     ref1 = reference.dot_product_attention_bwd(q1, k1, v1, o1, d1, l1, scale=0.125)
     g1 = cudnn_attn.dot_product_attention_bwd(*(cp.asarray(x) for x in (q1, k1, v1, o1, d1, l1)), scale=0.125)
-    for name in ("dk", "dv"):
-        assert_close(name, cp.asnumpy(getattr(g1, name)), getattr(ref1, name), "bfloat16")
+    assert float(cp.abs(g1.dk.astype(cp.float32)).max()) < 1e-3         # one key: dk = 0 up to rounding
+    assert_close("dv", cp.asnumpy(g1.dv), ref1.dv, "bfloat16")
