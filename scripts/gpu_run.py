@@ -10,8 +10,9 @@ Phases (default: ``tests train host jax attention``):
                    fix, exported there by the caller), plain and ``cuda_graph=True``, under a 60 s watchdog:
                    does it still hang / crash?  Runs in the background next to the other phases;
 * ``train``      - per-step times, ours vs ``jax.nn`` cuDNN, tiny and 1024-wide models, 1 and 2 GPUs;
-* ``host``, ``jax``, ``attention``, ``fp8``, ``decode``, ``first_call``, ``context_parallel``, ``soak``
-                 - ``benchmarks/bench_<phase>.py`` (``--quick`` unless ``--full``).
+* ``host``, ``jax``, ``attention``, ``fp8``, ``decode``, ``first_call``, ``context_parallel``, ``autotune``
+                 - ``benchmarks/bench_<phase>.py``; ``soak`` - ``benchmarks/soak.py`` (``--quick`` unless ``--full``,
+                 or ``PHASE:full`` for one phase).
 
 Each phase gets at most what is left of ``--budget`` (default 570 s) minus a reserve for the phases after
 it; a phase cut short is reported as such.  Exit status: non-zero when a phase failed.
@@ -30,7 +31,7 @@ from collections import Counter, defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.environ.get("OUT", os.path.join(ROOT, "bench_out"))
-BENCHES = ("host", "jax", "attention", "fp8", "decode", "first_call", "context_parallel", "soak")
+BENCHES = ("host", "jax", "attention", "fp8", "decode", "first_call", "context_parallel", "soak", "autotune")
 RESERVE = {"tests": 60, "train": 40, "legacy": 0}       # seconds kept for each later phase (default 30)
 
 
@@ -103,7 +104,9 @@ def main() -> int:
                                   stderr=subprocess.STDOUT)
     phases = [p for p in args.phases if p != "legacy"]
     for i, phase in enumerate(phases):
-        reserve = sum(RESERVE.get(p, 30) for p in phases[i + 1:])
+        phase, _, mode = phase.partition(":")          # "attention:full" runs one benchmark without --quick
+        full = args.full or mode == "full"
+        reserve = sum(RESERVE.get(p.partition(":")[0], 30) for p in phases[i + 1:])
         limit = deadline - time.monotonic() - reserve
         if limit < 20:
             summary.append(f"{phase}: skipped (no time left)")
@@ -117,7 +120,7 @@ def main() -> int:
         elif phase == "train":
             results = []
             start = time.monotonic()
-            for label, extra in train_commands(args.full):
+            for label, extra in train_commands(full):
                 left = deadline - time.monotonic() - reserve
                 if left < 20:
                     results.append({"label": label, "error": "no time left"})
@@ -140,7 +143,7 @@ def main() -> int:
                                                          else f"FAILED {r['error']}"))
             rc = 0 if all("error" not in r for r in results) else 1
         elif phase in BENCHES:
-            quick = [] if args.full else ["--quick"]
+            quick = [] if full else ["--quick"]
             script = "benchmarks/soak.py" if phase == "soak" else f"benchmarks/bench_{phase}.py"
             rc, took = run(f"bench_{phase}", [sys.executable, script, "--out", OUT, *quick], limit)
             text = open(os.path.join(OUT, f"bench_{phase}.log"), errors="replace").read()
