@@ -73,14 +73,15 @@ def tuned_plan(key: Any, launch_arguments: Callable[[Any], tuple]) -> Any:
     check_supported(key.config, context.environment, kind=key.kind)
     store = default_store()
     with cupy.cuda.Device(key.device):
-        environment = environment_for(context.handle)
+        environment = environment_for(None)
         winner = autotuned_plan(store, key.config, key.kind, environment=environment, rng_dump=key.rng_dump)
         if winner is not None:                 # tuned by an earlier process: its winner, without timing again
             try:
                 return build_plan(key, plan_name=winner)
             except UnsupportedConfigurationError:
                 logger.info("the remembered autotuned plan %s is no longer offered; tuning again", winner)
-        built = build_graph(key.config, key.kind, context.handle, rng_dump=key.rng_dump, plan=ALL_PLANS)
+        with context.planning() as handle:
+            built = build_graph(key.config, key.kind, handle, rng_dump=key.rng_dump, plan=ALL_PLANS)
     candidates = CallPlan(built, context, rng_dump=key.rng_dump)
     timings = time_plans(candidates, launch_arguments)
     logger.info("autotuned %s %s (heuristic choice %s): %s", key.kind, key.config.describe(), built.plan_name,

@@ -173,8 +173,8 @@ def build_plan(key: GraphKey, *, plan_name: str | None = None) -> Any:
     context = runtime.device_context(key.device)
     check_supported(key.config, context.environment, kind=key.kind)
     store = default_store() if key.kind in PERSIST_KINDS else None
-    with cupy.cuda.Device(key.device):
-        built = build_or_load(key.config, key.kind, context.handle, store=store, rng_dump=key.rng_dump,
+    with cupy.cuda.Device(key.device), context.planning() as handle:
+        built = build_or_load(key.config, key.kind, handle, store=store, rng_dump=key.rng_dump,
                               plan=plan_name, kernels=kernel_cache_for(key.device, store) if DYNAMIC_SHAPES else None)
     return CallPlan(built, context, rng_dump=key.rng_dump)
 

@@ -494,7 +494,8 @@ def _device_planner() -> Planner:
         with cupy.cuda.Device(0):
             context = runtime.device_context(0)
             support.check_supported(config, context.environment, kind=kind)
-            return build_or_load(config, kind, context.handle, store=store)
+            with context.planning() as handle:
+                return build_or_load(config, kind, handle, store=store)
     return plan
 
 

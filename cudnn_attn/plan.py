@@ -218,14 +218,16 @@ class CallPlan:
 
     # -- launching ----------------------------------------------------------------------------------
     def launch(self, pointers: list[int], stream: int, *, workspace: int | None = None,
-               scalars: Sequence[Any] = ()) -> None:
+               scalars: Sequence[Any] = (), keep_stream: bool = False) -> None:
         """Launch on ``stream`` (a ``cudaStream_t``).
 
         ``pointers`` are the device addresses of :attr:`operand_ids` then :attr:`results`, in order;
         ``workspace`` a device buffer of at least :attr:`workspace_size` bytes ordered on ``stream``
         (``None``: the device context's workspace for that stream); ``scalars`` the values of
         :attr:`scalar_ids` (:func:`host_scalar_values`).  Results with ``Fill.ZERO_BEFORE`` are zeroed
-        first, on the same stream.  Nothing is allocated except a grown context workspace.
+        first, on the same stream.  Nothing is allocated except a grown context workspace.  Afterwards the
+        handle goes back to the default stream unless ``keep_stream`` (XLA's streams, which live as long as
+        the process; see :mod:`cudnn_attn.runtime` on streams a handle may not outlive).
         """
         context = self.context
         with context.lock:
@@ -238,6 +240,8 @@ class CallPlan:
                 for buffer, value in zip(self._scalars, scalars):
                     buffer[0] = value
             self.launcher(pointers + self._scalar_addresses, workspace, context.handle)
+            if stream and not keep_stream:
+                context.bind_stream(0)
 
     def warm_up(self) -> None:
         """Launch once on scratch buffers and wait (see the module doc); at most once per plan.

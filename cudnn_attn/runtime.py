@@ -12,10 +12,20 @@ Devices
     (``create=False``) and fails with a clear error if one is missing.
 
 Threads
-    cuDNN handles may be used from any thread but not from two at once (cuDNN's thread-safety rule),
-    so every use of a handle - pointing it at a stream, taking the workspace, launching - happens
-    under ``DeviceContext.lock``.  The lock is held for a few microseconds of host work (the launch
-    is asynchronous), and two devices never share one.
+    cuDNN handles may be used from any thread but not from two at once (cuDNN's thread-safety rule).
+    A context has two: the *launch* handle - every use (pointing it at a stream, taking the workspace,
+    launching) happens under ``DeviceContext.lock``, held for a few microseconds of host work (the
+    launch is asynchronous) - and the *planning* handle (:meth:`DeviceContext.planning`), which builds
+    and deserializes graphs under a lock of its own, so that a build of up to a second never blocks a
+    launch.  Plans built on one handle run on another of the same device.
+
+Streams a handle may not outlive
+    cuDNN keeps the stream a handle points at and queries it (deserializing a plan checks whether it is
+    being captured).  Pointing a handle at a stream that is later destroyed corrupts the next use: on
+    the H200 the plan store's deserialization then failed with "context is destroyed" and the CUDA
+    context was lost.  So the planning handle stays on the default stream, and after a CuPy-path launch
+    on any other stream the launch handle goes back to it; only XLA's streams, which live as long as
+    the process, stay bound.
 
 Streams
     Work is queued on the caller's current CuPy stream of the input's device, or on ``stream=``
@@ -135,16 +145,24 @@ class DeviceContext:
         cupy = _cupy()
         self.device = device
         self.lock = threading.Lock()
+        self._planning_lock = threading.Lock()
         with cupy.cuda.Device(device):
             self.handle = cudnn.create_handle()
+            self._planning_handle = cudnn.create_handle()
             self.environment = Environment.detect()
         self.handle_address = int(self.handle.backend_handle)
         self._stream = None                       # the stream the handle points at
         self._streams: dict[int, Any] = {}
         self._workspaces: dict[int, Any] = {}
 
+    @contextlib.contextmanager
+    def planning(self):
+        """The planning handle (on the default stream), held for one build or deserialization."""
+        with self._planning_lock:
+            yield self._planning_handle
+
     def bind_stream(self, stream_ptr: int) -> None:
-        """Point the handle at ``stream_ptr``.  Hold :attr:`lock`."""
+        """Point the launch handle at ``stream_ptr``.  Hold :attr:`lock`."""
         if stream_ptr != self._stream:
             import cudnn
 
@@ -178,13 +196,15 @@ class DeviceContext:
         """Drop the workspaces and destroy the handle (at exit; the context is unusable afterwards)."""
         import cudnn
 
-        with self.lock:
+        with self.lock, self._planning_lock:
             self._workspaces.clear()
             self._streams.clear()
-            handle, self.handle = self.handle, None
-            if handle is not None:
-                with contextlib.suppress(Exception):
-                    cudnn.destroy_handle(handle)
+            handles = (self.handle, self._planning_handle)
+            self.handle = self._planning_handle = None
+            for handle in handles:
+                if handle is not None:
+                    with contextlib.suppress(Exception):
+                        cudnn.destroy_handle(handle)
 
     def __repr__(self) -> str:
         return f"DeviceContext(device={self.device}, {self.environment})"

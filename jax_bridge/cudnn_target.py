@@ -109,7 +109,8 @@ def _run(call: ffi.Call) -> None:
     workspace = results.pop()
     if start:
         found_at = time.perf_counter_ns()
-    plan.launch(args + results, stream, workspace=workspace if plan.workspace_size else 0, scalars=scalars)
+    plan.launch(args + results, stream, workspace=workspace if plan.workspace_size else 0, scalars=scalars,
+                keep_stream=True)
     if start:
         stages.append((found_at - start, time.perf_counter_ns() - found_at))
 

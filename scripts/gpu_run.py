@@ -104,17 +104,19 @@ def main() -> int:
                                   stderr=subprocess.STDOUT)
     phases = [p for p in args.phases if p != "legacy"]
     for i, phase in enumerate(phases):
-        phase, _, mode = phase.partition(":")          # "attention:full" runs one benchmark without --quick
-        full = args.full or mode == "full"
+        phase, _, mode = phase.partition(":")          # "attention:full" runs one benchmark without --quick,
+        full = args.full or mode == "full"             # "tests:200" gives a phase at most 200 s
         reserve = sum(RESERVE.get(p.partition(":")[0], 30) for p in phases[i + 1:])
         limit = deadline - time.monotonic() - reserve
+        if mode.isdigit():
+            limit = min(limit, float(mode))
         if limit < 20:
             summary.append(f"{phase}: skipped (no time left)")
             status = 1
             continue
         if phase == "tests":
             rc, took = run("tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                                     "-n", "4", "--junitxml", os.path.join(OUT, "gpu_tests.xml"),
+                                     "-n", "4", "--timeout", "200", "--junitxml", os.path.join(OUT, "gpu_tests.xml"),
                                      "-o", "junit_family=xunit1", *args.pytest.split()], limit)
             summary += test_table()
         elif phase == "train":
@@ -144,8 +146,11 @@ def main() -> int:
             rc = 0 if all("error" not in r for r in results) else 1
         elif phase in BENCHES:
             quick = [] if full else ["--quick"]
-            script = "benchmarks/soak.py" if phase == "soak" else f"benchmarks/bench_{phase}.py"
-            rc, took = run(f"bench_{phase}", [sys.executable, script, "--out", OUT, *quick], limit)
+            if phase == "soak":                       # the soak writes one JSON file
+                command = ["benchmarks/soak.py", "--out", os.path.join(OUT, "soak.json")]
+            else:
+                command = [f"benchmarks/bench_{phase}.py", "--out", OUT]
+            rc, took = run(f"bench_{phase}", [sys.executable, *command, *quick], limit)
             text = open(os.path.join(OUT, f"bench_{phase}.log"), errors="replace").read()
             start = text.rfind("\n== ")
             summary.append(text[start + 1:].rstrip() if start >= 0 else f"bench_{phase}: no table; log tail:\n"

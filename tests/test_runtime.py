@@ -119,7 +119,10 @@ def test_launch_binds_operands_results_and_host_scalars_by_id(monkeypatch):
     assert {t: bound[t] for t in plan.operand_ids + (TensorId.O, TensorId.STATS)} == {
         TensorId.Q: 1, TensorId.K: 2, TensorId.V: 3, TensorId.O: 4, TensorId.STATS: 5}
     assert ctypes.c_int64.from_address(bound[TensorId.SEED]).value == 1234 and workspace == 0xAAAA
-    assert plan.context.streams == [0x55] and plan.context.workspaces == [(0x55, 256)]
+    assert plan.context.workspaces == [(0x55, 256)]
+    assert plan.context.streams == [0x55, 0]          # back to the default stream: 0x55 may be destroyed later
+    plan.launch([1, 2, 3, 4, 5], stream=0x66, scalars=(7, 0), keep_stream=True)     # XLA's streams stay bound
+    assert plan.context.streams == [0x55, 0, 0x66]
 
 
 def test_launch_zeroes_before_what_the_policy_says(monkeypatch):
