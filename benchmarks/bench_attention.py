@@ -108,9 +108,10 @@ def event_ms(fn, stream_ptr: int = 0, *, warmup: int = 2, repeats: int = 5, roun
     return statistics.median(samples)
 
 
-def host_us(fn, *, calls: int = 300, rounds: int = 5) -> float:
+def host_us(fn, *, calls: int = 300, rounds: int = 5, warmup: int = 1) -> float:
     """Median over rounds of the host time per call of ``calls`` back-to-back calls (no sync inside)."""
-    fn()
+    for _ in range(warmup):
+        fn()
     cp.cuda.runtime.deviceSynchronize()
     samples = []
     for _ in range(rounds):

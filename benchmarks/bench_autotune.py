@@ -23,21 +23,16 @@ import cupy as cp
 import ml_dtypes
 import numpy as np
 
+import bench_attention  # the shared device timer (the script's folder is on sys.path)
 import cudnn_attn
 from cudnn_attn import MaskType
 from cudnn_attn.cache import PlanChoice, graph_cache
 from cudnn_attn.validation import prepare
 
 
-def event_ms(fn, repeats: int = 5) -> float:
-    stream = cp.cuda.get_current_stream()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record(stream)
-    for _ in range(repeats):
-        fn()
-    end.record(stream)
-    end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end) / repeats
+def event_ms(fn) -> float:
+    """Device ms per call of 5 back-to-back calls (one round, no warm-up: the caller warmed up)."""
+    return bench_attention.event_ms(fn, cp.cuda.get_current_stream().ptr, warmup=0, repeats=5, rounds=1)
 
 
 def case(name: str, B: int, T: int, causal: bool, fp8: bool, rng) -> dict:

@@ -38,6 +38,7 @@ import cupy as cp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
+import bench_attention  # noqa: E402  (the shared host timer; run from benchmarks/ or with it on sys.path)
 import cudnn_attn  # noqa: E402
 from cudnn_attn.cache import graph_cache  # noqa: E402
 
@@ -48,17 +49,7 @@ TARGETS = {("public", "fwd"): 15.0, ("public", "bwd"): 20.0, ("bound", "fwd"): 8
 
 
 def host_us(fn, *, calls: int, rounds: int) -> float:
-    for _ in range(20):
-        fn()
-    cp.cuda.runtime.deviceSynchronize()
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-        cp.cuda.runtime.deviceSynchronize()
-    return statistics.median(samples)
+    return bench_attention.host_us(fn, calls=calls, rounds=rounds, warmup=20)
 
 
 def cupy_rows(q, k, v, do, calls, rounds) -> dict:
