@@ -15,37 +15,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from cudnn_attn import MaskType
-from cudnn_attn.validation import prepare
+from cudnn_attn.selftest import call_config, io_dtype  # noqa: F401  (io_dtype: used by the GPU tests)
 
 RELATIVE_TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
 LSE_TOLERANCE = 1e-3
 
 
-def io_dtype(name: str):
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-
-
-def make_config(*, B=2, T=128, S=128, N=4, K=None, H=64, Hv=None, dtype="float16", layout="BTNH",
-                bias_shape=None, segments=None, training=True, **call):
-    """The AttentionConfig ``prepare`` builds for a call of these shapes (values are never read)."""
-    K, Hv = K or N, Hv or H
-    dt = io_dtype(dtype)
-    def physical(length, heads, dim):
-        return np.empty((B, length, heads, dim) if layout == "BTNH" else (B, heads, length, dim), dt)
-    arrays = {}
-    if segments:
-        arrays.update(q_seqlen=np.empty((B, segments), np.int32), kv_seqlen=np.empty((B, segments), np.int32),
-                      q_offsets=np.empty((B, segments + 1), np.int32), kv_offsets=np.empty((B, segments + 1), np.int32))
-    elif call.get("mask_type") in (MaskType.PADDING, MaskType.PADDING_CAUSAL):
-        arrays.update(q_seqlen=np.empty((B,), np.int32), kv_seqlen=np.empty((B,), np.int32))
-    if bias_shape:
-        arrays["bias"] = np.empty(bias_shape, dt)
-    config, _ = prepare(physical(T, N, H), physical(S, K, H), physical(S, K, Hv), qkv_layout=layout,
-                        training=training, xp=np, **arrays, **call)
-    return config
+def make_config(*, scale: float = 1.0, **shapes_and_call):
+    """The AttentionConfig ``prepare`` builds for a call of these shapes (values are never read): the
+    library's own :func:`cudnn_attn.selftest.call_config`, with ``prepare``'s default scale."""
+    return call_config(scale=scale, **shapes_and_call)
 
 
 def to_gpu(operands):
