@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 from .types import AttentionLayout
 
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+
 
 class DiagonalAlignment(enum.Enum):
     """Where the causal diagonal starts: query ``i`` faces key ``i`` (TOP_LEFT) or key ``i + S - T``
@@ -151,6 +153,7 @@ class AttentionConfig:
     qk_dim: int
     v_dim: int
     dtype: str                       # numpy dtype name of Q/K/V: float16, bfloat16, float8_e4m3fn, float8_e5m2
+                                     # (float64: the reference's exact mode)
     layout: AttentionLayout = AttentionLayout.BTNH
     scale: float = 1.0
     mask: MaskSpec = MaskSpec()
@@ -158,13 +161,35 @@ class AttentionConfig:
     dropout_rate: float = 0.0
     packing: PackingSpec | None = None
     paging: PagingSpec | None = None
-    fp8: bool = False
     score_mod: ScoreModSpec | None = None
     sink: bool = False
     training: bool = False           # forward also produces the logsumexp needed by the backward
     deterministic: bool = False      # backward: deterministic dQ accumulation
 
+    def __post_init__(self):
+        """Invariant: packed segments and paged K/V carry per-sequence lengths, so they imply the padding
+        mask - ``mask.padding`` is then set, and is the one place every layer reads it from."""
+        if (self.packing is not None or self.paging is not None) and not self.mask.padding:
+            object.__setattr__(self, "mask", dataclasses.replace(self.mask, padding=True))
+
+    def __hash__(self) -> int:
+        """Computed once: the configuration is the key of every cache lookup (its ``score_mod`` and mask
+        specs make the field tuple deep)."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}   # str hashes differ between processes
+
     # -- derived facts -------------------------------------------------------------------------
+    @property
+    def fp8(self) -> bool:
+        """Q/K/V are FP8 (``sdpa_fp8`` graphs, scale factors, amax results): derived from :attr:`dtype`."""
+        return self.dtype in FP8_DTYPES
+
     @property
     def is_gqa(self) -> bool:
         return self.kv_heads != self.q_heads

@@ -33,13 +33,12 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from .config import (
-    AttentionConfig, AttentionOperands, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec,
-    ScoreModSpec,
+    FP8_DTYPES, AttentionConfig, AttentionOperands, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec,
+    PagingSpec, ScoreModSpec,
 )
 from .types import FP8_PARAM_KEYS, AttentionLayout, MaskType
 
 IO_DTYPES = ("float16", "bfloat16")
-FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 
 # The seed's stand-in for -inf in a boolean mask: cuDNN mishandles the difference of two -inf-like
 # values, so a large finite negative number of the io dtype is used instead.
@@ -455,7 +454,7 @@ def prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None
     config = AttentionConfig(
         batch=q.batch, q_heads=q.heads, kv_heads=k.heads, q_len=q.length, kv_len=k.length, qk_dim=q.dim,
         v_dim=v.dim, dtype=dtype, layout=layout, scale=scale, mask=mask_spec, bias=bias_spec,
-        dropout_rate=dropout_rate, packing=packing, paging=paging, fp8=use_fp8, score_mod=score_mod_spec,
+        dropout_rate=dropout_rate, packing=packing, paging=paging, score_mod=score_mod_spec,
         sink=sink is not None, training=training, deterministic=deterministic,
     )
     operands = AttentionOperands(

@@ -26,7 +26,7 @@ TOLERANCE = {"float8_e4m3fn": (0.08, 0.2), "float8_e5m2": (0.125, 0.2)}
 
 def config(dtype="float8_e4m3fn", **changes) -> AttentionConfig:
     return AttentionConfig(**{**dict(batch=2, q_heads=4, kv_heads=2, q_len=16, kv_len=16, qk_dim=16, v_dim=16,
-                                     dtype=dtype, scale=0.25, fp8=True, training=True), **changes})
+                                     dtype=dtype, scale=0.25, training=True), **changes})
 
 
 def value(scales, name):
@@ -36,7 +36,7 @@ def value(scales, name):
 def dequantised(cfg, ops):
     """float64 config and operands holding the real values of the FP8 inputs."""
     sc = ops.fp8_scales
-    exact = dataclasses.replace(cfg, dtype="float64", fp8=False)
+    exact = dataclasses.replace(cfg, dtype="float64")
     return exact, ops.replace(query=ops.query.astype(np.float64) * value(sc, "descale_q"),
                               key=ops.key.astype(np.float64) * value(sc, "descale_k"),
                               value=ops.value.astype(np.float64) * value(sc, "descale_v"), fp8_scales=None)

@@ -23,7 +23,7 @@ from cudnn_attn.support import (
 SM90 = Environment.sm90()
 SM100 = Environment(91900, (10, 0), "B200")
 BASE = AttentionConfig(batch=2, q_heads=4, kv_heads=4, q_len=128, kv_len=128, qk_dim=64, v_dim=64, dtype="float16")
-FP8 = BASE.replace(dtype="float8_e4m3fn", fp8=True, qk_dim=128, v_dim=128)
+FP8 = BASE.replace(dtype="float8_e4m3fn", qk_dim=128, v_dim=128)
 CAUSAL = MaskSpec(right_bound=0)
 BOTTOM_RIGHT = MaskSpec(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT)
 WINDOW = MaskSpec(right_bound=0, left_bound=32)

@@ -14,10 +14,10 @@ import math
 import ml_dtypes
 import numpy as np
 
-from ..config import AttentionConfig, AttentionOperands
+from ..config import FP8_DTYPES, AttentionConfig, AttentionOperands
 from ..types import FP8_PARAM_KEYS, AttentionLayout
 from .segments import segments_of
-from .tensors import FP8_DTYPES, cast, io_dtype
+from .tensors import cast, io_dtype
 
 
 def fp8_scale(amax: float, dtype: np.dtype) -> float:

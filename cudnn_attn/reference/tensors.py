@@ -13,10 +13,8 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 names with NumPy)
 import numpy as np
 
-from ..config import AttentionConfig
+from ..config import FP8_DTYPES, AttentionConfig
 from ..types import AttentionLayout
-
-FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 
 
 def io_dtype(config: AttentionConfig) -> np.dtype:

@@ -38,7 +38,7 @@ def fp8(**changes: Any) -> AttentionConfig:
     """An FP8 (E4M3 unless ``dtype`` says otherwise) call with head dim 128 unless ``d`` says otherwise."""
     changes.setdefault("d", 128)
     changes.setdefault("dtype", "float8_e4m3fn")
-    return config(fp8=True, **changes)
+    return config(**changes)
 
 
 def bias(shape: tuple[int, int, int, int], differentiable: bool = True) -> BiasSpec:
