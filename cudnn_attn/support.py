@@ -7,13 +7,18 @@ Two tables, both data:
 * :data:`RESTRICTIONS` — combinations that cannot run, each a small named check returning what was
   found.  Every row says who enforces it: ``CUDNN`` (cuDNN 9.19 refuses the graph on sm90; verified
   with deviceless builds, see ``shared/research/cudnn_frontend_api.md`` §6.3) or ``LIBRARY`` (this
-  library follows the JAX seed's policy, or has no path for it, although cuDNN might build it).
+  library follows the JAX seed's policy, or has no path for it, although cuDNN might build it), the
+  graphs it concerns (:class:`~cudnn_attn.types.Kind`), the fronts it holds on
+  (:class:`~cudnn_attn.types.Front`: CuPy and JAX run cuDNN, the NumPy reference runs on the CPU) and
+  the graphs the builder cannot even declare it for (``structural``: cuDNN's API has no way to say it).
 
-:func:`not_supported_reasons` evaluates both against an :class:`Environment`; :func:`check_supported`
-raises :class:`~cudnn_attn.errors.UnsupportedConfigurationError` with the reasons.  Some restrictions
-hold *everywhere* - the NumPy reference (the CPU backend) cannot run those calls either - and
-:func:`check_everywhere` raises them without an environment: the JAX bridge at trace time, the
-reference before computing.
+This module is the only place that decides "unsupported": validation decides only whether a call is
+well formed, and every other layer asks here.  :func:`not_supported_reasons` evaluates both tables
+against an :class:`Environment` and a front, and never raises for a configuration;
+:func:`check_supported` raises :class:`~cudnn_attn.errors.UnsupportedConfigurationError` with the
+reasons.  Two environment-free questions have their own names: :func:`check_everywhere` (what no front
+runs - the reference refuses exactly these, so the JAX bridge asks it at trace time) and
+:func:`check_structure` (what the graph builder cannot declare).
 
 cuDNN versions are integers as ``cudnn.backend_version()`` returns them: ``91900`` is 9.19.0 and
 ``8904`` is 8.9.4.
@@ -28,7 +33,7 @@ from typing import Callable
 
 from .config import AttentionConfig, DiagonalAlignment
 from .errors import UnsupportedConfigurationError
-from .types import AttentionLayout
+from .types import AttentionLayout, Front, Kind
 
 CUDNN = "cudnn"
 LIBRARY = "library"
@@ -181,15 +186,25 @@ REQUIREMENTS: tuple[Requirement, ...] = (
 Check = Callable[[AttentionConfig, Environment], "str | None"]
 
 
+KINDS = tuple(Kind)
+CUDNN_FRONTS = (Front.CUPY, Front.JAX)
+EVERY_FRONT = tuple(Front)
+
+
 @dataclass(frozen=True)
 class Restriction:
-    """A combination that cannot run; ``check`` returns what was found, or ``None`` when it is fine."""
+    """A combination that cannot run; ``check`` returns what was found, or ``None`` when it is fine.
+
+    ``kinds``: the graphs the rule concerns.  ``fronts``: where it holds (:data:`EVERY_FRONT`: the NumPy
+    reference cannot run it either).  ``structural``: the graphs the builder cannot declare it for.
+    """
 
     feature: str
     check: Check
     enforced_by: str
-    kinds: tuple[str, ...] = ("fwd", "bwd")   # the graphs the rule concerns
-    everywhere: bool = False                  # the NumPy reference cannot run it either
+    kinds: tuple[Kind, ...] = KINDS
+    fronts: tuple[Front, ...] = CUDNN_FRONTS
+    structural: tuple[Kind, ...] = ()
 
     def unmet(self, config: AttentionConfig, env: Environment) -> list[str]:
         found = self.check(config, env)
@@ -263,14 +278,23 @@ def _window_lengths(c: AttentionConfig, env: Environment) -> str | None:
     return _long_queries(c) if c.mask.left_bound is not None else None
 
 
-def _score_mod_limits(c: AttentionConfig, env: Environment) -> str | None:
-    """What the score_mod translation cannot express with the rest of the configuration (built-in masks
-    are folded into the modification; see :func:`cudnn_attn.graphs.score_mod.score_mod_refusals`)."""
-    if c.score_mod is None or _score_mod_args(c, env):
+def _score_mod_limits(c: AttentionConfig, kind: Kind) -> str | None:
+    """What the score_mod translation cannot express with the rest of the configuration in the ``kind``
+    graph (built-in masks are folded into the modification; see
+    :func:`cudnn_attn.graphs.score_mod.score_mod_refusals`)."""
+    if c.score_mod is None or _score_mod_args(c, None):
         return None
     from .graphs.score_mod import score_mod_refusals   # imports JAX: only when score_mod is used
 
-    return "; ".join(score_mod_refusals(c)) or None
+    return "; ".join(score_mod_refusals(c, kind)) or None
+
+
+def _score_mod_limits_forward(c: AttentionConfig, env: Environment) -> str | None:
+    return _score_mod_limits(c, Kind.FORWARD)
+
+
+def _score_mod_limits_backward(c: AttentionConfig, env: Environment) -> str | None:
+    return _score_mod_limits(c, Kind.BACKWARD)
 
 
 def _sink_needs_queries(c: AttentionConfig, env: Environment) -> str | None:
@@ -293,7 +317,8 @@ def _packed_dbias_sm100(c: AttentionConfig, env: Environment) -> str | None:
 
 
 def _fp8_bias(c: AttentionConfig, env: Environment) -> str | None:
-    return "takes no bias" if c.fp8 and c.bias is not None else None
+    return "takes no bias (cuDNN's FP8 forward refuses one, the FP8 backward has none)" \
+        if c.fp8 and c.bias is not None else None
 
 
 def _fp8_sink(c: AttentionConfig, env: Environment) -> str | None:
@@ -367,6 +392,25 @@ def _score_mod_args(c: AttentionConfig, env: Environment) -> str | None:
     return None
 
 
+def _jax_score_mod_args(c: AttentionConfig, env: Environment) -> str | None:
+    if c.score_mod is not None and c.score_mod.arg_shapes:
+        return ("score_mod arguments are traced arrays under JAX, but cuDNN binds them by value on the host; close over "
+                "Python floats in score_mod instead of passing score_mod_args")
+    return None
+
+
+def _jax_int64_offsets(c: AttentionConfig, env: Environment) -> str | None:
+    if c.packing is None:
+        return None
+    import jax
+
+    from .graphs.tensors import ragged_offset_dtype
+
+    if ragged_offset_dtype(c) == "int64" and not jax.config.jax_enable_x64:
+        return "these packed tensors need int64 ragged offsets; enable jax_enable_x64"
+    return None
+
+
 def _sm103_cudnn(c: AttentionConfig, env: Environment) -> str | None:
     if env.compute_capability == (10, 3) and env.cudnn_version is not None and env.cudnn_version < 91100:
         return f"sm103 needs cuDNN >= 9.11.0, found {format_version(env.cudnn_version)}"
@@ -388,64 +432,103 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     # the seed) run padded to even lengths (cudnn_attn.lift): no rule, users never meet them.
     Restriction("deterministic backward", _deterministic_sm100, CUDNN),
     Restriction("packed segments with dbias", _packed_dbias_sm100, CUDNN),
-    Restriction("FP8 attention", _fp8_bias, CUDNN, everywhere=True),
+    Restriction("FP8 attention", _fp8_bias, CUDNN, fronts=EVERY_FRONT, structural=(Kind.BACKWARD,)),
     Restriction("FP8 attention", _fp8_sink, CUDNN),
     Restriction("FP8 attention", _fp8_head_dim, CUDNN),
     Restriction("FP8 attention", _fp8_backward_hopper, CUDNN),
-    Restriction("paged K/V cache", _paged_forward_only, CUDNN, kinds=("bwd",), everywhere=True),
+    Restriction("paged K/V cache", _paged_forward_only, CUDNN, kinds=(Kind.BACKWARD,), fronts=EVERY_FRONT,
+                structural=(Kind.BACKWARD,)),
     # This library's policy (the seed's rules) or a path it does not have; cuDNN may build these.
     Restriction("head dim", _head_dim_limit, LIBRARY),
     Restriction("FP8 attention", _fp8_masks, LIBRARY),
-    Restriction("FP8 attention", _fp8_alibi, LIBRARY, everywhere=True),
-    Restriction("FP8 attention", _fp8_extras, LIBRARY, everywhere=True),
+    Restriction("FP8 attention", _fp8_alibi, LIBRARY, fronts=EVERY_FRONT, structural=(Kind.BACKWARD,)),
+    Restriction("FP8 attention", _fp8_extras, LIBRARY, fronts=EVERY_FRONT, structural=(Kind.BACKWARD,)),
     Restriction("FP8 attention", _fp8_training_head_dim, LIBRARY),
     Restriction("FP8 attention", _fp8_training_lengths, LIBRARY),
-    Restriction("packed segments", _packed_layout, LIBRARY),
-    Restriction("packed segments", _packed_extras, LIBRARY),
-    Restriction("score_mod", _score_mod_args, LIBRARY),
-    Restriction("score_mod", _score_mod_limits, LIBRARY),
+    Restriction("packed segments", _packed_layout, LIBRARY, structural=KINDS),
+    Restriction("packed segments", _packed_extras, LIBRARY, structural=KINDS),
+    Restriction("score_mod", _score_mod_args, LIBRARY, structural=KINDS),
+    Restriction("score_mod", _score_mod_limits_forward, LIBRARY, kinds=(Kind.FORWARD,), structural=(Kind.FORWARD,)),
+    Restriction("score_mod", _score_mod_limits_backward, LIBRARY, kinds=(Kind.BACKWARD,),
+                structural=(Kind.BACKWARD,)),
     Restriction("GPU", _sm103_cudnn, LIBRARY),
+    # The JAX bridge's cuDNN path: what XLA's FFI cannot hand to cuDNN.
+    Restriction("JAX on cuDNN", _jax_score_mod_args, LIBRARY, fronts=(Front.JAX,)),
+    Restriction("JAX on cuDNN", _jax_int64_offsets, LIBRARY, fronts=(Front.JAX,)),
 )
 
 
 # -- public -----------------------------------------------------------------------------------------
 
-KINDS = ("fwd", "bwd")
 ENFORCERS = (CUDNN, LIBRARY)
+_ANYWHERE = Environment(None, None)      # the environment-free questions: no version or GPU rule applies
 
 
-def _kinds(config: AttentionConfig, kind: str | None) -> tuple[str, ...]:
-    if kind is not None and kind not in KINDS:
-        raise ValueError(f"kind: expected 'fwd', 'bwd' or None (every graph the configuration needs), got {kind!r}")
-    return (kind,) if kind is not None else (KINDS if config.training else ("fwd",))
+def _kinds(config: AttentionConfig, kind: str | None) -> tuple[Kind, ...]:
+    if kind is None:
+        return KINDS if config.training else (Kind.FORWARD,)
+    try:
+        return (Kind(kind),)
+    except ValueError:
+        raise ValueError(f"kind: expected 'fwd', 'bwd' or None (every graph the configuration needs), "
+                         f"got {kind!r}") from None
+
+
+def _front(front: str) -> Front:
+    try:
+        return Front(front)
+    except ValueError:
+        raise ValueError(f"front: expected one of {', '.join(map(repr, EVERY_FRONT))}, got {front!r}") from None
 
 
 def _check_config(config: AttentionConfig) -> None:
     if not isinstance(config, AttentionConfig):
-        raise ValueError(f"config: expected an AttentionConfig (cudnn_attn.validation.prepare builds one), "
+        raise ValueError(f"config: expected an AttentionConfig (cudnn_attn.validation.validate_call builds one), "
                          f"got {type(config).__name__}")
 
 
-def not_supported_reasons(config: AttentionConfig, env: Environment | None = None, *,
-                          kind: str | None = None, enforced_by: str | None = None) -> list[str]:
-    """Every reason ``config`` cannot run in ``env`` (detected when ``None``); empty when it can.
+def _unique(reasons: list[str]) -> list[str]:
+    """``reasons`` without repeats (a rule of both graphs may say the same of each), in order."""
+    return list(dict.fromkeys(reasons))
 
-    ``kind`` (``"fwd"`` or ``"bwd"``) asks about one graph; ``None`` asks about every graph the
-    configuration needs (the backward too when ``config.training``): a paged forward that returns the
-    logsumexp is fine, its backward is not.  ``enforced_by`` (``CUDNN`` or ``LIBRARY``) keeps only the
-    rules of that kind (the missing GPU or cuDNN is reported by neither).  With valid arguments this
-    never raises: everything it finds is a reason.
+
+def _restrictions(config: AttentionConfig, env: Environment, kinds: tuple[Kind, ...], front: Front,
+                  enforced_by: str | None = None, structural: bool = False) -> list[str]:
+    reasons = []
+    for rule in RESTRICTIONS:
+        if front not in rule.fronts or (enforced_by is not None and rule.enforced_by != enforced_by):
+            continue
+        if not set(rule.structural if structural else rule.kinds) & set(kinds):
+            continue
+        reasons += rule.unmet(config, env)
+    return _unique(reasons)
+
+
+def not_supported_reasons(config: AttentionConfig, env: Environment | None = None, *,
+                          kind: str | None = None, enforced_by: str | None = None,
+                          front: str = Front.CUPY) -> list[str]:
+    """Every reason ``config`` cannot run in ``env`` (detected when ``None``) on ``front``; empty when it can.
+
+    ``kind`` (``"fwd"``/``"bwd"``, a :class:`~cudnn_attn.types.Kind`) asks about one graph; ``None`` asks
+    about every graph the configuration needs (the backward too when ``config.training``): a paged
+    forward that returns the logsumexp is fine, its backward is not.  ``enforced_by`` (``CUDNN`` or
+    ``LIBRARY``) keeps only the rules of that kind (the missing GPU or cuDNN is reported by neither).
+    ``front`` (``"cupy"``, ``"jax"`` or ``"reference"``) is what runs the call: the reference needs no
+    GPU or cuDNN and ignores ``env``.  With valid arguments this never raises: everything it finds is
+    a reason.
 
     Raises:
         ValueError: ``config`` is not an :class:`AttentionConfig`, ``env`` not an :class:`Environment`,
-            ``kind`` or ``enforced_by`` not one of the values above.
+            ``kind``, ``enforced_by`` or ``front`` not one of the values above.
     """
     _check_config(config)
     if env is not None and not isinstance(env, Environment):
         raise ValueError(f"env: expected a cudnn_attn.support.Environment or None, got {type(env).__name__}")
     if enforced_by is not None and enforced_by not in ENFORCERS:
         raise ValueError(f"enforced_by: expected {CUDNN!r}, {LIBRARY!r} or None, got {enforced_by!r}")
-    kinds = _kinds(config, kind)
+    kinds, front = _kinds(config, kind), _front(front)
+    if front is Front.REFERENCE:
+        return _restrictions(config, _ANYWHERE, kinds, front, enforced_by)
     env = Environment.detect() if env is None else env
     reasons = []
     if enforced_by is None:
@@ -453,31 +536,33 @@ def not_supported_reasons(config: AttentionConfig, env: Environment | None = Non
             reasons.append("no cuDNN library found (install nvidia-cudnn-cu13)")
         if env.compute_capability is None:
             reasons.append("no CUDA GPU with cuDNN found")
-    for rule in (*REQUIREMENTS, *RESTRICTIONS):
-        if enforced_by is not None and rule.enforced_by != enforced_by:
-            continue
-        if isinstance(rule, Restriction) and not set(rule.kinds) & set(kinds):
-            continue
-        reasons += rule.unmet(config, env)
-    return reasons
+    for rule in REQUIREMENTS:
+        if enforced_by is None or rule.enforced_by == enforced_by:
+            reasons += rule.unmet(config, env)
+    return reasons + _restrictions(config, env, kinds, front, enforced_by)
 
 
-def check_supported(config: AttentionConfig, env: Environment | None = None, *, kind: str | None = None) -> None:
+def check_supported(config: AttentionConfig, env: Environment | None = None, *, kind: str | None = None,
+                    front: str = Front.CUPY) -> None:
     """Raise :class:`UnsupportedConfigurationError` listing every reason ``config`` (or its ``kind``
-    graph) cannot run."""
-    env = Environment.detect() if env is None else env
-    reasons = not_supported_reasons(config, env, kind=kind)
+    graph) cannot run on ``front`` (see :func:`not_supported_reasons`)."""
+    env = Environment.detect() if env is None and front != Front.REFERENCE else env
+    reasons = not_supported_reasons(config, env, kind=kind, front=front)
     if reasons:
         raise UnsupportedConfigurationError(reasons, config, env)
 
 
 def check_everywhere(config: AttentionConfig, *, kind: str | None = None) -> None:
-    """Raise :class:`UnsupportedConfigurationError` with the restrictions no backend lifts - neither cuDNN
-    on any GPU nor the NumPy reference - with the same reasons :func:`check_supported` gives for them."""
+    """Raise :class:`UnsupportedConfigurationError` with the restrictions no front lifts - neither cuDNN on
+    any GPU nor the NumPy reference - with the same reasons :func:`check_supported` gives for them.  The
+    reference refuses exactly these (``front="reference"``)."""
+    check_supported(config, kind=kind, front=Front.REFERENCE)
+
+
+def check_structure(config: AttentionConfig, *, kind: str) -> None:
+    """Raise :class:`UnsupportedConfigurationError` with the rows whose ``kind`` graph the builder cannot
+    declare (cuDNN's API has no way to say them), in any environment: the graph builder's refusals."""
     _check_config(config)
-    kinds = _kinds(config, kind)
-    unknown = Environment(None, None)
-    reasons = [reason for rule in RESTRICTIONS if rule.everywhere and set(rule.kinds) & set(kinds)
-               for reason in rule.unmet(config, unknown)]
+    reasons = _restrictions(config, _ANYWHERE, _kinds(config, kind), Front.CUPY, structural=True)
     if reasons:
         raise UnsupportedConfigurationError(reasons, config)

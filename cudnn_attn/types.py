@@ -19,6 +19,15 @@ class Kind(enum.StrEnum):
     BACKWARD = "bwd"
 
 
+class Front(enum.StrEnum):
+    """What runs a call: cuDNN through CuPy arrays, cuDNN through XLA (the JAX bridge), or the NumPy
+    reference (the CPU backend of both).  The support table says per front what it refuses."""
+
+    CUPY = "cupy"
+    JAX = "jax"
+    REFERENCE = "reference"
+
+
 class AttentionLayout(enum.Enum):
     """Physical layout of Q/K/V/O.  ``B`` batch, ``T``/``S`` query/key length, ``N`` heads, ``H`` head dim."""
 

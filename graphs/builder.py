@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, NamedTuple
@@ -30,7 +29,8 @@ from cudnn.engines.engine_ids import is_python_engine
 
 from cudnn_attn.config import AttentionConfig, DiagonalAlignment
 from cudnn_attn.errors import UnsupportedConfigurationError
-from cudnn_attn.types import FP8_BWD_KEYS, FP8_FWD_KEYS, AttentionLayout, Kind
+from cudnn_attn.support import check_structure
+from cudnn_attn.types import FP8_BWD_KEYS, FP8_FWD_KEYS, Kind
 
 from . import tensors as tt
 from .target import graph_options
@@ -46,7 +46,6 @@ _IO_TYPES = {
     "float8_e4m3fn": _DT.FP8_E4M3,
     "float8_e5m2": _DT.FP8_E5M2,
 }
-_FP8_TYPES = {"float8_e4m3fn", "float8_e5m2"}
 _ALIGNMENT = {
     DiagonalAlignment.TOP_LEFT: cudnn.diagonal_alignment.TOP_LEFT,
     DiagonalAlignment.BOTTOM_RIGHT: cudnn.diagonal_alignment.BOTTOM_RIGHT,
@@ -171,37 +170,14 @@ class _Ragged(NamedTuple):
 # ---------------------------------------------------------------------------------------------------
 # Config -> cuDNN keyword arguments
 # ---------------------------------------------------------------------------------------------------
-def _refuse(config: AttentionConfig, *reasons: str) -> UnsupportedConfigurationError:
-    return UnsupportedConfigurationError(list(reasons), config)
-
-
 def _check_request(config: AttentionConfig, kind: str) -> None:
+    """Argument checks, then the support table's structural rows (:func:`~cudnn_attn.support.check_structure`:
+    what cuDNN's API cannot express, e.g. a paged backward) - the builder itself refuses nothing."""
     if kind not in (FWD, BWD):
         raise ValueError(f"kind: expected {FWD!r} or {BWD!r}, got {kind!r}")
     if config.dtype not in _IO_TYPES:
         raise ValueError(f"config.dtype: expected one of {sorted(_IO_TYPES)}, got {config.dtype!r}")
-    if config.fp8 != (config.dtype in _FP8_TYPES):
-        raise ValueError(f"config: fp8={config.fp8} contradicts dtype {config.dtype!r} (FP8 graphs take FP8 Q/K/V)")
-    reasons = []
-    if kind == BWD and config.paging is not None:
-        reasons.append("paged K/V caches have no backward in cuDNN (forward only)")
-    if config.packing is not None and config.layout is not AttentionLayout.BTNH:
-        reasons.append("packed segments need the token-major BTNH layout (ragged offsets index tokens)")
-    if config.packing is not None and config.paging is not None:
-        reasons.append("packed segments cannot be combined with paged K/V")
-    if config.packing is not None and config.bias is not None:
-        reasons.append("a bias cannot be combined with packed segments (cuDNN indexes the bias per segment, "
-                       "not per packed row)")
-    if config.fp8 and kind == BWD and (config.bias is not None or config.mask.alibi or config.score_mod):
-        reasons.append("the FP8 backward (sdpa_fp8_backward) has no bias, ALiBi or score_mod")
-    if config.score_mod is not None:
-        shapes = config.score_mod.arg_shapes
-        if len(shapes) > len(tt.SCORE_MOD_ARG_IDS):
-            reasons.append(f"score_mod takes at most {len(tt.SCORE_MOD_ARG_IDS)} arguments, got {len(shapes)}")
-        if any(math.prod(shape) != 1 for shape, _ in shapes):
-            reasons.append(f"score_mod arguments must be scalars (bound by value), got shapes {[s for s, _ in shapes]}")
-    if reasons:
-        raise _refuse(config, *reasons)
+    check_structure(config, kind=kind)
 
 
 def _mask_options(config: AttentionConfig, t: _Declared) -> dict[str, Any]:
@@ -216,7 +192,7 @@ def _mask_options(config: AttentionConfig, t: _Declared) -> dict[str, Any]:
             options["left_bound" if fp8 else "diagonal_band_left_bound"] = mask.left_bound
         if mask.alibi:
             options["use_alibi_mask"] = True
-    if mask.padding or config.packing is not None or config.paging is not None:
+    if mask.padding:                    # packing and paging imply it (AttentionConfig)
         if config.score_mod is None:
             options["use_padding_mask"] = True
         options["seq_len_q"] = t.input(TensorId.SEQ_LEN_Q, tt.seq_len_tensor(config), _DT.INT32)

@@ -59,6 +59,8 @@ import numpy as np
 
 from cudnn_attn.config import AttentionConfig, DiagonalAlignment
 from cudnn_attn.errors import UnsupportedConfigurationError
+from cudnn_attn.support import check_structure
+from cudnn_attn.types import Kind
 
 from .score_mod_ir import F32, I32, Program, ProgramBuilder, evaluate
 from .score_mod_spec import ScoreModProgram, score_mod_program
@@ -93,15 +95,11 @@ def _mask_conditions(b: ProgramBuilder, config: AttentionConfig) -> list[Callabl
             bounds.append(b.op("cmp_gt", d, b.const(-mask.left_bound, I32)))
         return functools.reduce(lambda x, y: b.op("logical_and", x, y), bounds)
 
-    if _padded(config):
+    if mask.padding:                    # packing and paging imply it (AttentionConfig)
         conditions.append(padding)
     if mask.right_bound is not None or mask.left_bound is not None:
         conditions.append(band)
     return conditions
-
-
-def _padded(config: AttentionConfig) -> bool:
-    return config.mask.padding or config.packing is not None or config.paging is not None
 
 
 def _with_mask(program: Program, config: AttentionConfig, fill: float) -> Program:
@@ -222,8 +220,9 @@ class ScoreModGraph:
 def score_mod_refusals(config: AttentionConfig, kind: str | None = None) -> list[str]:
     """Why ``config.score_mod`` cannot run in cuDNN with the rest of ``config`` (empty: it can).
 
-    ``kind`` is ``"fwd"`` or ``"bwd"``; ``None`` means the graphs the configuration needs (the backward
-    too when ``config.training``).  For the support table: the reasons :func:`score_mod_graph` raises.
+    ``kind`` is a :class:`~cudnn_attn.types.Kind`; ``None`` means the graphs the configuration needs (the
+    backward too when ``config.training``).  The support table's ``score_mod`` rows read these reasons
+    (:mod:`cudnn_attn.support` decides; this function only knows what the translation cannot express).
     """
     if config.score_mod is None:
         return []
@@ -232,7 +231,7 @@ def score_mod_refusals(config: AttentionConfig, kind: str | None = None) -> list
     if mask.alibi:
         reasons.append("score_mod with ALiBi: cuDNN refuses its ALiBi next to score_mod; add the ALiBi bias "
                        "inside score_mod (slopes from lax.broadcasted_iota on the head axis)")
-    if mask.alignment is DiagonalAlignment.BOTTOM_RIGHT and _padded(config) and \
+    if mask.alignment is DiagonalAlignment.BOTTOM_RIGHT and mask.padding and \
             (mask.right_bound is not None or mask.left_bound is not None):
         reasons.append("score_mod with a bottom-right diagonal and per-sequence lengths (padding, packing or "
                        "paging): inside the modification cuDNN 9.19 computes that mask wrongly (measured on the "
@@ -244,7 +243,7 @@ def score_mod_refusals(config: AttentionConfig, kind: str | None = None) -> list
     if config.packing is not None and any(n.op == "index" and n.param == 0
                                           for p in (program.forward, program.backward) for n in p.nodes):
         reasons.append("score_mod reads the batch index, but cuDNN sees packed segments as the batch")
-    backward = kind == "bwd" or (kind is None and config.training)
+    backward = kind == Kind.BACKWARD or (kind is None and config.training)
     if backward and config.has_dbias and not program.is_additive:
         reasons.append(f"a bias gradient with the non-additive score_mod {program.name!r}: the spec applies "
                        "score_mod after the bias, so the bias goes inside the modification, where cuDNN "
@@ -253,25 +252,19 @@ def score_mod_refusals(config: AttentionConfig, kind: str | None = None) -> list
 
 
 def score_mod_graph(config: AttentionConfig, kind: str) -> ScoreModGraph:
-    """The translation of ``config.score_mod`` for its ``kind`` (``"fwd"`` / ``"bwd"``) graph.
+    """The translation of ``config.score_mod`` for its ``kind`` (a :class:`~cudnn_attn.types.Kind`) graph.
 
     Raises:
-        UnsupportedConfigurationError: the function cannot be translated, or the configuration combines
-            it with what cuDNN cannot do inside the modification (see :func:`score_mod_refusals`).
+        UnsupportedConfigurationError: the support table's ``score_mod`` rows refuse the ``kind`` graph
+            (the function cannot be translated, or the configuration combines it with what cuDNN cannot
+            do inside the modification: :func:`score_mod_refusals`).
         ValueError: no score_mod, or a bad ``kind``.
     """
     if config.score_mod is None:
         raise ValueError("config: has no score_mod")
-    if kind not in ("fwd", "bwd"):
+    if kind not in tuple(Kind):
         raise ValueError(f"kind: expected 'fwd' or 'bwd', got {kind!r}")
-    reasons = score_mod_refusals(config, kind)
-    if reasons:
-        raise UnsupportedConfigurationError(reasons, config)
+    check_structure(config, kind=kind)
     forward, backward = masked_programs(config)
     return ScoreModGraph(config, score_mod_program(config.score_mod), forward, backward)
 
-
-def make_score_mod_callbacks(config: AttentionConfig, kind: str, args: Sequence[Any], *, bias: Any = None,
-                             seq_len_q: Any = None, seq_len_kv: Any = None) -> tuple[Callable, Callable]:
-    """``(score_mod, score_mod_bprop)`` for ``config``'s ``kind`` graph; see :class:`ScoreModGraph`."""
-    return score_mod_graph(config, kind).callbacks(args, bias=bias, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv)

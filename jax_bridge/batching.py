@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from cudnn_attn.config import AttentionConfig, BiasSpec, PagingSpec
-from cudnn_attn.errors import UnsupportedConfigurationError
+from cudnn_attn.support import check_everywhere
 from cudnn_attn.types import FP8_PARAM_KEYS
 
 from .kernel import KernelOptions
@@ -51,6 +51,7 @@ def batch(primitive: Any, args: list[Any], dims: list[int | None], *, config: At
     operands = {n: a if d is None else jnp.moveaxis(a, d, 0) for n, a, d in zip(names, args, dims)}
     batched = {n for n, d in zip(names, dims) if d is not None}
 
+    check_everywhere(config, kind=kind)                    # e.g. a paged backward: the support table's verdict
     per_call = (batched & set(_PER_CALL + FP8_PARAM_KEYS)) or any(n.startswith("score_mod_arg_") for n in batched)
     if per_call or (kind == BWD and config.sink):          # the sink gradient sums over the batch
         return _one_by_one(primitive, config, options, operands, batched, size)
@@ -167,8 +168,6 @@ class _Fold:
                 x = x.reshape((self.size, -1) + x.shape[1:])
                 if self.instance.bias.shape[0] == 1:
                     x = jnp.sum(x, axis=1, keepdims=True, dtype=jnp.float32).astype(x.dtype)
-            elif name in ("dk", "dv") and self.instance.paging is not None:
-                raise UnsupportedConfigurationError(["paged K/V has no backward"], self.instance)
             else:
                 x = x.reshape((self.size, -1) + x.shape[1:])
             values.append(x)

@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from cudnn_attn.config import AttentionConfig
-from cudnn_attn.errors import UnsupportedConfigurationError
-from cudnn_attn.graphs.tensors import ragged_offset_dtype
+from cudnn_attn.support import check_supported
+from cudnn_attn.types import Front
 from cudnn_attn.plan import Fill, graph_inputs, host_scalar_values, zero_rows
 
 from . import ffi
@@ -47,17 +47,8 @@ from .kernel import EAGER_TARGET, TARGET, Kernel, registry
 
 
 def _check_expressible(kernel: Kernel) -> None:
-    import jax
-
-    config = kernel.config
-    reasons = []
-    if config.score_mod is not None and config.score_mod.arg_shapes:
-        reasons.append("score_mod arguments are traced arrays under JAX, but cuDNN binds them by value on the host; "
-                       "close over Python floats in score_mod instead of passing score_mod_args")
-    if config.packing is not None and ragged_offset_dtype(config) == "int64" and not jax.config.jax_enable_x64:
-        reasons.append("these packed tensors need int64 ragged offsets; enable jax_enable_x64")
-    if reasons:
-        raise UnsupportedConfigurationError(reasons, config)
+    """The support table's verdict for this GPU on the JAX front (score_mod arguments, x64 offsets)."""
+    check_supported(kernel.config, kind=kernel.kind, front=Front.JAX)
 
 
 # -- plans pinned for the handler ---------------------------------------------------------------------

@@ -194,7 +194,6 @@ def test_structures_cudnn_cannot_express_are_unsupported(cfg, kind, rule):
 @pytest.mark.parametrize("call, argument", [
     pytest.param(lambda: declare_graph(config(), "forward"), "kind", id="kind"),
     pytest.param(lambda: declare_graph(config(dtype="float32"), "fwd"), "config.dtype", id="dtype"),
-    pytest.param(lambda: declare_graph(config(dtype="float8_e4m3fn"), "fwd"), "fp8", id="fp8-flag"),
     pytest.param(lambda: declare_graph(config(), "fwd", target=7), "target", id="target"),
     pytest.param(lambda: build_graph(config(), "fwd", None), "target", id="no-target"),
     pytest.param(lambda: build_graph(config(), "fwd", 7, plan=3), "plan", id="plan"),

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..config import AttentionConfig, AttentionOperands
 from ..support import check_everywhere
-from ..types import AttentionGrads, AttentionOutput
+from ..types import AttentionGrads, AttentionOutput, Kind
 from ..validation import check_seed
 from . import fp8, masks
 from .problem import Problem, load, probabilities, scores, sink_probabilities, softmax
@@ -62,7 +62,7 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
         UnsupportedConfigurationError: what no backend runs (:func:`cudnn_attn.support.check_everywhere`).
     """
     seed = check_seed(seed)
-    check_everywhere(config, kind="fwd")
+    check_everywhere(config, kind=Kind.FORWARD)
     if config.fp8:
         return fp8.forward(config, operands, dropout_mask)
     problem = load(config, operands)
@@ -104,7 +104,7 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
         UnsupportedConfigurationError: paged K/V (cuDNN has no paged backward either), FP8 refusals.
     """
     seed = check_seed(seed)
-    check_everywhere(config, kind="bwd")
+    check_everywhere(config, kind=Kind.BACKWARD)
     if config.fp8:
         return fp8.backward(config, operands, output, grad_output, logsumexp, dropout_mask)
     problem = load(config, operands)
