@@ -376,9 +376,14 @@ def _packed_layout(c: AttentionConfig, env: Environment) -> str | None:
     return None
 
 
-def _packed_extras(c: AttentionConfig, env: Environment) -> str | None:
-    found = _present(("bias", c.bias is not None), ("paged K/V", c.paging is not None))
-    return f"cannot be combined with {found} (cuDNN indexes them per segment)" if c.packing and found else None
+def _packed_bias(c: AttentionConfig, env: Environment) -> str | None:
+    return "cannot be combined with bias (cuDNN indexes it per segment)" if c.packing and c.bias is not None \
+        else None
+
+
+def _packed_paged(c: AttentionConfig, env: Environment) -> str | None:
+    return ("cannot be combined with paged K/V (cuDNN indexes the caches per segment; the reference reads "
+            "them per sequence)") if c.packing and c.paging is not None else None
 
 
 def _score_mod_args(c: AttentionConfig, env: Environment) -> str | None:
@@ -446,7 +451,8 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     Restriction("FP8 attention", _fp8_training_head_dim, LIBRARY),
     Restriction("FP8 attention", _fp8_training_lengths, LIBRARY),
     Restriction("packed segments", _packed_layout, LIBRARY, structural=KINDS),
-    Restriction("packed segments", _packed_extras, LIBRARY, structural=KINDS),
+    Restriction("packed segments", _packed_bias, LIBRARY, structural=KINDS),
+    Restriction("packed segments", _packed_paged, LIBRARY, fronts=EVERY_FRONT, structural=KINDS),
     Restriction("score_mod", _score_mod_args, LIBRARY, structural=KINDS),
     Restriction("score_mod", _score_mod_limits_forward, LIBRARY, kinds=(Kind.FORWARD,), structural=(Kind.FORWARD,)),
     Restriction("score_mod", _score_mod_limits_backward, LIBRARY, kinds=(Kind.BACKWARD,),

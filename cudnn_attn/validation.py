@@ -9,9 +9,10 @@ It translates the seed's ``MaskType`` into the orthogonal :class:`~cudnn_attn.co
 folds a ``mask`` into the additive bias and traces a ``score_mod`` (its program is its identity, see
 :mod:`cudnn_attn.graphs.score_mod_spec`).
 
-Every rule here is about *validity*: a violation raises :class:`ValueError` naming the argument,
-showing the shapes/dtypes of the call and stating the rule.  Whether a valid call can run on this
-GPU / cuDNN is decided by :mod:`cudnn_attn.support`.
+Every rule here is about *validity* (shapes, dtypes, ranges): a violation raises :class:`ValueError`
+naming the argument, showing the shapes/dtypes of the call and stating the rule.  Whether a valid call
+can run - on this GPU / cuDNN, on the JAX bridge, in the reference; FP8 with a bias or a padding mask,
+paged K/V with packed segments, a paged backward - is decided by :mod:`cudnn_attn.support` alone.
 
 Deliberate differences from the seed:
 
@@ -276,13 +277,10 @@ def _mask_spec(call: _Call, mask_type: MaskType, sliding_window_length: Any, dia
                     padding=padding, alibi=mask_type is MaskType.ALIBI)
 
 
-def _check_fp8(call: _Call, fp8_params: Any, **forbidden: Any) -> dict:
+def _check_fp8(call: _Call, fp8_params: Any) -> dict:
     if not isinstance(fp8_params, Mapping):
         raise call.error("fp8_params", "use_fp8=True requires fp8_params, a dict of the FP8Params entries, "
                          f"got {type(fp8_params).__name__}")
-    present = [name for name, x in forbidden.items() if x is not None]
-    if present:
-        raise call.error(", ".join(present), "FP8 attention takes no bias, mask, seqlens or offsets; expected None")
     missing = [k for k in FP8_PARAM_KEYS if k not in fp8_params]
     if missing:
         raise call.error("fp8_params", f"missing keys: {', '.join(missing)}")
@@ -329,15 +327,19 @@ def _prepare_bias(call: _Call, bias: Any, mask: Any, full: tuple[int, int, int, 
                   io_dtype: Any, xp: Any) -> tuple[Any, BiasSpec | None]:
     if bias is None and mask is None:
         return None, None
+    # An FP8 call has no bias dtype (it takes no bias: the support table refuses one on every front).
+    dtypes = (dtype, *IO_DTYPES, "float32") if dtype in FP8_DTYPES else (dtype,)
     shapes = {}
     if bias is not None:
-        shapes["bias"] = _check_bias_like(call, "bias", bias, full, (dtype,))
+        shapes["bias"] = _check_bias_like(call, "bias", bias, full, dtypes)
     if mask is not None:
-        shapes["mask"] = _check_bias_like(call, "mask", mask, full, ("bool", dtype))
+        shapes["mask"] = _check_bias_like(call, "mask", mask, full, ("bool", *dtypes))
     # Batch and heads stay broadcast (cuDNN reads them with stride 0); T and S are materialised.
     combined = tuple(max(dims) for dims in zip(*shapes.values()))[:2] + full[2:]
-    folded = _fold_bias(bias, mask, shapes.get("bias"), shapes.get("mask"), combined, io_dtype, xp)
     differentiable = bias is not None or dtype_name(mask) != "bool"
+    if dtype in FP8_DTYPES:     # FP8 takes no bias on any front (the support table): nothing to fold
+        return None, BiasSpec(shape=combined, differentiable=differentiable)
+    folded = _fold_bias(bias, mask, shapes.get("bias"), shapes.get("mask"), combined, io_dtype, xp)
     return folded, BiasSpec(shape=combined, differentiable=differentiable)
 
 
@@ -419,22 +421,13 @@ def prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None
     if fp8_dtype is not None and fp8_dtype not in FP8_DTYPES:
         raise call.error("fp8_dtype", f"the FP8 format of uint8 operands must be one of {', '.join(FP8_DTYPES)}, "
                          f"got {fp8_dtype!r}")
-    if use_fp8 and (page_table_k is not None or page_table_v is not None):
-        raise call.error("use_fp8", "paged attention does not support fp8")
     dtype = _check_qkv(call, query, key, value, use_fp8, fp8_dtype if use_fp8 else None)
     q, k, v = (_Dims.of(x, layout) for x in (query, key, value))
     paging, k, v = _check_paging(call, layout, q, k, v, page_table_k, page_table_v)
     _check_shapes(call, q, k, v)
 
-    fp8_scales = None
-    if use_fp8:
-        if mask_type not in (MaskType.NO_MASK, MaskType.CAUSAL):
-            raise call.error("mask_type", f"FP8 attention supports NO_MASK or CAUSAL only, got {mask_type}")
-        fp8_scales = _check_fp8(call, fp8_params, bias=bias, mask=mask, q_seqlen=q_seqlen, kv_seqlen=kv_seqlen,
-                                q_offsets=q_offsets, kv_offsets=kv_offsets)
+    fp8_scales = _check_fp8(call, fp8_params) if use_fp8 else None
     packing = _check_sequences(call, q.batch, q_seqlen, kv_seqlen, q_offsets, kv_offsets)
-    if paging and packing:
-        raise call.error("q_offsets/kv_offsets", "paged attention does not support packed segments")
     if paging and (q_seqlen is None or kv_seqlen is None):
         raise call.error("q_seqlen/kv_seqlen", "paged attention requires both q_seqlen and kv_seqlen of shape (B,)")
     if mask_type in _PADDING_MASKS and (q_seqlen is None or kv_seqlen is None):

@@ -109,7 +109,6 @@ def test_bad_calls_exit_2_naming_the_problem(capsys, store_dir, argv, message):
     ('[{"shape": "1,2,3"}]', "[0]: expected six positive integers"),
     ('[{"shape": "2,128,128,4,4,64", "dtype": "fp32"}]', "dtype must be one of bf16, fp16, fp8"),
     ('[{"shape": "2,128,128,4,4,64"}, {"shape": "2,128,128,4,4,64", "window": 3}]', "[1]: expected an object"),
-    ('[{"shape": "2,128,128,4,4,64", "dtype": "fp8", "mask": "alibi"}]', "FP8 attention supports NO_MASK or CAUSAL"),
 ])
 def test_precompile_from_a_bad_file_exits_2_before_any_work(capsys, store_dir, tmp_path, content, message):
     path = tmp_path / "calls.json"
@@ -117,6 +116,14 @@ def test_precompile_from_a_bad_file_exits_2_before_any_work(capsys, store_dir, t
     status, out, err = run(capsys, "precompile", "--from", str(path), "--target", "sm90")
     assert status == cli.EXIT_USAGE and message in err, err
     assert out == "" and not store_dir.exists()
+
+
+def test_precompile_reports_a_well_formed_call_the_support_table_refuses(capsys, store_dir, tmp_path):
+    path = tmp_path / "calls.json"
+    path.write_text('[{"shape": "2,128,128,4,4,64", "dtype": "fp8", "mask": "alibi"}]')
+    status, out, _ = run(capsys, "precompile", "--from", str(path), "--target", "sm90")
+    assert status == cli.EXIT_FAILURE, out
+    assert "refused" in out and "FP8 attention: no mask or a causal mask only, found ALiBi" in out, out
 
 
 def test_precompile_needs_a_store(capsys, monkeypatch):

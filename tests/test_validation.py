@@ -357,9 +357,6 @@ ERRORS = [
      "dtype must be one of float8_e4m3fn, float8_e5m2 (use_fp8=True), got float16"),
     ("fp8-without-params", _fp8(fp8_params=None), "fp8_params", "use_fp8=True requires fp8_params, a dict"),
     ("fp8-params-list", _fp8(fp8_params=[1.0]), "fp8_params", "got list"),
-    ("fp8-padding", _fp8(mask_type=MaskType.PADDING), "mask_type", "NO_MASK or CAUSAL only"),
-    ("fp8-bias", _fp8(bias=randn((T, S))), "bias", "FP8 attention takes no bias, mask, seqlens or offsets"),
-    ("fp8-seqlens", _fp8(q_seqlen=seqlens(), kv_seqlen=seqlens()), "q_seqlen, kv_seqlen", "expected None"),
     ("fp8-missing-keys", _fp8(fp8_params=From(lambda a: {k: v for k, v in a["fp8_params"].items()
                                                     if k not in ("scale_o", "amax_dP")})),
      "fp8_params", "missing keys: amax_dP, scale_o"),
@@ -369,7 +366,6 @@ ERRORS = [
     ("fp8-param-python-float", _fp8(fp8_params=From(lambda a: dict(a["fp8_params"], descale_q=1.0))),
      "fp8_params['descale_q']", "got float"),
     # paging
-    ("paged-fp8", _paged(use_fp8=True), "use_fp8", "paged attention does not support fp8"),
     ("paged-one-table", _paged(page_table_v=None), "page_table_k/page_table_v", "give both page tables"),
     ("paged-table-int64", _paged(page_table_k=From(lambda a: a["page_table_k"].astype(np.int64))), "page_table_k",
      "must be int32 of shape (B, 1, blocks_per_seq, 1), got int64"),
@@ -383,9 +379,6 @@ ERRORS = [
     ("paged-block-sizes", _paged(value=From(lambda a: a["value"][:, :4])), "key/value",
      "must have the same block_size, got 8 vs 4"),
     ("paged-without-seqlens", _paged(q_seqlen=None), "q_seqlen/kv_seqlen", "paged attention requires both"),
-    ("paged-packed", _paged(q_seqlen=seqlens((B, 2)), kv_seqlen=seqlens((B, 2)), q_offsets=np.zeros((B, 3), np.int32),
-                            kv_offsets=np.zeros((B, 3), np.int32)),
-     "q_offsets/kv_offsets", "paged attention does not support packed segments"),
 ]
 
 
@@ -400,6 +393,40 @@ def test_invalid_calls_raise_value_errors_that_explain(build, argument, rule):
     if argument != "qkv_layout":
         q = kwargs["query"]
         assert f"query={np.dtype(q.dtype).name}{list(q.shape)}" in message, message
+
+
+# Well formed, but no front runs them: validation accepts them and the support table (the one authority on
+# "unsupported", cudnn_attn.support) refuses them - on every front where the reference cannot run them either.
+REFUSED_BY_THE_TABLE = [
+    ("fp8-padding", _fp8(mask_type=MaskType.PADDING, q_seqlen=seqlens(), kv_seqlen=seqlens()),
+     "FP8 attention: no mask or a causal mask only, found padding", False),
+    ("fp8-alibi", _fp8(mask_type=MaskType.ALIBI), "FP8 attention: no mask or a causal mask only, found ALiBi", True),
+    ("fp8-bias", _fp8(bias=randn((T, S))), "FP8 attention: takes no bias", True),
+    ("fp8-mask", _fp8(mask=np.ones((T, S), bool)), "FP8 attention: takes no bias", True),
+    ("paged-fp8", _paged(use_fp8=True, fp8_params=fp8_params(), query=From(lambda a: a["query"].astype(ml_dtypes.float8_e4m3fn)),
+                         key=From(lambda a: a["key"].astype(ml_dtypes.float8_e4m3fn)), value=From(lambda a: a["value"].astype(ml_dtypes.float8_e4m3fn))),
+     "FP8 attention: no mask or a causal mask only, found padding", False),
+    ("paged-packed", _paged(q_seqlen=seqlens((B, 2)), kv_seqlen=seqlens((B, 2)), q_offsets=np.zeros((B, 3), np.int32),
+                            kv_offsets=np.zeros((B, 3), np.int32)),
+     "packed segments: cannot be combined with paged K/V", True),
+]
+
+
+@pytest.mark.parametrize("build, reason, everywhere", [pytest.param(*case[1:], id=case[0])
+                                                       for case in REFUSED_BY_THE_TABLE])
+def test_well_formed_calls_no_front_runs_are_the_support_tables_to_refuse(build, reason, everywhere):
+    from cudnn_attn import support
+
+    config, _ = prepare(**build())
+    reasons = support.not_supported_reasons(config, support.Environment.sm90())
+    assert any(r.startswith(reason) for r in reasons), reasons
+    on_reference = support.not_supported_reasons(config, front="reference")
+    assert any(r.startswith(reason) for r in on_reference) == everywhere, on_reference
+
+
+def test_fp8_sequence_lengths_without_a_padding_mask_are_ignored_as_for_fp16():
+    config, operands = prepare(**_fp8(q_seqlen=seqlens(), kv_seqlen=seqlens())())
+    assert not config.mask.padding and operands.q_seqlen is None and operands.kv_seqlen is None
 
 
 def test_wrong_dtype_message_carries_a_hint():
