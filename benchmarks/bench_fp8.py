@@ -131,7 +131,7 @@ def bench_fp8(shape: Shape, inputs: Inputs, row: Row) -> None:
     forward = execution.forward(config, operands)
     first = cudnn_attn.dot_product_attention_bwd(q, k, v, forward.output, d_out, forward.logsumexp,
                                                  fp8_params=fp8_params, **kwargs)
-    for name, amax in (("dQ", first.amax_dq), ("dK", first.amax_dk), ("dV", first.amax_dv), ("dP", first.amax_dp)):
+    for name, amax in (("dQ", first.amax_dQ), ("dK", first.amax_dK), ("dV", first.amax_dV), ("dP", first.amax_dP)):
         values[f"scale_{name}"] = fp8_scale(max(float(cp.asnumpy(amax).reshape(())), 1e-30))
     values["descale_dP"] = 1 / values["scale_dP"]
     fp8_params = params()

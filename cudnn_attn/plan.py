@@ -41,7 +41,7 @@ import numpy as np
 from .config import AttentionConfig
 from .graphs.tensors import FP8_AMAX_IDS, FP8_SCALE_IDS, HOST_SCALAR_IDS, TensorId
 from .launch import Launcher
-from .types import Kind
+from .types import FP8_BWD_AMAX, Kind
 
 logger = logging.getLogger("cudnn_attn")
 
@@ -109,8 +109,7 @@ def result_specs(config: AttentionConfig, kind: str, *, rng_dump: bool = False) 
         if config.sink:
             specs.append(ResultSpec("dsink", TensorId.DSINK, (config.q_heads,), _F32, Fill.ZERO_BEFORE))
         if config.fp8:
-            specs += [ResultSpec(name.lower(), FP8_AMAX_IDS[name], _AMAX, _F32, Fill.NONE)
-                      for name in ("amax_dQ", "amax_dK", "amax_dV", "amax_dP")]
+            specs += [ResultSpec(name, FP8_AMAX_IDS[name], _AMAX, _F32, Fill.NONE) for name in FP8_BWD_AMAX]
     if rng_dump:
         shape = (config.segments, config.q_heads, config.q_len, config.kv_len)
         specs.append(ResultSpec("rng_dump", TensorId.RNG_DUMP, shape, _F32, Fill.NONE))

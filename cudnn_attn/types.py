@@ -87,6 +87,8 @@ class FP8Params(TypedDict, total=False):
 
 
 FP8_PARAM_KEYS = tuple(FP8Params.__annotations__)
+# The backward's amax results carry the names of the fp8_params placeholders whose cotangents they are.
+FP8_BWD_AMAX = ("amax_dQ", "amax_dK", "amax_dV", "amax_dP")
 FP8_FWD_KEYS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
 FP8_BWD_KEYS = (
     "descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s", "descale_dP",
@@ -118,14 +120,15 @@ class AttentionOutput(NamedTuple):
 
 class AttentionGrads(NamedTuple):
     """Result of the backward.  ``dbias`` is present when the bias is differentiable, ``dsink`` when a
-    sink is given, and the ``amax_*`` members for FP8."""
+    sink is given, and the ``amax_*`` members for FP8 (spelled as the :class:`FP8Params` keys whose
+    cotangents they are under JAX's ``grad``: :data:`FP8_BWD_AMAX`)."""
 
     dq: Any
     dk: Any
     dv: Any
     dbias: Any = None
     dsink: Any = None
-    amax_dq: Any = None
-    amax_dk: Any = None
-    amax_dv: Any = None
-    amax_dp: Any = None
+    amax_dQ: Any = None
+    amax_dK: Any = None
+    amax_dV: Any = None
+    amax_dP: Any = None

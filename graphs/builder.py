@@ -30,7 +30,7 @@ from cudnn.engines.engine_ids import is_python_engine
 from cudnn_attn.config import AttentionConfig, DiagonalAlignment
 from cudnn_attn.errors import UnsupportedConfigurationError
 from cudnn_attn.support import check_structure
-from cudnn_attn.types import FP8_BWD_KEYS, FP8_FWD_KEYS, Kind
+from cudnn_attn.types import FP8_BWD_AMAX, FP8_BWD_KEYS, FP8_FWD_KEYS, Kind
 
 from . import tensors as tt
 from .target import graph_options
@@ -296,11 +296,10 @@ def _backward(config: AttentionConfig, t: _Declared, io: Any, rng_dump: bool) ->
         options["score_mod"], options["score_mod_bprop"] = _score_mod_callbacks(config, BWD, t, options)
 
     if config.fp8:
-        dq, dk, dv, amax_dq, amax_dk, amax_dv, amax_dp = t.graph.sdpa_fp8_backward(
+        dq, dk, dv, *amaxes = t.graph.sdpa_fp8_backward(
             q=q, k=k, v=v, o=o, dO=d_o, stats=stats, **_fp8_scales(t, FP8_BWD_KEYS), **options)
-        for tid, amax in ((TensorId.AMAX_DQ, amax_dq), (TensorId.AMAX_DK, amax_dk),
-                          (TensorId.AMAX_DV, amax_dv), (TensorId.AMAX_DP, amax_dp)):
-            t.scalar_output(tid, amax)
+        for name, amax in zip(FP8_BWD_AMAX, amaxes, strict=True):       # cuDNN returns them in this order
+            t.scalar_output(tt.FP8_AMAX_IDS[name], amax)
     else:
         dq, dk, dv = t.graph.sdpa_backward(q=q, k=k, v=v, o=o, dO=d_o, stats=stats, **options)
     t.output(TensorId.DQ, dq, tt.q_tensor(config), io, ragged=ragged.q)

@@ -71,14 +71,9 @@ from cudnn_attn.validation import check_seed, prepare
 from . import context_parallel as sequence_split
 from . import lifting, primitives
 from .kernel import Backend, KernelOptions
-from .signature import BWD, FWD, GRADIENT_OF, RESIDUALS, named_operands, operand_names, result_names
+from .signature import BWD, COTANGENT_OF, FWD, RESIDUALS, named_operands, operand_names, result_names
 
 __all__ = ["attention", "dot_product_attention", "kernel_options", "paged_attention"]
-
-# The backward result that is the cotangent of each input: the gradients, and the FP8 amax placeholders
-# whose "gradient" is the backward's amax (JAX's convention).
-_COTANGENT_OF = {**GRADIENT_OF, "amax_dQ": "amax_dq", "amax_dK": "amax_dk", "amax_dV": "amax_dv",
-                 "amax_dP": "amax_dp"}
 
 
 def kernel_options(config: AttentionConfig, *, seed: Any = 42, backend: str | Backend = Backend.FFI,
@@ -147,7 +142,7 @@ def _attention_fwd(config: AttentionConfig, options: KernelOptions, inputs: dict
 
 
 def _attention_bwd(config: AttentionConfig, options: KernelOptions, residuals: tuple, cotangents: dict) -> tuple:
-    """One cotangent per input: the gradients and FP8 amax values of :data:`_COTANGENT_OF`, ``None`` (zero)
+    """One cotangent per input: the gradients and FP8 amax values of :data:`COTANGENT_OF`, ``None`` (zero)
     for the rest (sequence lengths, offsets, scale factors, a boolean mask's bias)."""
     inputs, output, logsumexp = residuals
     training = config.replace(training=True)
@@ -155,7 +150,7 @@ def _attention_bwd(config: AttentionConfig, options: KernelOptions, residuals: t
         training, BWD, inputs, output=output, grad_output=cotangents["output"], logsumexp=logsumexp))
     found = {}
     for name, x in inputs.items():
-        grad = grads.get(_COTANGENT_OF.get(name))
+        grad = grads.get(COTANGENT_OF.get(name))
         found[name] = None if grad is None else grad.reshape(x.shape).astype(x.dtype)
     return (found,)
 

@@ -16,14 +16,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from cudnn_attn.config import AttentionConfig, AttentionOperands
-from cudnn_attn.types import FP8_BWD_KEYS, FP8_FWD_KEYS, Kind
+from cudnn_attn.types import FP8_BWD_AMAX, FP8_BWD_KEYS, FP8_FWD_KEYS, Kind
 
 FWD, BWD = Kind.FORWARD, Kind.BACKWARD
 KINDS = tuple(Kind)
 
 RESIDUALS = ("output", "grad_output", "logsumexp")
 FP8_FWD_AMAX = ("amax_s", "amax_o")
-FP8_BWD_AMAX = ("amax_dq", "amax_dk", "amax_dv", "amax_dp")
 AMAX_SHAPE = (1, 1, 1, 1)
 
 
@@ -122,6 +121,9 @@ def dimension_roles(config: AttentionConfig, name: str, ndim: int) -> tuple[str 
 
 # The backward results that are gradients, by the operand they differentiate.
 GRADIENT_OF = {"query": "dq", "key": "dk", "value": "dv", "bias": "dbias", "sink": "dsink"}
+# The backward result that is each input's cotangent: its gradient, or for an FP8 amax placeholder the
+# backward's amax of the same name (JAX's convention).
+COTANGENT_OF = {**GRADIENT_OF, **{name: name for name in FP8_BWD_AMAX}}
 # Which operand a result takes its shard_map axes and sharding from.
 RESULT_FOLLOWS = {"output": "query", "logsumexp": "query", **{grad: x for x, grad in GRADIENT_OF.items()}}
 

@@ -163,8 +163,8 @@ def test_fp8_forward_and_amax_gradients():
         *(np.asarray(x) for x in (q, k, v)), np.asarray(out), ones, _fp8_lse(q, k, v, params),
         fp8_params=_numpy(params), scale=0.25, use_fp8=True, mask_type=MaskType.CAUSAL)
     _assert_identical((dq, dk, dv), (grads.dq, grads.dk, grads.dv))
-    for key, value in (("amax_dQ", grads.amax_dq), ("amax_dK", grads.amax_dk), ("amax_dV", grads.amax_dv),
-                       ("amax_dP", grads.amax_dp)):
+    for key, value in (("amax_dQ", grads.amax_dQ), ("amax_dK", grads.amax_dK), ("amax_dV", grads.amax_dV),
+                       ("amax_dP", grads.amax_dP)):
         np.testing.assert_array_equal(np.asarray(dparams[key]), value)
         assert float(value.reshape(())) > 0
     assert all(float(jnp.abs(dparams[key]).max()) == 0 for key in FP8_PARAM_KEYS if not key.startswith("amax"))

@@ -91,13 +91,13 @@ def test_forward_and_backward_match_float64_within_fp8_rounding(name):
     scales = {k: np.full((1, 1, 1, 1), v, np.float32) for k, v in scales.items()}
     grads = backward(cfg, ops.replace(fp8_scales=scales), result.output, d_out_fp8, result.logsumexp)
 
-    for name_, actual, expected, amax in (("dQ", grads.dq, exact_grads.dq, grads.amax_dq),
-                                          ("dK", grads.dk, exact_grads.dk, grads.amax_dk),
-                                          ("dV", grads.dv, exact_grads.dv, grads.amax_dv)):
+    for name_, actual, expected, amax in (("dQ", grads.dq, exact_grads.dq, grads.amax_dQ),
+                                          ("dK", grads.dk, exact_grads.dk, grads.amax_dK),
+                                          ("dV", grads.dv, exact_grads.dv, grads.amax_dV)):
         assert actual.dtype == np.dtype(dtype)
         assert_fp8_close(actual.astype(np.float64) / value(scales, f"scale_{name_}"), expected, dtype)
         assert abs(amax.item() - np.abs(expected).max()) <= 0.15 * np.abs(expected).max(), name_
-    assert abs(grads.amax_dp.item() - amax_ds) <= 0.15 * amax_ds
+    assert abs(grads.amax_dP.item() - amax_ds) <= 0.15 * amax_ds
     if cfg.sink:
         np.testing.assert_allclose(grads.dsink, exact_grads.dsink, rtol=0.2, atol=0.05 * np.abs(exact_grads.dsink).max())
 

@@ -104,8 +104,8 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
         dq=to_physical(dq * sc["scale_dQ"], config.layout, dtype),
         dk=to_physical(dk * sc["scale_dK"], config.layout, dtype),
         dv=to_physical(dv * sc["scale_dV"], config.layout, dtype),
-        amax_dq=amax_array(np.abs(dq).max()), amax_dk=amax_array(np.abs(dk).max()),
-        amax_dv=amax_array(np.abs(dv).max()), amax_dp=amax_array(np.abs(ds).max()),
+        amax_dQ=amax_array(np.abs(dq).max()), amax_dK=amax_array(np.abs(dk).max()),
+        amax_dV=amax_array(np.abs(dv).max()), amax_dP=amax_array(np.abs(ds).max()),
     )
     if config.sink:
         dsink = -(sink_probabilities(problem.sink, lse) * delta).sum(axis=(0, 2))

@@ -239,7 +239,7 @@ def with_backward_scales(config, operands, output: np.ndarray, logsumexp: np.nda
 
     scales = {**operands.fp8_scales, "descale_dO": scalar(1 / scale_do)}
     first = reference.backward(config, operands.replace(fp8_scales=scales), output, d_out, logsumexp)
-    for name, amax in (("dQ", first.amax_dq), ("dK", first.amax_dk), ("dV", first.amax_dv), ("dP", first.amax_dp)):
+    for name, amax in (("dQ", first.amax_dQ), ("dK", first.amax_dK), ("dV", first.amax_dV), ("dP", first.amax_dP)):
         scales[f"scale_{name}"] = scalar(fp8_scale(value(amax), dtype))
     scales["descale_dP"] = scalar(1 / value(scales["scale_dP"]))
     return operands.replace(fp8_scales=scales), d_out
@@ -273,7 +273,7 @@ def test_backward_through_the_public_api(case, rng):
         assert_fp8_rule(name, dequantised(got, config.dtype, 1 / sc[f"scale_{scale}"]),
                         dequantised(getattr(emulated, name), config.dtype, 1 / sc[f"scale_{scale}"]),
                         getattr(exact, name), config.dtype)
-    for name in ("amax_dq", "amax_dk", "amax_dv", "amax_dp"):
+    for name in ("amax_dQ", "amax_dK", "amax_dV", "amax_dP"):
         got, want = value(cp.asnumpy(getattr(grads, name))), value(getattr(emulated, name))
         assert abs(got - want) <= ROUNDING[config.dtype] * want, f"{name}: {got:.6g} != emulation {want:.6g}"
 
