@@ -52,7 +52,7 @@ import ml_dtypes  # noqa: E402
 import cudnn_attn  # noqa: E402
 from cudnn_attn import MaskType  # noqa: E402
 from cudnn_attn.cache import graph_cache  # noqa: E402
-from cudnn_attn.validation import prepare  # noqa: E402
+from cudnn_attn.validation import validate_call  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -166,7 +166,7 @@ def bench_ours(shape: Shape, q, k, v, do, result: Result, notes: dict) -> None:
     hook = AllocationPeak()
     with hook:
         cudnn_attn.dot_product_attention(q, k, v, **kwargs)
-    config, operands = prepare(q, k, v, scale=scale, mask_type=mask, xp=cp)
+    config, operands = validate_call(q, k, v, scale=scale, mask_type=mask, xp=cp)
     workspace = graph_cache.plan(config, "fwd").workspace_size
     result.peak_mib = (hook.peak + workspace) / 2**20
     if shape.backward:
@@ -174,7 +174,7 @@ def bench_ours(shape: Shape, q, k, v, do, result: Result, notes: dict) -> None:
         cudnn_attn.dot_product_attention_bwd(q, k, v, o, do, lse, **kwargs)
         result.bwd_ms = event_ms(lambda: cudnn_attn.dot_product_attention_bwd(q, k, v, o, do, lse, **kwargs))
         PAIRED[shape.name]["ours bwd"] = lambda: cudnn_attn.dot_product_attention_bwd(q, k, v, o, do, lse, **kwargs)
-        train_config, _ = prepare(q, k, v, scale=scale, mask_type=mask, training=True, xp=cp)
+        train_config, _ = validate_call(q, k, v, scale=scale, mask_type=mask, training=True, xp=cp)
         bwd_plan = graph_cache.plan(train_config, "bwd")
         notes["bwd_workspace_mib"] = bwd_plan.workspace_size / 2**20
         notes["bwd_plan"] = bwd_plan.built.plan_name

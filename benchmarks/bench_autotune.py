@@ -27,7 +27,7 @@ import bench_attention  # the shared device timer (the script's folder is on sys
 import cudnn_attn
 from cudnn_attn import MaskType
 from cudnn_attn.cache import PlanChoice, graph_cache
-from cudnn_attn.validation import prepare
+from cudnn_attn.validation import validate_call
 
 
 def event_ms(fn) -> float:
@@ -50,14 +50,14 @@ def case(name: str, B: int, T: int, causal: bool, fp8: bool, rng) -> dict:
         params["descale_s"] = cp.full((1, 1, 1, 1), 1 / 448.0, cp.float32)
         kwargs = dict(scale=scale, mask_type=mask, use_fp8=True, fp8_params=params)
         fwd = lambda tune: cudnn_attn.dot_product_attention(*data, **kwargs, autotune=tune)  # noqa: E731
-        config, _ = prepare(*data, scale=scale, mask_type=mask, use_fp8=True, fp8_params=params,
-                            fp8_dtype="float8_e4m3fn")
+        config, _ = validate_call(*data, scale=scale, mask_type=mask, use_fp8=True, fp8_params=params,
+                                  fp8_dtype="float8_e4m3fn")
         return dict(name=name, fwd=fwd, bwd=None, config=config, flops=4.0 * B * H * T * T * D * (0.5 if causal else 1))
     bf16 = np.dtype(ml_dtypes.bfloat16)
     q, k, v, do = (cp.asarray(rng.standard_normal((B, T, H, D), dtype=np.float32)).astype(bf16) for _ in range(4))
     kwargs = dict(scale=scale, mask_type=mask)
     o, lse = cudnn_attn.dot_product_attention(q, k, v, return_residual=True, **kwargs)
-    config, _ = prepare(q, k, v, **kwargs)
+    config, _ = validate_call(q, k, v, **kwargs)
     return dict(name=name, fwd=lambda tune: cudnn_attn.dot_product_attention(q, k, v, **kwargs, autotune=tune),
                 bwd=lambda tune: cudnn_attn.dot_product_attention_bwd(q, k, v, o, do, lse, **kwargs, autotune=tune),
                 config=config, flops=4.0 * B * H * T * T * D * (0.5 if causal else 1))

@@ -112,7 +112,7 @@ def bench_fp8(shape: Shape, inputs: Inputs, row: Row) -> None:
     import cudnn_attn
     from cudnn_attn import MaskType, execution
     from cudnn_attn.types import FP8_PARAM_KEYS
-    from cudnn_attn.validation import prepare
+    from cudnn_attn.validation import validate_call
 
     q, k, v, d_out = inputs.fp8
     values = {name: 1.0 for name in FP8_PARAM_KEYS}
@@ -127,7 +127,7 @@ def bench_fp8(shape: Shape, inputs: Inputs, row: Row) -> None:
     fp8_params = params()
     row.fwd_ms = event_ms(lambda: cudnn_attn.dot_product_attention(q, k, v, fp8_params=fp8_params, **kwargs))
 
-    config, operands = prepare(q, k, v, fp8_params=fp8_params, training=True, fp8_dtype=FP8.name, xp=cp, **kwargs)
+    config, operands = validate_call(q, k, v, fp8_params=fp8_params, training=True, fp8_dtype=FP8.name, xp=cp, **kwargs)
     forward = execution.forward(config, operands)
     first = cudnn_attn.dot_product_attention_bwd(q, k, v, forward.output, d_out, forward.logsumexp,
                                                  fp8_params=fp8_params, **kwargs)

@@ -92,7 +92,7 @@ CASES = {case.name: case for case in (
 def _config(case: Case) -> tuple[Any, Any]:
     """The configuration and host operands of ``case`` (values as given: nothing is checked)."""
     from cudnn_attn import MaskType
-    from cudnn_attn.validation import prepare
+    from cudnn_attn.validation import validate_call
 
     rng = np.random.default_rng(0)
     arrays = {n: np.asarray(v, np.int32) for n, v in case.arrays.items()}
@@ -103,7 +103,7 @@ def _config(case: Case) -> tuple[Any, Any]:
         k = rng.standard_normal((B, S, N, H)).astype(np.float16)
     q = rng.standard_normal((B, T, N, H)).astype(np.float16)
     mask_type = MaskType.PADDING if case.kind != "packed" else MaskType.NO_MASK
-    return prepare(q, k, k.copy(), **arrays, mask_type=mask_type, training=case.backward, xp=np)
+    return validate_call(q, k, k.copy(), **arrays, mask_type=mask_type, training=case.backward, xp=np)
 
 
 class _Guarded:

@@ -21,7 +21,7 @@ Inputs are CuPy arrays or any ``__dlpack__`` GPU array (torch tensors, JAX array
 array of a call lives on the query's device.  bfloat16 is CuPy's ``ml_dtypes.bfloat16``.  Rows cuDNN
 does not compute (padding, tokens outside packed segments) are returned as zeros.
 
-Speed.  Validation (:func:`cudnn_attn.validation.prepare`) runs in full for every new call signature
+Speed.  Validation (:func:`cudnn_attn.validation.validate_call`) runs in full for every new call signature
 (shapes, dtypes, strides, device and every static argument) and is reused only for an identical one.
 A repeated CuPy call of Q/K/V alone (the common training and benchmarking case) takes a direct path:
 one dictionary lookup of its signature, the results allocated, one launch.  :func:`bind` goes further
@@ -51,7 +51,7 @@ from .config import AttentionConfig, AttentionOperands
 from .execution import set_autotune
 from .plan import BWD, FWD
 from .types import AttentionGrads, FP8Params, MaskType
-from .validation import check_seed, prepare, prepare_backward
+from .validation import check_seed, validate_call, validate_backward
 
 __all__ = ["BoundAttention", "bind", "dot_product_attention", "dot_product_attention_bwd", "paged_attention",
            "set_autotune"]
@@ -117,7 +117,7 @@ _OPERAND_FIELDS = ("query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_
 
 
 class _ValidationMemo:
-    """:func:`~cudnn_attn.validation.prepare` for repeated call signatures, without re-running it.
+    """:func:`~cudnn_attn.validation.validate_call` for repeated call signatures, without re-running it.
 
     ``prepare`` reads nothing but shapes, dtypes and the static arguments, so its verdict and its
     configuration hold for every call with the same signature (shape, dtype and strides of every array,
@@ -132,18 +132,18 @@ class _ValidationMemo:
 
     def prepare(self, arrays: dict[str, Any], static: dict[str, Any]) -> tuple[Any, Any]:
         if arrays.get("mask") is not None or arrays.get("fp8_params") or arrays.get("score_mod_args"):
-            return prepare(**arrays, **static, xp=_cupy())
+            return validate_call(**arrays, **static, xp=_cupy())
         shapes = tuple(None if arrays.get(n) is None else (arrays[n].shape, arrays[n].dtype, _strides(arrays[n]))
                        for n in _OPERAND_FIELDS)
         signature = (shapes, tuple(static.items()))
         try:
             known = self._known.get(signature)
         except TypeError:                         # an unhashable argument: prepare explains what is wrong
-            return prepare(**arrays, **static, xp=_cupy())
+            return validate_call(**arrays, **static, xp=_cupy())
         if known is not None:
             config, kept = known
             return config, AttentionOperands(**{n: arrays[n] for n in kept})
-        config, operands = prepare(**arrays, **static, xp=_cupy())
+        config, operands = validate_call(**arrays, **static, xp=_cupy())
         kept = frozenset(n for n in _OPERAND_FIELDS if getattr(operands, n) is not None)
         if all(getattr(operands, n) is arrays.get(n) for n in kept):
             if len(self._known) >= self._maxsize:
@@ -387,7 +387,7 @@ def dot_product_attention_bwd(
         scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8, training=True,
         diagonal_alignment=diagonal_alignment, deterministic=deterministic), fp8_dtype if use_fp8 else None)
-    prepare_backward(config, output, grad_output, logsumexp)      # FP8 O and dO: uint8 bytes like Q/K/V
+    validate_backward(config, output, grad_output, logsumexp)      # FP8 O and dO: uint8 bytes like Q/K/V
     seed = check_seed(seed)
     grads = execution.backward(config, operands, output, grad_output, logsumexp, seed=seed, stream=stream,
                                autotune=autotune, check_values=check_values)
@@ -430,7 +430,7 @@ class BoundAttention:
         config, operands = _prepared(dict(zip(self._FWD_NAMES, arrays[:3])), dict(
             static, training=training, deterministic=deterministic and kind == BWD))
         if kind == BWD:
-            prepare_backward(config, *arrays[3:])
+            validate_backward(config, *arrays[3:])
         if lifted_config(config) is not None:
             raise ValueError(f"bind: the {kind} of {config.describe()} runs padded to even lengths (cudnn_attn.lift); "
                              "call dot_product_attention / dot_product_attention_bwd for it")

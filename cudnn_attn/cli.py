@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from .cache import _bytes  # the graph cache's byte formatting (one spelling of sizes)
+from .types import Kind
 
 logger = logging.getLogger("cudnn_attn")
 
@@ -87,8 +88,8 @@ class CallSpec(NamedTuple):
         return cls(dims, dtype, mask, str(layout).upper(), backward, None if scale is None else float(scale))
 
     @property
-    def kinds(self) -> tuple[str, ...]:
-        return ("fwd", "bwd") if self.backward else ("fwd",)
+    def kinds(self) -> tuple[Kind, ...]:
+        return tuple(Kind) if self.backward else (Kind.FORWARD,)
 
     def config(self) -> Any:
         """The :class:`~cudnn_attn.config.AttentionConfig` of this call (``training`` with ``backward``;

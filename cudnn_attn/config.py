@@ -1,7 +1,7 @@
 """The one static description of an attention call.
 
 :class:`AttentionConfig` is frozen and hashable.  It is built once at the public boundary (see
-:func:`cudnn_attn.validation.prepare`) and then crosses every layer unchanged: it is the graph-cache
+:func:`cudnn_attn.validation.validate_call`) and then crosses every layer unchanged: it is the graph-cache
 key (with device and cuDNN version), the static description the JAX primitives carry (next to their
 kernel options: the dropout seed, the backend), and the input of the support table, the reference, the
 graph builder and the batching/sharding rules.

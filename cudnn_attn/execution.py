@@ -2,7 +2,7 @@
 
 This is the native API under :mod:`cudnn_attn.api` (which adds the seed-compatible signatures, array
 import and the per-signature fast path).  :func:`forward` and :func:`backward` take what
-:func:`cudnn_attn.validation.prepare` returns, plus where to run (``stream``), how to pick the plan
+:func:`cudnn_attn.validation.validate_call` returns, plus where to run (``stream``), how to pick the plan
 (``autotune``) and, optionally, preallocated results (``out=``-style keywords, e.g. for CUDA-graph
 capture or tests).
 

@@ -41,10 +41,10 @@ def call_config(*, B: int = 2, T: int = 128, S: int = 128, N: int = 4, K: int | 
                 Hv: int | None = None, dtype: str = "float16", layout: str = "BTNH", bias_shape: Any = None,
                 segments: int | None = None, paged: dict | None = None, training: bool = True,
                 scale: float | None = None, **call: Any):
-    """The :class:`~cudnn_attn.config.AttentionConfig` that :func:`cudnn_attn.validation.prepare` makes of
+    """The :class:`~cudnn_attn.config.AttentionConfig` that :func:`cudnn_attn.validation.validate_call` makes of
     a call with these shapes (only shapes and dtypes are read).  ``paged=dict(block=, blocks=, spare=)``
     describes K/V caches; an FP8 ``dtype`` means ``use_fp8=True``; other keywords go to ``prepare``."""
-    from .validation import prepare
+    from .validation import validate_call
 
     K, Hv = K or N, Hv or H
     dt = io_dtype(dtype)
@@ -72,8 +72,8 @@ def call_config(*, B: int = 2, T: int = 128, S: int = 128, N: int = 4, K: int | 
         arrays["bias"] = np.empty(bias_shape, dt)
     if fp8:
         call.update(use_fp8=True, fp8_params={name: np.ones((1, 1, 1, 1), np.float32) for name in FP8_PARAM_KEYS})
-    config, _ = prepare(physical(T, N, H), key, value, **arrays, qkv_layout=layout, training=training,
-                        scale=1 / math.sqrt(H) if scale is None else scale, xp=np, **call)
+    config, _ = validate_call(physical(T, N, H), key, value, **arrays, qkv_layout=layout, training=training,
+                              scale=1 / math.sqrt(H) if scale is None else scale, xp=np, **call)
     return config
 
 

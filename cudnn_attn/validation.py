@@ -1,6 +1,6 @@
 """The public boundary: check one attention call and describe it as an :class:`AttentionConfig`.
 
-:func:`prepare` is the only place that looks at user arguments (with :func:`check_seed`, the one
+:func:`validate_call` is the only place that looks at user arguments (with :func:`check_seed`, the one
 check of the dropout seed every front uses).  It takes real arrays only - NumPy, CuPy and JAX arrays,
 JAX tracers, and ``__dlpack__`` GPU arrays such as torch tensors; a shape/dtype description
 (``jax.ShapeDtypeStruct``, any object with ``.shape`` and ``.dtype``) is refused - and reads nothing but
@@ -74,8 +74,9 @@ def _describe_inputs(**arrays: Any) -> str:
     return ", ".join(f"{name}={_describe(a)}" for name, a in arrays.items() if a is not None)
 
 
-class _Call:
-    """Builds the ValueErrors of one call: every message carries the Q/K/V description."""
+class _ArgumentCheck:
+    """The checks of one call's arguments build their ValueErrors here: every message carries the Q/K/V
+    description."""
 
     def __init__(self, query: Any, key: Any, value: Any, layout: str):
         self._inputs = (query, key, value)
@@ -162,7 +163,7 @@ def _io_dtype_name(x: Any, fp8_dtype: str | None) -> str:
     return fp8_dtype if fp8_dtype is not None and name == "uint8" else name
 
 
-def _check_qkv(call: _Call, query: Any, key: Any, value: Any, use_fp8: bool, fp8_dtype: str | None) -> str:
+def _check_qkv(call: _ArgumentCheck, query: Any, key: Any, value: Any, use_fp8: bool, fp8_dtype: str | None) -> str:
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not is_array(x):
             raise call.error(name, f"expected an array, {_not_array(x)}")
@@ -186,7 +187,7 @@ def _check_qkv(call: _Call, query: Any, key: Any, value: Any, use_fp8: bool, fp8
     return dtype
 
 
-def _check_paging(call: _Call, layout: AttentionLayout, q: _Dims, k: _Dims, v: _Dims,
+def _check_paging(call: _ArgumentCheck, layout: AttentionLayout, q: _Dims, k: _Dims, v: _Dims,
                   page_table_k: Any, page_table_v: Any) -> tuple[PagingSpec | None, _Dims, _Dims]:
     """Returns the paging spec and K/V dims with the *logical* length ``blocks_per_seq * block_size``."""
     if page_table_k is None and page_table_v is None:
@@ -215,7 +216,7 @@ def _check_paging(call: _Call, layout: AttentionLayout, q: _Dims, k: _Dims, v: _
     return paging, k._replace(batch=q.batch, length=kv_len), v._replace(batch=q.batch, length=kv_len)
 
 
-def _check_shapes(call: _Call, q: _Dims, k: _Dims, v: _Dims) -> None:
+def _check_shapes(call: _ArgumentCheck, q: _Dims, k: _Dims, v: _Dims) -> None:
     if not q.batch == k.batch == v.batch:
         raise call.error("query/key/value", f"batch sizes must be equal, got {q.batch}, {k.batch}, {v.batch}")
     if q.dim != k.dim:
@@ -229,7 +230,7 @@ def _check_shapes(call: _Call, q: _Dims, k: _Dims, v: _Dims) -> None:
         raise call.error("value", f"sequence length {v.length} must equal the key's {k.length}")
 
 
-def _check_sequences(call: _Call, batch: int, q_seqlen: Any, kv_seqlen: Any, q_offsets: Any,
+def _check_sequences(call: _ArgumentCheck, batch: int, q_seqlen: Any, kv_seqlen: Any, q_offsets: Any,
                      kv_offsets: Any) -> PackingSpec | None:
     if (q_offsets is None) != (kv_offsets is None):
         raise call.error("q_offsets/kv_offsets", "give both offsets (packed segments) or neither")
@@ -255,7 +256,7 @@ def _check_sequences(call: _Call, batch: int, q_seqlen: Any, kv_seqlen: Any, q_o
     return packing
 
 
-def _mask_spec(call: _Call, mask_type: MaskType, sliding_window_length: Any, diagonal_alignment: Any,
+def _mask_spec(call: _ArgumentCheck, mask_type: MaskType, sliding_window_length: Any, diagonal_alignment: Any,
                padding: bool) -> MaskSpec:
     causal = mask_type in (MaskType.CAUSAL, MaskType.PADDING_CAUSAL, MaskType.ALIBI)
     left_bound = None
@@ -277,7 +278,7 @@ def _mask_spec(call: _Call, mask_type: MaskType, sliding_window_length: Any, dia
                     padding=padding, alibi=mask_type is MaskType.ALIBI)
 
 
-def _check_fp8(call: _Call, fp8_params: Any) -> dict:
+def _check_fp8(call: _ArgumentCheck, fp8_params: Any) -> dict:
     if not isinstance(fp8_params, Mapping):
         raise call.error("fp8_params", "use_fp8=True requires fp8_params, a dict of the FP8Params entries, "
                          f"got {type(fp8_params).__name__}")
@@ -293,7 +294,7 @@ def _check_fp8(call: _Call, fp8_params: Any) -> dict:
     return {name: fp8_params[name] for name in FP8_PARAM_KEYS}
 
 
-def _check_bias_like(call: _Call, name: str, x: Any, full: tuple[int, int, int, int],
+def _check_bias_like(call: _ArgumentCheck, name: str, x: Any, full: tuple[int, int, int, int],
                      allowed_dtypes: Sequence[str]) -> tuple[int, int, int, int]:
     shape = _shape(x)
     if dtype_name(x) not in allowed_dtypes:
@@ -323,7 +324,7 @@ def _fold_bias(bias: Any, mask: Any, bias_shape: tuple[int, ...], mask_shape: tu
     return combined
 
 
-def _prepare_bias(call: _Call, bias: Any, mask: Any, full: tuple[int, int, int, int], dtype: str,
+def _prepare_bias(call: _ArgumentCheck, bias: Any, mask: Any, full: tuple[int, int, int, int], dtype: str,
                   io_dtype: Any, xp: Any) -> tuple[Any, BiasSpec | None]:
     if bias is None and mask is None:
         return None, None
@@ -343,7 +344,7 @@ def _prepare_bias(call: _Call, bias: Any, mask: Any, full: tuple[int, int, int, 
     return folded, BiasSpec(shape=combined, differentiable=differentiable)
 
 
-def _check_real(call: _Call, name: str, value: Any, rule: str, accept: Callable[[float], bool]) -> float:
+def _check_real(call: _ArgumentCheck, name: str, value: Any, rule: str, accept: Callable[[float], bool]) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise call.error(name, f"must be {rule}, got {value!r}")
     try:
@@ -355,13 +356,13 @@ def _check_real(call: _Call, name: str, value: Any, rule: str, accept: Callable[
     return number
 
 
-def _check_flag(call: _Call, name: str, value: Any) -> bool:
+def _check_flag(call: _ArgumentCheck, name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise call.error(name, f"must be True or False, got {type(value).__name__} {value!r}")
     return bool(value)
 
 
-def _check_score_mod(call: _Call, score_mod: Any, score_mod_args: Sequence[Any],
+def _check_score_mod(call: _ArgumentCheck, score_mod: Any, score_mod_args: Sequence[Any],
                      score_shape: tuple[int, int, int, int]) -> ScoreModSpec | None:
     if not isinstance(score_mod_args, (tuple, list)):
         raise call.error("score_mod_args", f"must be a tuple of arrays, got {type(score_mod_args).__name__}")
@@ -383,14 +384,14 @@ def _check_score_mod(call: _Call, score_mod: Any, score_mod_args: Sequence[Any],
 
 # -- public -----------------------------------------------------------------------------------------
 
-def prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, q_seqlen: Any = None,
-            kv_seqlen: Any = None, q_offsets: Any = None, kv_offsets: Any = None, page_table_k: Any = None,
-            page_table_v: Any = None, fp8_params: Any = None, score_mod_args: Sequence[Any] = (),
-            sink: Any = None, *, scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK,
-            dropout_rate: float = 0.0, qkv_layout: Any = "BTNH", sliding_window_length: int | None = None,
-            score_mod: Callable[..., Any] | None = None, use_fp8: bool = False, training: bool = False,
-            diagonal_alignment: Any = "top_left", deterministic: bool = False, fp8_dtype: str | None = None,
-            xp: Any = None) -> tuple[AttentionConfig, AttentionOperands]:
+def validate_call(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, q_seqlen: Any = None,
+                  kv_seqlen: Any = None, q_offsets: Any = None, kv_offsets: Any = None, page_table_k: Any = None,
+                  page_table_v: Any = None, fp8_params: Any = None, score_mod_args: Sequence[Any] = (),
+                  sink: Any = None, *, scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK,
+                  dropout_rate: float = 0.0, qkv_layout: Any = "BTNH", sliding_window_length: int | None = None,
+                  score_mod: Callable[..., Any] | None = None, use_fp8: bool = False, training: bool = False,
+                  diagonal_alignment: Any = "top_left", deterministic: bool = False, fp8_dtype: str | None = None,
+                  xp: Any = None) -> tuple[AttentionConfig, AttentionOperands]:
     """Validate one attention call and describe it.
 
     Arguments follow the seed's ``dot_product_attention`` / ``paged_attention`` (see DESIGN.md);
@@ -407,7 +408,7 @@ def prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None
         ValueError: the call is invalid (the message names the argument, the rule and the shapes).
     """
     layout = AttentionLayout.parse(qkv_layout)
-    call = _Call(query, key, value, layout.name)
+    call = _ArgumentCheck(query, key, value, layout.name)
     if not isinstance(mask_type, MaskType):
         raise call.error("mask_type", f"must be a MaskType ({', '.join(MaskType.__members__)}), got {mask_type!r}")
     optional = dict(bias=bias, mask=mask, q_seqlen=q_seqlen, kv_seqlen=kv_seqlen, q_offsets=q_offsets,
@@ -459,11 +460,11 @@ def prepare(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None
     return config, operands
 
 
-def prepare_backward(config: AttentionConfig, output: Any, grad_output: Any, logsumexp: Any) -> None:
+def validate_backward(config: AttentionConfig, output: Any, grad_output: Any, logsumexp: Any) -> None:
     """Check the forward's residuals and the incoming gradient against ``config``.
 
     ``output`` and ``grad_output`` must have ``config.o_shape`` and the io dtype (with FP8, also ``uint8``
-    bytes of it, as :func:`prepare` accepts with ``fp8_dtype``); ``logsumexp`` must be float32 of
+    bytes of it, as :func:`validate_call` accepts with ``fp8_dtype``); ``logsumexp`` must be float32 of
     ``config.lse_shape``.  Raises :class:`ValueError` otherwise.
     """
     expected = {

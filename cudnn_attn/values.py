@@ -1,6 +1,6 @@
 """The values cuDNN uses as addresses: sequence lengths, packed-segment offsets, page-table entries.
 
-:func:`~cudnn_attn.validation.prepare` never reads array values.  Three of the operands are read by
+:func:`~cudnn_attn.validation.validate_call` never reads array values.  Three of the operands are read by
 cuDNN as positions, though - a length past ``T``/``S``, an offset past the row, a page id past the cache
 would make it read or write outside the buffers.  This module owns their rules and the two ways of
 enforcing them:

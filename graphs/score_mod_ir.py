@@ -92,7 +92,6 @@ OPS: dict[str, tuple[int, Callable[..., Any]]] = {
     "select": (3, lambda mask, on_true, on_false: np.where(mask, on_true, on_false)),
 }
 COMPARISONS = frozenset(op for op in OPS if op.startswith("cmp_"))
-LOGICAL = frozenset({"logical_and", "logical_or", "logical_not"})
 
 
 @dataclass(frozen=True)

@@ -51,9 +51,6 @@ _ELEMENTWISE = {
     "lt": "cmp_lt", "le": "cmp_le", "gt": "cmp_gt", "ge": "cmp_ge", "eq": "cmp_eq", "ne": "cmp_ne",
 }
 _LOGICAL = {"and": "logical_and", "or": "logical_or", "not": "logical_not", "xor": "cmp_ne"}
-_EXPANDED = frozenset({"iota", "convert_element_type", "select_n", "clamp", "integer_pow", "square",
-                       "one_minus_square", "sign", "exp2", "log1p", "expm1", "erfc", "is_finite", "polynomial"})
-SUPPORTED_PRIMITIVES = frozenset(_ELEMENTWISE) | frozenset(_LOGICAL) | _EXPANDED | _PASS_THROUGH | _CALLS
 
 
 def program_dtype(dtype: Any) -> str:

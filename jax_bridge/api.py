@@ -45,7 +45,7 @@ with the program on one device.  ``jax.experimental.checkify`` would return the 
 instead, but only inside the caller's own ``checkify.checkify``, so it cannot be the library's default.
 
 Errors, at trace time, of the types the CuPy path raises: ``ValueError`` for invalid arguments
-(:func:`cudnn_attn.validation.prepare`, the seed, the options), and
+(:func:`cudnn_attn.validation.validate_call`, the seed, the options), and
 :class:`~cudnn_attn.errors.UnsupportedConfigurationError` for calls no backend runs (FP8 with dropout,
 a paged backward: :func:`cudnn_attn.support.check_everywhere`, before any primitive is bound).  What
 depends on the GPU (head dims, cuDNN version, ``score_mod`` translation) is checked when the call is
@@ -66,7 +66,7 @@ from cudnn_attn import values
 from cudnn_attn.config import AttentionConfig, AttentionOperands
 from cudnn_attn.support import check_everywhere
 from cudnn_attn.types import FP8_PARAM_KEYS, AttentionOutput, FP8Params, MaskType
-from cudnn_attn.validation import check_seed, prepare
+from cudnn_attn.validation import check_seed, validate_call
 
 from . import context_parallel as sequence_split
 from . import lifting, primitives
@@ -134,7 +134,7 @@ def _attention(config: AttentionConfig, options: KernelOptions, inputs: dict[str
 
 def _attention_fwd(config: AttentionConfig, options: KernelOptions, inputs: dict[str, Any]) -> tuple[dict, tuple]:
     """The training forward (with the logsumexp); residuals: the inputs, the output, the logsumexp."""
-    check_everywhere(config, kind="bwd")              # a paged call has no backward anywhere
+    check_everywhere(config, kind=BWD)                # a paged call has no backward anywhere
     training = config.replace(training=True)
     results = _run(FWD, training, options, _select(training, FWD, inputs))
     primal = {name: results[name] for name in result_names(config, FWD)}
@@ -203,12 +203,12 @@ def guard_values(config: AttentionConfig, operands: AttentionOperands, check_val
 
 def attention(config: AttentionConfig, operands: AttentionOperands, options: KernelOptions, *,
               check_values: bool | None = None, names: Mapping[str, str] | None = None) -> AttentionOutput:
-    """The native entry point: a prepared call (:func:`cudnn_attn.validation.prepare` with ``xp=jax.numpy``)
+    """The native entry point: a prepared call (:func:`cudnn_attn.validation.validate_call` with ``xp=jax.numpy``)
     in, :class:`~cudnn_attn.types.AttentionOutput` out; differentiable with respect to the operands.
     The value operands pass :func:`guard_values` first (``check_values``, ``names``: see there).
 
     Raises :class:`~cudnn_attn.errors.UnsupportedConfigurationError` at once for what no backend runs."""
-    check_everywhere(config, kind="fwd")
+    check_everywhere(config, kind=FWD)
     operands = guard_values(config, operands, check_values, names)
     results = _attention(config, options, _align_manual_axes(_inputs(config, operands)))
     return AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
@@ -240,7 +240,7 @@ def dot_product_attention(
     """
     context = sequence_split.resolve(context_parallel)
     whole_key, whole_value = sequence_split.whole_sequence(context, key, value, qkv_layout)
-    config, operands = prepare(
+    config, operands = validate_call(
         query, whole_key, whole_value, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offsets, None, None, fp8_params,
         score_mod_args, sink, scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8, training=return_residual,
@@ -267,7 +267,7 @@ def paged_attention(
     logical blocks to cache blocks.  Returns the output, or ``(output, logsumexp)`` with ``return_residual``.
     Differentiating it raises :class:`~cudnn_attn.errors.UnsupportedConfigurationError`.
     """
-    config, operands = prepare(
+    config, operands = validate_call(
         query, key, value, bias, mask, q_seqlen, kv_seqlen, None, None, page_table_k, page_table_v, fp8_params,
         (), sink, scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, use_fp8=use_fp8, training=return_residual,

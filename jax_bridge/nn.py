@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cudnn_attn.types import MaskType
-from cudnn_attn.validation import dtype_name, is_array, prepare
+from cudnn_attn.validation import dtype_name, is_array, validate_call
 
 from .api import attention, kernel_options
 
@@ -133,8 +133,8 @@ def dot_product_attention_nn(query: Any, key: Any, value: Any, bias: Any = None,
                  (False, True): MaskType.PADDING, (True, True): MaskType.PADDING_CAUSAL}[(bool(is_causal), padding)]
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    config, operands = prepare(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
-                               scale=scale, mask_type=mask_type, qkv_layout="BTNH", xp=jnp)
+    config, operands = validate_call(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
+                                     scale=scale, mask_type=mask_type, qkv_layout="BTNH", xp=jnp)
     if window is not None:
         left, right = window
         # Keys with i - left <= j <= i + right:  d = j - i <= right  and  -d < left + 1.

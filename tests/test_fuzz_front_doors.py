@@ -39,7 +39,7 @@ import pytest
 from cudnn_attn import MaskType, UnsupportedConfigurationError, reference, support
 from cudnn_attn import jax_bridge as jb
 from cudnn_attn.types import FP8_PARAM_KEYS
-from cudnn_attn.validation import prepare
+from cudnn_attn.validation import validate_call
 
 SEED = 20261130
 B, T, S, N, H = 2, 8, 12, 2, 8
@@ -224,7 +224,7 @@ CATALOGUE: list[Bad] = [
 
 # -- the front doors ----------------------------------------------------------------------------------------
 def _residuals(call: dict, rng: np.random.Generator) -> dict:
-    config, _ = prepare(**{n: call[n] for n in ("query", "key", "value", "q_seqlen", "kv_seqlen", "q_offsets",
+    config, _ = validate_call(**{n: call[n] for n in ("query", "key", "value", "q_seqlen", "kv_seqlen", "q_offsets",
                                                 "kv_offsets") if n in call},
                         qkv_layout=call["qkv_layout"], mask_type=call.get("mask_type", MaskType.NO_MASK),
                         training=True)
@@ -413,7 +413,7 @@ def _config(rng: np.random.Generator) -> Any:
         extra = {**extra, "mask_type": MaskType.PADDING_CAUSAL}
     training = extra.pop("return_residual", bool(rng.integers(2)))
     call.pop("scale")
-    return prepare(**{**call, **extra}, training=training)[0]
+    return validate_call(**{**call, **extra}, training=training)[0]
 
 
 SUPPORT_BAD = [

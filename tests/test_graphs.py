@@ -419,11 +419,11 @@ def _problem(rng, name):
 @pytest.mark.parametrize("name", ["causal-gqa", "BNTH-bias-padding", "window-sink", "packed-causal"])
 def test_gpu_forward_and_backward_match_the_reference(gpu, name):
     from cudnn_attn import reference
-    from cudnn_attn.validation import prepare
+    from cudnn_attn.validation import validate_call
     cupy, handle = gpu
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     kwargs, (q, k, v) = _problem(rng, name)
-    cfg, ops = prepare(q, k, v, xp=np, **kwargs)
+    cfg, ops = validate_call(q, k, v, xp=np, **kwargs)
     dev = {T_.Q: cupy.asarray(q), T_.K: cupy.asarray(k), T_.V: cupy.asarray(v),
            T_.O: cupy.zeros(cfg.o_shape, cupy.float16)}
     if cfg.packing is not None:
@@ -469,11 +469,11 @@ def test_gpu_forward_and_backward_match_the_reference(gpu, name):
 @pytest.mark.gpu
 def test_gpu_dropout_seed_is_a_runtime_host_scalar(gpu):
     from cudnn_attn import reference
-    from cudnn_attn.validation import prepare
+    from cudnn_attn.validation import validate_call
     cupy, handle = gpu
     rng = np.random.default_rng(11)
     q, k, v = (rng.standard_normal((2, 128, 4, 64)).astype(np.float16) for _ in range(3))
-    cfg, ops = prepare(q, k, v, xp=np, scale=0.125, dropout_rate=0.25, training=True)
+    cfg, ops = validate_call(q, k, v, xp=np, scale=0.125, dropout_rate=0.25, training=True)
     built = build_graph(cfg, "fwd", handle, rng_dump=True)
     masks = []
     for seed in (1234, 1234, 99):
@@ -493,7 +493,7 @@ def test_gpu_dropout_seed_is_a_runtime_host_scalar(gpu):
 @pytest.mark.gpu
 def test_gpu_paged_decode_matches_the_reference(gpu):
     from cudnn_attn import reference
-    from cudnn_attn.validation import prepare
+    from cudnn_attn.validation import validate_call
     from cudnn_attn.types import MaskType
     cupy, handle = gpu
     rng = np.random.default_rng(5)
@@ -503,8 +503,8 @@ def test_gpu_paged_decode_matches_the_reference(gpu):
     k_cache, v_cache = (rng.standard_normal((blocks, bs, n, d)).astype(np.float16) for _ in range(2))
     table = rng.permutation(blocks).astype(np.int32).reshape(b, 1, blocks_per_seq, 1)
     q_len, kv_len = np.array([1, 1], np.int32), np.array([128, 77], np.int32)
-    cfg, ops = prepare(q, k_cache, v_cache, q_seqlen=q_len, kv_seqlen=kv_len, page_table_k=table,
-                       page_table_v=table, xp=np, scale=0.125, mask_type=MaskType.PADDING)
+    cfg, ops = validate_call(q, k_cache, v_cache, q_seqlen=q_len, kv_seqlen=kv_len, page_table_k=table,
+                             page_table_v=table, xp=np, scale=0.125, mask_type=MaskType.PADDING)
     built = build_graph(cfg, "fwd", handle)
     dev = {T_.Q: cupy.asarray(q), T_.K: cupy.asarray(k_cache), T_.V: cupy.asarray(v_cache),
            T_.O: cupy.zeros(cfg.o_shape, cupy.float16), T_.SEQ_LEN_Q: cupy.asarray(q_len),
@@ -519,11 +519,11 @@ def test_gpu_every_autotuning_plan_computes_the_same_attention(gpu):
     from cudnn_attn import reference
     from cudnn_attn.graphs import ALL_PLANS
     from cudnn_attn.types import MaskType
-    from cudnn_attn.validation import prepare
+    from cudnn_attn.validation import validate_call
     cupy, handle = gpu
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal((2, 128, 4, 64)).astype(np.float16) for _ in range(3))
-    cfg, ops = prepare(q, k, v, xp=np, scale=0.125, mask_type=MaskType.CAUSAL)
+    cfg, ops = validate_call(q, k, v, xp=np, scale=0.125, mask_type=MaskType.CAUSAL)
     built = build_graph(cfg, "fwd", handle, plan=ALL_PLANS)
     assert len(built.plans) > 1, built.plans
     want = reference.forward(cfg, ops).output

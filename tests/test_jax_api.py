@@ -173,9 +173,9 @@ def test_fp8_forward_and_amax_gradients():
 def _fp8_lse(q, k, v, params):
     from cudnn_attn import validation
 
-    config, operands = validation.prepare(*(np.asarray(x) for x in (q, k, v)), fp8_params=_numpy(params),
-                                          scale=0.25, use_fp8=True, mask_type=MaskType.CAUSAL, training=True,
-                                          xp=np)
+    config, operands = validation.validate_call(*(np.asarray(x) for x in (q, k, v)), fp8_params=_numpy(params),
+                                                scale=0.25, use_fp8=True, mask_type=MaskType.CAUSAL, training=True,
+                                                xp=np)
     return reference.forward(config, operands).logsumexp
 
 

@@ -26,7 +26,7 @@ from cudnn_attn.jax_bridge import cudnn_target
 from cudnn_attn.jax_bridge.kernel import Kernel
 from cudnn_attn.jax_bridge.signature import BWD, FWD, operand_names, result_shapes
 from cudnn_attn.types import FP8_PARAM_KEYS
-from cudnn_attn.validation import prepare
+from cudnn_attn.validation import validate_call
 
 B, T, S, N, K, H = 2, 32, 48, 4, 2, 64
 
@@ -66,7 +66,7 @@ def _config(case: str, training: bool):
     if case == "fp8":
         kwargs.update(fp8_params={k: _array((1, 1, 1, 1), jnp.float32) for k in FP8_PARAM_KEYS}, use_fp8=True,
                       mask_type=MaskType.CAUSAL)
-    return prepare(*arrays, xp=jnp, **kwargs)
+    return validate_call(*arrays, xp=jnp, **kwargs)
 
 
 CASES = ["plain", "bias_dbias", "mask_only", "padding_causal", "packed", "paged", "dropout_sink", "alibi_window", "fp8"]
@@ -142,6 +142,6 @@ def test_score_mod_arguments_are_refused_on_the_gpu_path():
     from cudnn_attn import UnsupportedConfigurationError
 
     q = _array((B, T, N, H), jnp.float16)
-    config, _ = prepare(q, q, q, score_mod=lambda s, c: s * c, score_mod_args=(_array((), jnp.float32),), xp=jnp)
+    config, _ = validate_call(q, q, q, score_mod=lambda s, c: s * c, score_mod_args=(_array((), jnp.float32),), xp=jnp)
     with pytest.raises(UnsupportedConfigurationError, match="score_mod arguments are traced arrays"):
         cudnn_target._check_expressible(Kernel(config, FWD))

@@ -100,9 +100,9 @@ def test_python_errors_become_xla_errors(kind, code, message):
 
 
 def test_kernel_registry_is_stable_and_explains_unknown_keys():
-    from cudnn_attn.validation import prepare
+    from cudnn_attn.validation import validate_call
 
-    config, _ = prepare(*(np.empty((1, 8, 2, 8), np.float16) for _ in range(3)), xp=np)
+    config, _ = validate_call(*(np.empty((1, 8, 2, 8), np.float16) for _ in range(3)), xp=np)
     registry = KernelRegistry()
     first = registry.key(Kernel(config, "fwd"))
     assert registry.key(Kernel(config, "fwd")) == first

@@ -17,7 +17,7 @@ import pytest
 from cudnn_attn import MaskType, reference
 from cudnn_attn import jax_bridge as jb
 from cudnn_attn.lift import lift, lifted_config
-from cudnn_attn.validation import prepare
+from cudnn_attn.validation import validate_call
 
 from test_jax_common import assert_close, jnp_attention, normal, qkv
 
@@ -53,8 +53,8 @@ def test_padded_call_equals_the_original_in_the_reference(name):
     lengths = {}
     if mask_type is MaskType.PADDING_CAUSAL:
         lengths = dict(q_seqlen=np.array([t - 2, t], np.int32), kv_seqlen=np.array([s, s - 3], np.int32))
-    config, operands = prepare(q, k, v, bias, **lengths, scale=0.4, mask_type=mask_type, training=True, xp=np,
-                               **extra)
+    config, operands = validate_call(q, k, v, bias, **lengths, scale=0.4, mask_type=mask_type, training=True, xp=np,
+                                     **extra)
     lifted = lift(config, operands, np)
     assert lifted is not None and lifted.config.q_len % 2 == 0 and lifted.config.kv_len % 2 == 0
     assert lifted.config.mask.padding
@@ -73,9 +73,9 @@ def test_padded_call_equals_the_original_in_the_reference(name):
 
 def test_calls_that_need_no_lift_are_left_alone():
     q = np.zeros((1, 8, 2, 8), np.float16)
-    config, _ = prepare(q, q, q, np.zeros((1, 2, 8, 8), np.float16), training=True, xp=np)
+    config, _ = validate_call(q, q, q, np.zeros((1, 2, 8, 8), np.float16), training=True, xp=np)
     assert lifted_config(config) is None                         # even lengths
-    config, _ = prepare(q[:, :7], q, q, np.zeros((1, 2, 7, 8), np.float16), training=False, xp=np)
+    config, _ = validate_call(q[:, :7], q, q, np.zeros((1, 2, 7, 8), np.float16), training=False, xp=np)
     assert lifted_config(config) is None                         # inference
 
 

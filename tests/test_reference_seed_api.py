@@ -11,7 +11,7 @@ from cudnn_attn.reference import (backward, dot_product_attention, dot_product_a
                                   paged_attention)
 from cudnn_attn.reference.inputs import random_operands
 from cudnn_attn.types import FP8_PARAM_KEYS, AttentionGrads, MaskType
-from cudnn_attn.validation import prepare
+from cudnn_attn.validation import validate_call
 
 B, T, S, N, K, H = 2, 6, 8, 4, 2, 8
 
@@ -31,7 +31,7 @@ def test_wrapper_equals_core_forward_and_backward(dtype, layout):
     seqlens = np.array([4, 6], np.int32), np.array([8, 3], np.int32)
     kwargs = dict(scale=0.4, mask_type=MaskType.PADDING_CAUSAL, qkv_layout=layout)
     out, lse = dot_product_attention(q, k, v, None, None, *seqlens, return_residual=True, **kwargs)
-    config, operands = prepare(q, k, v, None, None, *seqlens, training=True, xp=np, **kwargs)
+    config, operands = validate_call(q, k, v, None, None, *seqlens, training=True, xp=np, **kwargs)
     core = forward(config, operands)
     np.testing.assert_array_equal(out, core.output)
     np.testing.assert_array_equal(lse, core.logsumexp)
@@ -78,8 +78,8 @@ def test_extension_keywords():
     kwargs = dict(mask_type=MaskType.CAUSAL, diagonal_alignment="bottom_right", sink=sink, dropout_rate=0.25,
                   dropout_mask=keep)
     out, lse = dot_product_attention(q, k, v, return_residual=True, **kwargs)
-    config, operands = prepare(q, k, v, sink=sink, mask_type=MaskType.CAUSAL, diagonal_alignment="bottom_right",
-                               dropout_rate=0.25, training=True, xp=np)
+    config, operands = validate_call(q, k, v, sink=sink, mask_type=MaskType.CAUSAL, diagonal_alignment="bottom_right",
+                                     dropout_rate=0.25, training=True, xp=np)
     assert config.sink and config.mask.alignment.value == "bottom_right"
     np.testing.assert_array_equal(out, forward(config, operands, dropout_mask=keep).output)
     grads = dot_product_attention_bwd(q, k, v, out, np.ones_like(out), lse, deterministic=True, **kwargs)

@@ -20,7 +20,7 @@ import pytest
 from cudnn_attn import reference
 from cudnn_attn.config import ScoreModSpec
 from cudnn_attn.graphs.score_mod_spec import apply, score_mod_program, vjp
-from cudnn_attn.validation import prepare
+from cudnn_attn.validation import validate_call
 
 B, T, S, N, H = 2, 16, 24, 4, 32
 
@@ -33,7 +33,7 @@ def _qkv(rng):
 
 def _config(score_mod, args=()):
     q, k, v = _qkv(np.random.default_rng(0))
-    return prepare(q, k, v, score_mod=score_mod, score_mod_args=args)[0]
+    return validate_call(q, k, v, score_mod=score_mod, score_mod_args=args)[0]
 
 
 def softcap(score, cap):

@@ -1,4 +1,4 @@
-"""validation.prepare / prepare_backward: the configuration it builds, the mask/bias folding, and every
+"""validation.validate_call / validate_backward: the configuration it builds, the mask/bias folding, and every
 ValueError (type and message)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from cudnn_attn.config import BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec, ScoreModSpec
 from cudnn_attn.types import FP8_PARAM_KEYS, AttentionLayout, MaskType
-from cudnn_attn.validation import LARGE_NEGATIVE, prepare, prepare_backward
+from cudnn_attn.validation import LARGE_NEGATIVE, validate_call, validate_backward
 
 RNG = np.random.default_rng(20261130)
 B, T, S, N, K, H = 2, 16, 24, 4, 2, 32
@@ -57,7 +57,7 @@ def score_mod(score, *args):
 ], ids=["BTNH", "BNTH", "bsnh-lowercase", "BNSH", "enum"])
 def test_shapes_are_read_in_the_layout(layout_name, layout):
     q, k, v = qkv(layout.name, hv=64)
-    config, operands = prepare(q, k, v, qkv_layout=layout_name, scale=0.125)
+    config, operands = validate_call(q, k, v, qkv_layout=layout_name, scale=0.125)
     assert (config.batch, config.q_len, config.kv_len, config.q_heads, config.kv_heads) == (B, T, S, N, K)
     assert (config.qk_dim, config.v_dim, config.dtype, config.layout) == (H, 64, "float16", layout)
     assert config.q_shape == q.shape and config.k_shape == k.shape and config.v_shape == v.shape
@@ -82,14 +82,14 @@ def test_shapes_are_read_in_the_layout(layout_name, layout):
         "causal-bottom_right", "window-bottom_right-enum", "padding-bottom_right-ignored"])
 def test_mask_type_translation(mask_type, window, alignment, expected):
     q, k, v = qkv()
-    config, _ = prepare(q, k, v, q_seqlen=seqlens(), kv_seqlen=seqlens(), mask_type=mask_type,
-                        sliding_window_length=window, diagonal_alignment=alignment)
+    config, _ = validate_call(q, k, v, q_seqlen=seqlens(), kv_seqlen=seqlens(), mask_type=mask_type,
+                              sliding_window_length=window, diagonal_alignment=alignment)
     assert config.mask == expected
 
 
 def test_seqlens_are_dropped_without_a_padding_mask():
     q, k, v = qkv()
-    config, operands = prepare(q, k, v, q_seqlen=seqlens(), kv_seqlen=seqlens())
+    config, operands = validate_call(q, k, v, q_seqlen=seqlens(), kv_seqlen=seqlens())
     assert not config.mask.padding
     assert operands.q_seqlen is None and operands.kv_seqlen is None
 
@@ -97,8 +97,8 @@ def test_seqlens_are_dropped_without_a_padding_mask():
 def test_packing_implies_padding_and_counts_segments():
     q, k, v = qkv()
     offsets = np.array([[0, 5, 9, -1], [0, 7, -1, -1]], np.int32)
-    config, operands = prepare(q, k, v, q_seqlen=seqlens((B, 3)), kv_seqlen=seqlens((B, 3)), q_offsets=offsets,
-                               kv_offsets=offsets.copy(), training=True)
+    config, operands = validate_call(q, k, v, q_seqlen=seqlens((B, 3)), kv_seqlen=seqlens((B, 3)), q_offsets=offsets,
+                                     kv_offsets=offsets.copy(), training=True)
     assert config.packing == PackingSpec(max_segments=3) and config.mask.padding
     assert config.segments == B * 3 and config.lse_shape == (B * 3, N, T)
     assert operands.q_offsets is offsets and operands.q_seqlen.shape == (B, 3)
@@ -108,8 +108,8 @@ def test_packing_implies_padding_and_counts_segments():
 def test_paging_reads_caches_and_tables(layout):
     q, _, _ = qkv(layout)
     k, v, table_k, table_v = paged_kv(blocks=7, block_size=8, blocks_per_seq=3, layout=layout)
-    config, operands = prepare(q, k, v, q_seqlen=seqlens(), kv_seqlen=seqlens(), page_table_k=table_k,
-                               page_table_v=table_v, qkv_layout=layout)
+    config, operands = validate_call(q, k, v, q_seqlen=seqlens(), kv_seqlen=seqlens(), page_table_k=table_k,
+                                     page_table_v=table_v, qkv_layout=layout)
     assert config.paging == PagingSpec(num_blocks_k=7, num_blocks_v=7, block_size=8, blocks_per_seq=3)
     assert config.kv_len == 24 and config.mask.padding       # 7 blocks >= B * 3 is not required
     assert config.k_shape == k.shape and config.v_shape == v.shape
@@ -120,8 +120,8 @@ def test_static_flags_and_score_mod_spec():
     q, k, v = qkv()
     args = (randn((N,), np.float32), randn((1, 1), np.float32))
     sink = randn((N,), np.float32)
-    config, operands = prepare(q, k, v, score_mod_args=args, sink=sink, score_mod=score_mod, dropout_rate=0.25,
-                               training=True, deterministic=True)
+    config, operands = validate_call(q, k, v, score_mod_args=args, sink=sink, score_mod=score_mod, dropout_rate=0.25,
+                                     training=True, deterministic=True)
     assert config.score_mod.name == "score_mod" and config.score_mod.score_shape == (B, N, T, S)
     assert config.score_mod == ScoreModSpec.trace(score_mod, (B, N, T, S), config.score_mod.arg_shapes)
     assert config.score_mod.arg_shapes == (((N,), "float32"), ((1, 1), "float32"))
@@ -132,7 +132,7 @@ def test_static_flags_and_score_mod_spec():
 def test_fp8_config_keeps_every_scale():
     q, k, v = qkv(dtype=ml_dtypes.float8_e4m3fn, h=128, hv=128)
     params = fp8_params(descale_q=np.float32(RNG.uniform(1, 2)).reshape(()))
-    config, operands = prepare(q, k, v, fp8_params=params, use_fp8=True, mask_type=MaskType.CAUSAL)
+    config, operands = validate_call(q, k, v, fp8_params=params, use_fp8=True, mask_type=MaskType.CAUSAL)
     assert config.fp8 and config.dtype == "float8_e4m3fn" and config.mask.causal
     assert list(operands.fp8_scales) == list(FP8_PARAM_KEYS)
     assert all(operands.fp8_scales[key] is params[key] for key in FP8_PARAM_KEYS)
@@ -140,10 +140,10 @@ def test_fp8_config_keeps_every_scale():
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
 def test_configs_are_hashable_and_equal_for_equal_calls(dtype):
-    a, _ = prepare(*qkv(dtype=dtype), mask_type=MaskType.CAUSAL)
-    b, _ = prepare(*qkv(dtype=dtype), mask_type=MaskType.CAUSAL)
+    a, _ = validate_call(*qkv(dtype=dtype), mask_type=MaskType.CAUSAL)
+    b, _ = validate_call(*qkv(dtype=dtype), mask_type=MaskType.CAUSAL)
     assert a == b and hash(a) == hash(b)
-    assert a != prepare(*qkv(dtype=dtype))[0]
+    assert a != validate_call(*qkv(dtype=dtype))[0]
 
 
 # -- bias and mask folding ----------------------------------------------------------------------------
@@ -152,7 +152,7 @@ def test_configs_are_hashable_and_equal_for_equal_calls(dtype):
 def test_boolean_mask_becomes_the_large_negative_number(dtype):
     q, k, v = qkv(dtype=dtype)
     mask = RNG.random((T, S)) < 0.5
-    config, operands = prepare(q, k, v, mask=mask)
+    config, operands = validate_call(q, k, v, mask=mask)
     name = np.dtype(dtype).name
     expected = np.where(mask, 0, LARGE_NEGATIVE[name]).astype(dtype).reshape(1, 1, T, S)
     assert operands.bias.dtype == np.dtype(dtype)
@@ -176,7 +176,7 @@ def test_bias_and_mask_fold_into_one_4d_bias(bias_shape, mask_shape, mask_dtype,
         mask = RNG.random(mask_shape) < 0.5
     else:
         mask = None if mask_shape is None else randn(mask_shape)
-    config, operands = prepare(q, k, v, bias=bias, mask=mask)
+    config, operands = validate_call(q, k, v, bias=bias, mask=mask)
     expected = np.zeros(spec_shape, np.float16)
     if bias is not None:
         expected = expected + bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
@@ -192,11 +192,11 @@ def test_folding_with_jax_numpy_matches_numpy():
     q, k, v = qkv(dtype=ml_dtypes.bfloat16)
     bias = randn((1, N, T, S), ml_dtypes.bfloat16)
     mask = RNG.random((B, 1, 1, S)) < 0.5
-    _, expected = prepare(q, k, v, bias=bias, mask=mask)
-    config, operands = prepare(*map(jnp.asarray, (q, k, v)), bias=jnp.asarray(bias), mask=jnp.asarray(mask))
+    _, expected = validate_call(q, k, v, bias=bias, mask=mask)
+    config, operands = validate_call(*map(jnp.asarray, (q, k, v)), bias=jnp.asarray(bias), mask=jnp.asarray(mask))
     assert isinstance(operands.bias, jax.Array) and config.bias.shape == (B, N, T, S)
     np.testing.assert_array_equal(np.asarray(operands.bias), expected.bias)
-    _, with_numpy_xp = prepare(q, k, v, bias=bias, mask=mask, xp=jnp)   # xp overrides the detection
+    _, with_numpy_xp = validate_call(q, k, v, bias=bias, mask=mask, xp=jnp)   # xp overrides the detection
     assert isinstance(with_numpy_xp.bias, jax.Array)
 
 
@@ -206,9 +206,9 @@ def test_prepare_under_jit_reads_no_values():
 
     @jax.jit
     def folded(q, k, v, mask):
-        return prepare(q, k, v, mask=mask, mask_type=MaskType.CAUSAL)[1].bias
+        return validate_call(q, k, v, mask=mask, mask_type=MaskType.CAUSAL)[1].bias
 
-    np.testing.assert_array_equal(np.asarray(folded(q, k, v, mask)), prepare(q, k, v, mask=mask)[1].bias)
+    np.testing.assert_array_equal(np.asarray(folded(q, k, v, mask)), validate_call(q, k, v, mask=mask)[1].bias)
 
 
 @pytest.mark.parametrize("name", ["query", "key", "value", "bias", "mask", "q_seqlen", "sink"])
@@ -219,7 +219,7 @@ def test_descriptions_without_data_are_refused(name):
                   q_seqlen=seqlens(), kv_seqlen=seqlens(), sink=randn((N,), np.float32))
     arrays[name] = jax.ShapeDtypeStruct(arrays[name].shape, arrays[name].dtype)
     with pytest.raises(ValueError, match=rf"^{name}: expected an array.*ShapeDtypeStruct \(a shape/dtype description"):
-        prepare(**arrays, mask_type=MaskType.PADDING)
+        validate_call(**arrays, mask_type=MaskType.PADDING)
 
 
 # -- errors -----------------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ def _packed_base():
 
 
 def _call(base, **changes):
-    """A builder of ``prepare`` kwargs: a valid call from ``base`` with ``changes`` applied."""
+    """A builder of ``validate_call`` kwargs: a valid call from ``base`` with ``changes`` applied."""
     def build():
         kwargs = base()
         for name, value in changes.items():
@@ -386,7 +386,7 @@ ERRORS = [
 def test_invalid_calls_raise_value_errors_that_explain(build, argument, rule):
     kwargs = build()
     with pytest.raises(ValueError) as raised:
-        prepare(**kwargs)
+        validate_call(**kwargs)
     message = str(raised.value)
     assert message.startswith(f"{argument}: ") or message.startswith("qkv_layout: "), message
     assert rule in message, message
@@ -397,14 +397,15 @@ def test_invalid_calls_raise_value_errors_that_explain(build, argument, rule):
 
 # Well formed, but no front runs them: validation accepts them and the support table (the one authority on
 # "unsupported", cudnn_attn.support) refuses them - on every front where the reference cannot run them either.
+FP8 = ml_dtypes.float8_e4m3fn
 REFUSED_BY_THE_TABLE = [
     ("fp8-padding", _fp8(mask_type=MaskType.PADDING, q_seqlen=seqlens(), kv_seqlen=seqlens()),
      "FP8 attention: no mask or a causal mask only, found padding", False),
     ("fp8-alibi", _fp8(mask_type=MaskType.ALIBI), "FP8 attention: no mask or a causal mask only, found ALiBi", True),
     ("fp8-bias", _fp8(bias=randn((T, S))), "FP8 attention: takes no bias", True),
     ("fp8-mask", _fp8(mask=np.ones((T, S), bool)), "FP8 attention: takes no bias", True),
-    ("paged-fp8", _paged(use_fp8=True, fp8_params=fp8_params(), query=From(lambda a: a["query"].astype(ml_dtypes.float8_e4m3fn)),
-                         key=From(lambda a: a["key"].astype(ml_dtypes.float8_e4m3fn)), value=From(lambda a: a["value"].astype(ml_dtypes.float8_e4m3fn))),
+    ("paged-fp8", _paged(use_fp8=True, fp8_params=fp8_params(), **{name: From(lambda a, n=name: a[n].astype(FP8))
+                                                                   for name in ("query", "key", "value")}),
      "FP8 attention: no mask or a causal mask only, found padding", False),
     ("paged-packed", _paged(q_seqlen=seqlens((B, 2)), kv_seqlen=seqlens((B, 2)), q_offsets=np.zeros((B, 3), np.int32),
                             kv_offsets=np.zeros((B, 3), np.int32)),
@@ -417,7 +418,7 @@ REFUSED_BY_THE_TABLE = [
 def test_well_formed_calls_no_front_runs_are_the_support_tables_to_refuse(build, reason, everywhere):
     from cudnn_attn import support
 
-    config, _ = prepare(**build())
+    config, _ = validate_call(**build())
     reasons = support.not_supported_reasons(config, support.Environment.sm90())
     assert any(r.startswith(reason) for r in reasons), reasons
     on_reference = support.not_supported_reasons(config, front="reference")
@@ -425,34 +426,34 @@ def test_well_formed_calls_no_front_runs_are_the_support_tables_to_refuse(build,
 
 
 def test_fp8_sequence_lengths_without_a_padding_mask_are_ignored_as_for_fp16():
-    config, operands = prepare(**_fp8(q_seqlen=seqlens(), kv_seqlen=seqlens())())
+    config, operands = validate_call(**_fp8(q_seqlen=seqlens(), kv_seqlen=seqlens())())
     assert not config.mask.padding and operands.q_seqlen is None and operands.kv_seqlen is None
 
 
 def test_wrong_dtype_message_carries_a_hint():
     q, k, v = (x.astype(np.float32) for x in qkv())
     with pytest.raises(ValueError, match="hint: cast Q/K/V to float16 or bfloat16"):
-        prepare(q, k, v)
+        validate_call(q, k, v)
 
 
 def test_gqa_message_carries_a_hint():
     q, _, _ = qkv()
     k, v = randn((B, S, 3, H)), randn((B, S, 3, H))
     with pytest.raises(ValueError, match="hint: grouped-query attention shares each K/V head"):
-        prepare(q, k, v)
+        validate_call(q, k, v)
 
 
-# -- prepare_backward -------------------------------------------------------------------------------
+# -- validate_backward ------------------------------------------------------------------------------
 
 def _training_config():
-    config, _ = prepare(*qkv(hv=64), training=True)
+    config, _ = validate_call(*qkv(hv=64), training=True)
     return config
 
 
 def test_prepare_backward_accepts_the_forward_residuals():
     config = _training_config()
     out = randn(config.o_shape)
-    prepare_backward(config, out, randn(config.o_shape), randn(config.lse_shape, np.float32))
+    validate_backward(config, out, randn(config.o_shape), randn(config.lse_shape, np.float32))
 
 
 @pytest.mark.parametrize("name, replace, found", [
@@ -468,7 +469,7 @@ def test_prepare_backward_rejects_mismatches(name, replace, found):
                   logsumexp=randn(config.lse_shape, np.float32))
     arrays[name] = replace(config)
     with pytest.raises(ValueError) as raised:
-        prepare_backward(config, **arrays)
+        validate_backward(config, **arrays)
     message = str(raised.value)
     assert message.startswith(f"{name}: expected ") and f"got {found}" in message, message
     assert config.describe() in message

@@ -18,7 +18,7 @@ import pytest
 
 from cudnn_attn import MaskType, reference, values
 from cudnn_attn import jax_bridge as jb
-from cudnn_attn.validation import prepare
+from cudnn_attn.validation import validate_call
 
 B, T, S, N, K, H = 2, 8, 12, 2, 1, 8
 M = 3                      # packed segments per row
@@ -35,21 +35,21 @@ def _i32(x):
 
 def _padded(rng, q_seqlen, kv_seqlen):
     q, k, v = _qkv(rng)
-    return prepare(q, k, v, q_seqlen=_i32(q_seqlen), kv_seqlen=_i32(kv_seqlen), mask_type=MaskType.PADDING)
+    return validate_call(q, k, v, q_seqlen=_i32(q_seqlen), kv_seqlen=_i32(kv_seqlen), mask_type=MaskType.PADDING)
 
 
 def _packed(rng, q_seqlen, kv_seqlen, q_offsets, kv_offsets):
     q, k, v = _qkv(rng)
-    return prepare(q, k, v, q_seqlen=_i32(q_seqlen), kv_seqlen=_i32(kv_seqlen), q_offsets=_i32(q_offsets),
-                   kv_offsets=_i32(kv_offsets))
+    return validate_call(q, k, v, q_seqlen=_i32(q_seqlen), kv_seqlen=_i32(kv_seqlen), q_offsets=_i32(q_offsets),
+                         kv_offsets=_i32(kv_offsets))
 
 
 def _paged(rng, kv_seqlen, table, blocks=5, block_size=4):
     q = rng.standard_normal((B, T, N, H)).astype(np.float16)
     cache = rng.standard_normal((blocks, block_size, K, H)).astype(np.float16)
     table = _i32(table).reshape(B, 1, -1, 1)
-    return prepare(q, cache, cache.copy(), q_seqlen=_i32([T, T]), kv_seqlen=_i32(kv_seqlen), page_table_k=table,
-                   page_table_v=table.copy())
+    return validate_call(q, cache, cache.copy(), q_seqlen=_i32([T, T]), kv_seqlen=_i32(kv_seqlen), page_table_k=table,
+                         page_table_v=table.copy())
 
 
 # -- the host check names the argument, the row and the value -------------------------------------------------

@@ -1,7 +1,7 @@
 """NumPy float64 reference of cuDNN fused attention: the test oracle and the CPU backend.
 
 * :func:`forward` / :func:`backward` take the ``(AttentionConfig, AttentionOperands)`` pair built by
-  :func:`cudnn_attn.validation.prepare` and return :class:`~cudnn_attn.types.AttentionOutput` /
+  :func:`cudnn_attn.validation.validate_call` and return :class:`~cudnn_attn.types.AttentionOutput` /
   :class:`~cudnn_attn.types.AttentionGrads` (formulas in :mod:`.core` and :mod:`.fp8`).
 * :func:`dot_product_attention`, :func:`paged_attention`, :func:`dot_product_attention_bwd` are the
   seed-compatible entry points on NumPy arrays.

@@ -48,7 +48,7 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
     """Attention forward (formula in the module docstring) on NumPy arrays.
 
     Args:
-        config, operands: the call, as built by :func:`cudnn_attn.validation.prepare`.
+        config, operands: the call, as built by :func:`cudnn_attn.validation.validate_call`.
         seed: seeds the NumPy dropout mask when ``dropout_mask`` is absent (not cuDNN's Philox).
         dropout_mask: optional ``(B, N, T, S)`` keep-mask (nonzero keeps), e.g. cuDNN's ``rng_dump``.
 

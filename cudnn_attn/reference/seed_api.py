@@ -13,10 +13,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..types import AttentionGrads, FP8Params, MaskType
-from ..validation import prepare, prepare_backward
+from ..validation import validate_call, validate_backward
 from .core import backward, forward
-
-
 
 
 def dot_product_attention(
@@ -29,7 +27,7 @@ def dot_product_attention(
 ) -> Any:
     """Reference ``dot_product_attention``: returns the output, ``(output, logsumexp)`` with
     ``return_residual``, or ``(output, amax_s, amax_o)`` with ``use_fp8`` (as the seed)."""
-    config, operands = prepare(
+    config, operands = validate_call(
         query, key, value, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offsets, None, None, fp8_params,
         score_mod_args, sink, scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8,
@@ -46,7 +44,7 @@ def paged_attention(
 ) -> Any:
     """Reference ``paged_attention``: K/V are block caches read through the page tables; returns the
     output, or ``(output, logsumexp)`` with ``return_residual``."""
-    config, operands = prepare(
+    config, operands = validate_call(
         query, key, value, bias, mask, q_seqlen, kv_seqlen, None, None, page_table_k, page_table_v, fp8_params,
         (), sink, scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, use_fp8=use_fp8, training=return_residual,
@@ -70,10 +68,10 @@ def dot_product_attention_bwd(
     parity with the forward and the GPU backward; they change nothing here.
     """
     del return_residual  # signature parity only
-    config, operands = prepare(
+    config, operands = validate_call(
         query, key, value, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offsets, None, None, fp8_params,
         score_mod_args, sink, scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
         sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8, training=True,
         diagonal_alignment=diagonal_alignment, deterministic=deterministic, xp=np)
-    prepare_backward(config, output, grad_output, logsumexp)
+    validate_backward(config, output, grad_output, logsumexp)
     return backward(config, operands, output, grad_output, logsumexp, seed=seed, dropout_mask=dropout_mask)

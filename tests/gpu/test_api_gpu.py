@@ -10,7 +10,7 @@ import cudnn_attn
 from cudnn_attn import MaskType, UnsupportedConfigurationError, execution, launch, reference
 from cudnn_attn.cache import PlanChoice, graph_cache
 from cudnn_attn.reference.inputs import random_operands
-from cudnn_attn.validation import prepare
+from cudnn_attn.validation import validate_call
 
 from ._checks import assert_close, assert_lse_close, make_config, poisoned, replace_nan, to_gpu
 
@@ -174,8 +174,8 @@ def test_paged_attention_ignores_unused_blocks(rng):
         cache = np.empty((B * per_seq + 3, bs, N, H), np.float16)
         table = np.empty((B, 1, per_seq, 1), np.int32)
         seqlen = np.empty((B,), np.int32)
-        config, _ = prepare(qf, cache, cache, None, None, seqlen, seqlen, None, None, table, table,
-                            mask_type=MaskType.PADDING, xp=np)
+        config, _ = validate_call(qf, cache, cache, None, None, seqlen, seqlen, None, None, table, table,
+                                  mask_type=MaskType.PADDING, xp=np)
         operands = random_operands(config, rng, poison=True)
         operands = operands.replace(key=replace_nan(operands.key, 8.0), value=replace_nan(operands.value, 8.0))
         g = to_gpu(operands)

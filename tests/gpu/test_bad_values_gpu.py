@@ -25,7 +25,7 @@ import pytest
 
 import cudnn_attn
 from cudnn_attn import MaskType, execution, reference, values
-from cudnn_attn.validation import prepare
+from cudnn_attn.validation import validate_call
 
 from ._checks import assert_close, assert_lse_close, poisoned, to_gpu
 
@@ -72,7 +72,7 @@ def _call(case: str, rng: np.random.Generator) -> tuple[dict, dict]:
 
 
 def _clamped_reference(arrays: dict, static: dict, training: bool):
-    config, operands = prepare(**arrays, **static, training=training, xp=np)
+    config, operands = validate_call(**arrays, **static, training=training, xp=np)
     return config, operands, values.sanitize(config, operands, np)
 
 

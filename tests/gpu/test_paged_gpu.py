@@ -26,7 +26,7 @@ import pytest
 import cudnn_attn
 from cudnn_attn import MaskType, execution, reference
 from cudnn_attn.reference.inputs import random_operands
-from cudnn_attn.validation import prepare
+from cudnn_attn.validation import validate_call
 
 from ._checks import assert_close, io_dtype, poisoned, replace_nan
 
@@ -58,9 +58,9 @@ def paged_config(*, B, T, N, K, H, block, blocks, spare, dtype="float16", layout
     query = np.empty((B, T, N, H) if layout == "BTNH" else (B, N, T, H), dt)
     cache = np.empty((num_blocks, block, K, H) if layout == "BTNH" else (num_blocks, K, block, H), dt)
     table, seqlen = np.empty((B, 1, blocks, 1), np.int32), np.empty((B,), np.int32)
-    config, _ = prepare(query, cache, cache, None, None, seqlen, seqlen, None, None, table, table,
-                        scale=1 / math.sqrt(H), mask_type=mask_type, qkv_layout=layout,
-                        diagonal_alignment=diagonal_alignment, xp=np)
+    config, _ = validate_call(query, cache, cache, None, None, seqlen, seqlen, None, None, table, table,
+                              scale=1 / math.sqrt(H), mask_type=mask_type, qkv_layout=layout,
+                              diagonal_alignment=diagonal_alignment, xp=np)
     return config
 
 
