@@ -484,7 +484,7 @@ def _front(front: str) -> Front:
     try:
         return Front(front)
     except ValueError:
-        raise ValueError(f"front: expected one of {', '.join(map(repr, EVERY_FRONT))}, got {front!r}") from None
+        raise ValueError(f"front: expected one of {', '.join(repr(f.value) for f in EVERY_FRONT)}, got {front!r}") from None
 
 
 def _check_config(config: AttentionConfig) -> None:

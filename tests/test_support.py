@@ -317,3 +317,62 @@ def test_kind_selects_the_graphs_asked_about():
     assert support.not_supported_reasons(paged, SM90, kind="bwd") == [
         "paged K/V cache: no backward (cuDNN's sdpa_backward takes no page tables)"]
     assert support.not_supported_reasons(paged, SM90) == support.not_supported_reasons(paged, SM90, kind="bwd")
+
+
+# -- fronts and the environment-free questions --------------------------------------------------------
+
+def test_the_reference_front_refuses_only_what_no_front_runs():
+    """The reference needs no GPU or cuDNN and runs what cuDNN would refuse on a GPU (a head dim of 320 in
+    training); it refuses only the rows every front shares, with the reasons check_supported gives."""
+    unsupported_on_gpus = BASE.replace(qk_dim=320, v_dim=320, training=True)
+    assert not_supported_reasons(unsupported_on_gpus, SM90)
+    assert not_supported_reasons(unsupported_on_gpus, front="reference") == []
+    assert not_supported_reasons(unsupported_on_gpus, Environment(None, None), front="reference") == []
+    paged = BASE.replace(training=True, **PAGED)
+    everywhere = ["paged K/V cache: no backward (cuDNN's sdpa_backward takes no page tables)"]
+    assert not_supported_reasons(paged, front="reference") == everywhere
+    assert set(everywhere) <= set(not_supported_reasons(paged, SM90, front="cupy"))
+    with pytest.raises(UnsupportedConfigurationError) as raised:
+        support.check_everywhere(paged)
+    assert raised.value.reasons == everywhere
+
+
+def test_the_jax_front_adds_its_own_rows():
+    """score_mod arguments are traced arrays under JAX: refused on the JAX front only (the CuPy front binds
+    them by value, the reference evaluates them)."""
+    config = BASE.replace(score_mod=scaled(((), "float32")))
+    assert not_supported_reasons(config, SM90, front="cupy") == []
+    assert not_supported_reasons(config, front="reference") == []
+    jax_reasons = not_supported_reasons(config, SM90, front="jax")
+    assert len(jax_reasons) == 1 and "score_mod arguments are traced arrays" in jax_reasons[0]
+    assert not_supported_reasons(BASE.replace(score_mod=SCORE_MOD), SM90, front="jax") == []
+
+
+def test_structural_rows_are_what_the_builder_cannot_declare():
+    """check_structure raises the rows the graph builder cannot express for one graph, in any environment;
+    rows that only a GPU or cuDNN version decides are not among them."""
+    paged = BASE.replace(training=True, **PAGED)
+    support.check_structure(paged, kind="fwd")
+    with pytest.raises(UnsupportedConfigurationError, match="no backward") as raised:
+        support.check_structure(paged, kind="bwd")
+    assert raised.value.config is paged and raised.value.environment is None
+    support.check_structure(BASE.replace(qk_dim=320, v_dim=320, training=True), kind="bwd")   # cuDNN's to refuse
+    with pytest.raises(UnsupportedConfigurationError, match="BTNH"):
+        support.check_structure(BASE.replace(layout=AttentionLayout.BNTH, **PACKED), kind="fwd")
+
+
+@pytest.mark.parametrize("front", ["cupy", "jax", "reference"])
+@pytest.mark.parametrize("config", [
+    BASE, FP8.replace(bias=BIAS, mask=MaskSpec(alibi=True), dropout_rate=0.5, sink=True, training=True),
+    BASE.replace(layout=AttentionLayout.BNTH, bias=BIAS, training=True, **PAGED),
+    BASE.replace(packing=PackingSpec(max_segments=2), paging=PAGED["paging"], score_mod=scaled(((1, 128), "float32"))),
+], ids=["plain", "fp8-everything", "paged-bnth-bias", "packed-paged-score_mod"])
+def test_the_table_never_raises_for_a_configuration(config, front):
+    for environment in (SM90, SM100, Environment(None, None), Environment(80000, (7, 0))):
+        for kind in (None, "fwd", "bwd"):
+            assert isinstance(not_supported_reasons(config, environment, kind=kind, front=front), list)
+
+
+def test_a_bad_front_is_an_argument_error():
+    with pytest.raises(ValueError, match="front: expected one of 'cupy', 'jax', 'reference'"):
+        not_supported_reasons(BASE, SM90, front="torch")
