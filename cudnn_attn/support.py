@@ -399,8 +399,8 @@ def _score_mod_args(c: AttentionConfig, env: Environment) -> str | None:
 
 def _jax_score_mod_args(c: AttentionConfig, env: Environment) -> str | None:
     if c.score_mod is not None and c.score_mod.arg_shapes:
-        return ("score_mod arguments are traced arrays under JAX, but cuDNN binds them by value on the host; close over "
-                "Python floats in score_mod instead of passing score_mod_args")
+        return ("score_mod arguments are traced arrays under JAX, but cuDNN binds them by value on the host; "
+                "close over Python floats in score_mod instead of passing score_mod_args")
     return None
 
 
@@ -484,7 +484,8 @@ def _front(front: str) -> Front:
     try:
         return Front(front)
     except ValueError:
-        raise ValueError(f"front: expected one of {', '.join(repr(f.value) for f in EVERY_FRONT)}, got {front!r}") from None
+        names = ", ".join(repr(f.value) for f in EVERY_FRONT)
+        raise ValueError(f"front: expected one of {names}, got {front!r}") from None
 
 
 def _check_config(config: AttentionConfig) -> None:

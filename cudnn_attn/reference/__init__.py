@@ -6,6 +6,12 @@
 * :func:`dot_product_attention`, :func:`paged_attention`, :func:`dot_product_attention_bwd` are the
   seed-compatible entry points on NumPy arrays.
 
+What it runs is the support table's to say (:mod:`cudnn_attn.support`, the one authority on
+"unsupported"): it refuses only the rows no front runs (``not_supported_reasons(config,
+front="reference")``, raised by :func:`~cudnn_attn.support.check_everywhere`), so it runs everything a GPU
+runs and more (a training head dim of 320, FP8 with padding); what a GPU would refuse is
+``not_supported_reasons(config, env)`` of the same table.
+
 Everything is computed in float64 and rounded once, at the end, to the io dtype (logsumexp: float32).
 Modules: :mod:`.tensors` (layouts, pages, dtypes), :mod:`.segments` (padding and packed sequences),
 :mod:`.masks` (admissible keys, ALiBi, dropout), :mod:`.problem` (scores and softmax shared by every
