@@ -450,7 +450,7 @@ def _training_config():
     return config
 
 
-def test_prepare_backward_accepts_the_forward_residuals():
+def test_validate_backward_accepts_the_forward_residuals():
     config = _training_config()
     out = randn(config.o_shape)
     validate_backward(config, out, randn(config.o_shape), randn(config.lse_shape, np.float32))
@@ -463,7 +463,7 @@ def test_prepare_backward_accepts_the_forward_residuals():
     ("logsumexp", lambda c: randn(c.lse_shape), "float16[2, 4, 16]"),
     ("output", lambda c: None, "None"),
 ], ids=["output-shape", "grad_output-dtype", "lse-shape", "lse-dtype", "output-missing"])
-def test_prepare_backward_rejects_mismatches(name, replace, found):
+def test_validate_backward_rejects_mismatches(name, replace, found):
     config = _training_config()
     arrays = dict(output=randn(config.o_shape), grad_output=randn(config.o_shape),
                   logsumexp=randn(config.lse_shape, np.float32))
