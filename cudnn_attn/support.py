@@ -282,7 +282,7 @@ def _score_mod_limits(c: AttentionConfig, kind: Kind) -> str | None:
     """What the score_mod translation cannot express with the rest of the configuration in the ``kind``
     graph (built-in masks are folded into the modification; see
     :func:`cudnn_attn.graphs.score_mod.score_mod_refusals`)."""
-    if c.score_mod is None or _score_mod_args(c, None):
+    if c.score_mod is None or _score_mod_args(c, _ANYWHERE):
         return None
     from .graphs.score_mod import score_mod_refusals   # imports JAX: only when score_mod is used
 
