@@ -4,7 +4,7 @@
   :func:`cudnn_attn.validation.prepare` and return :class:`~cudnn_attn.types.AttentionOutput` /
   :class:`~cudnn_attn.types.AttentionGrads` (formulas in :mod:`.core` and :mod:`.fp8`).
 * :func:`dot_product_attention`, :func:`paged_attention`, :func:`dot_product_attention_bwd` are the
-  seed-compatible entry points on NumPy arrays.
+  seed-compatible entry points on NumPy arrays; :func:`attention` the native one (named results).
 
 Everything is computed in float64 and rounded once, at the end, to the io dtype (logsumexp: float32).
 Modules: :mod:`.tensors` (layouts, pages, dtypes), :mod:`.segments` (padding and packed sequences),
@@ -14,7 +14,7 @@ path), :mod:`.core` (fp16/bf16), :mod:`.fp8` (FP8 emulation), :mod:`.seed_api`.
 
 from .core import backward, forward
 from .masks import alibi_slopes
-from .seed_api import dot_product_attention, dot_product_attention_bwd, paged_attention
+from .seed_api import attention, dot_product_attention, dot_product_attention_bwd, paged_attention
 
-__all__ = ["alibi_slopes", "backward", "dot_product_attention", "dot_product_attention_bwd", "forward",
+__all__ = ["alibi_slopes", "attention", "backward", "dot_product_attention", "dot_product_attention_bwd", "forward",
            "paged_attention"]
