@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple
 
 from .types import MaskType
@@ -61,8 +60,7 @@ _SEED_KEYWORDS = ("scale", "mask_type", "seed", "dropout_rate", "qkv_layout", "s
                   "use_fp8", "return_residual", "diagonal_alignment", "sink")
 
 
-@dataclass(frozen=True)
-class Form:
+class Form(NamedTuple):
     """One public function's parameters: ``positional`` (the first ``required`` without default), then the
     keyword-only ``keywords``; ``overrides`` replaces :data:`PARAMETERS` entries for this form."""
 
@@ -70,12 +68,12 @@ class Form:
     positional: tuple[str, ...]
     required: int
     keywords: tuple[str, ...]
-    overrides: dict[str, tuple[Any, str]] = field(default_factory=dict)
+    overrides: dict[str, tuple[Any, str]] | None = None
 
     def parameters(self, extensions: tuple[str, ...] = ()) -> list[inspect.Parameter]:
         found = []
         for i, name in enumerate(self.positional + self.keywords + extensions):
-            default, annotation = self.overrides.get(name) or PARAMETERS[name]
+            default, annotation = (self.overrides or {}).get(name) or PARAMETERS[name]
             if i < self.required:
                 default = _REQUIRED
             found.append(inspect.Parameter(name, _POSITIONAL if i < len(self.positional) else _KEYWORD,
@@ -96,11 +94,13 @@ NATIVE = Form("attention", ("query", "key", "value"), 3,
 def front(form: Form, *extensions: str) -> Callable[[Callable[[NamedTuple], Any]], Callable[..., Any]]:
     """Decorator: the public function ``form.name`` with ``form``'s parameters and ``extensions`` (keyword-only,
     after them), whose body calls the decorated implementation with the arguments as one named tuple (fields:
-    the parameter names).  Name, docstring, module and return annotation come from the implementation."""
+    the parameter names, with their defaults; the type is the made function's ``arguments``).  Name,
+    docstring, module and return annotation come from the implementation."""
     def make(implementation: Callable[[NamedTuple], Any]) -> Callable[..., Any]:
         parameters = form.parameters(tuple(extensions))
         names = [p.name for p in parameters]
-        arguments = collections.namedtuple(f"{form.name}_arguments", names)
+        arguments = collections.namedtuple(f"{form.name}_arguments", names, module=implementation.__module__,
+                                           defaults=[p.default for p in parameters[form.required:]])
         header, defaults = [], {}
         for p in parameters:
             if p.kind is _KEYWORD and "*" not in header:
@@ -119,6 +119,7 @@ def front(form: Form, *extensions: str) -> Callable[[Callable[[NamedTuple], Any]
         made.__qualname__ = form.name
         made.__annotations__ = {p.name: p.annotation for p in parameters}
         made.__annotations__["return"] = implementation.__annotations__.get("return", "Any")
+        made.arguments = arguments             # the named tuple, for callers that build a call themselves
         return made
     return make
 
@@ -176,17 +177,19 @@ def finish(call: NamedTuple, config: Any) -> Any:
 
 
 @contextlib.contextmanager
-def native_names(call: NamedTuple) -> Iterator[None]:
-    """Validation's ``ValueError``s of a native call, with the argument named as the native API names it."""
+def native_names(call: NamedTuple, names: dict[str, str] | None = None) -> Iterator[None]:
+    """Validation's ``ValueError``s of a native call, with the argument named as the native API names it
+    (:data:`NATIVE_NAMES`, or ``names``: a front's own)."""
     if "layout" not in call._fields:
         yield
         return
+    names = NATIVE_NAMES if names is None else names
     try:
         yield
     except ValueError as error:
         message = str(error)
         argument, colon, rest = message.partition(": ")
-        renamed = "/".join(NATIVE_NAMES.get(part, part) for part in argument.split("/"))
+        renamed = "/".join(names.get(part, part) for part in argument.split("/"))
         if not colon or renamed == argument:
             raise
         raise ValueError(f"{renamed}: {rest}") from error
