@@ -94,8 +94,8 @@ NATIVE = Form("attention", ("query", "key", "value"), 3,
 def front(form: Form, *extensions: str) -> Callable[[Callable[[NamedTuple], Any]], Callable[..., Any]]:
     """Decorator: the public function ``form.name`` with ``form``'s parameters and ``extensions`` (keyword-only,
     after them), whose body calls the decorated implementation with the arguments as one named tuple (fields:
-    the parameter names, with their defaults; the type is the made function's ``arguments``).  Name,
-    docstring, module and return annotation come from the implementation."""
+    the parameter names, with their defaults; the type is the made function's ``arguments``, its ``form``
+    the form).  Name, docstring, module and return annotation come from the implementation."""
     def make(implementation: Callable[[NamedTuple], Any]) -> Callable[..., Any]:
         parameters = form.parameters(tuple(extensions))
         names = [p.name for p in parameters]
@@ -119,6 +119,7 @@ def front(form: Form, *extensions: str) -> Callable[[Callable[[NamedTuple], Any]
         made.__qualname__ = form.name
         made.__annotations__ = {p.name: p.annotation for p in parameters}
         made.__annotations__["return"] = implementation.__annotations__.get("return", "Any")
+        arguments.form = form
         made.arguments = arguments             # the named tuple, for callers that build a call themselves
         return made
     return make
@@ -133,7 +134,12 @@ _STATIC_NAMES = ("scale", "mask_type", "dropout_rate", "qkv_layout", "sliding_wi
 # What validation's messages call an argument, and what the native API calls it.
 NATIVE_NAMES = {"q_seqlen": "mask (q_lengths)", "kv_seqlen": "mask (kv_lengths)", "q_offsets": "mask (q_offsets)",
                 "kv_offsets": "mask (kv_offsets)", "mask": "mask (keep)", "qkv_layout": "layout",
-                "training (return_residual)": "return_aux", "use_fp8": "fp8_params", "mask_type": "mask"}
+                "training (return_residual)": "return_aux", "use_fp8": "fp8_params"}
+
+
+def is_native(call: NamedTuple) -> bool:
+    """``call`` holds the arguments of the native ``attention`` (not of a seed function)."""
+    return type(call).form is NATIVE
 
 
 def arguments(call: NamedTuple, *, backward: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -141,7 +147,7 @@ def arguments(call: NamedTuple, *, backward: bool = False) -> tuple[dict[str, An
     :func:`cudnn_attn.validation.prepare`'s (arrays by name, ``None`` where absent; the static keywords, with
     ``training`` from ``return_residual`` / ``return_aux``, always on for the backward)."""
     given = call._asdict()
-    if "layout" in given:                                       # the native form
+    if is_native(call):
         return _native_arguments(given)
     arrays = {name: given[name] for name in _ARRAY_NAMES if name in given}
     static = {name: given[name] for name in _STATIC_NAMES if name in given}
@@ -169,9 +175,9 @@ def _native_arguments(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
 def finish(call: NamedTuple, config: Any) -> Any:
     """The prepared configuration of ``call`` with the native mask's static fields (``config`` unchanged for
     the seed forms, whose ``mask_type``/``sliding_window_length`` validation has already translated)."""
-    mask = getattr(call, "mask", None)
-    if "layout" not in call._fields or mask is None:
+    if not is_native(call) or call.mask is None:
         return config
+    mask = call.mask
     static = mask.static(padding=config.mask.padding)
     return config if static == config.mask else config.replace(mask=static)
 
@@ -180,7 +186,7 @@ def finish(call: NamedTuple, config: Any) -> Any:
 def native_names(call: NamedTuple, names: dict[str, str] | None = None) -> Iterator[None]:
     """Validation's ``ValueError``s of a native call, with the argument named as the native API names it
     (:data:`NATIVE_NAMES`, or ``names``: a front's own)."""
-    if "layout" not in call._fields:
+    if not is_native(call):
         yield
         return
     names = NATIVE_NAMES if names is None else names

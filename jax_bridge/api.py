@@ -221,7 +221,7 @@ def configured_attention(config: AttentionConfig, operands: AttentionOperands, o
 
 # -- the public functions (signatures: cudnn_attn.signature) ---------------------------------------
 
-def forward(call: Any, names: Mapping[str, str] | None = None) -> AttentionOutput:
+def forward_call(call: Any, names: Mapping[str, str] | None = None) -> AttentionOutput:
     """A seed or native call's forward: validated, configured, run.  ``names`` renames arguments in the
     messages (the ``jax.nn`` drop-in's; default: the native API's names for a native call)."""
     arrays, static = signature.arguments(call)
@@ -252,7 +252,7 @@ def attention(call: Any) -> AttentionOutput:
     :class:`~cudnn_attn.types.AttentionOutput`: ``output``, ``logsumexp`` with
     ``return_aux=AuxRequest(logsumexp=True)`` (else ``None``), ``amax_s``/``amax_o`` with FP8.
     """
-    return forward(call)
+    return forward_call(call)
 
 
 @signature.front(signature.FORWARD, "deterministic", "cuda_graph", "backend", "context_parallel", "check_values")
@@ -267,7 +267,7 @@ def dot_product_attention(call: Any) -> Any:
     ``return_residual`` (float32 ``(B, N, T)``, ``(B*M, N, T)`` packed), or ``(output, amax_s, amax_o)``
     with ``use_fp8``.
     """
-    return forward(call).seed_form(call.use_fp8, call.return_residual)
+    return forward_call(call).seed_form(call.use_fp8, call.return_residual)
 
 
 @signature.front(signature.PAGED, "cuda_graph", "backend", "check_values")
@@ -279,4 +279,4 @@ def paged_attention(call: Any) -> Any:
     logical blocks to cache blocks.  Returns the output, or ``(output, logsumexp)`` with ``return_residual``.
     Differentiating it raises :class:`~cudnn_attn.errors.UnsupportedConfigurationError`.
     """
-    return forward(call).seed_form(call.use_fp8, call.return_residual)
+    return forward_call(call).seed_form(call.use_fp8, call.return_residual)

@@ -44,7 +44,7 @@ import numpy as np
 from cudnn_attn import masks
 from cudnn_attn.validation import dtype_name, is_array
 
-from .api import attention, forward
+from .api import attention, forward_call
 
 # The drop-in's names for the library's arguments, in the messages of value checks.
 NAMES = {"q_seqlen": "query_seq_lengths", "kv_seqlen": "key_value_seq_lengths"}
@@ -136,5 +136,5 @@ def dot_product_attention_nn(query: Any, key: Any, value: Any, bias: Any = None,
         spec = spec & masks.keep(mask)
     call = attention.arguments(query, key, value, mask=spec, bias=bias, scale=scale, cuda_graph=cuda_graph,
                                backend=backend, check_values=check_values)
-    output = forward(call, names=NAMES).output
+    output = forward_call(call, names=NAMES).output
     return output[0] if unbatched else output
