@@ -51,6 +51,7 @@ from typing import Any, Callable, Sequence
 
 from . import execution, runtime, signature
 from .config import AttentionConfig, AttentionOperands
+from .masks import MaskSpec
 from .execution import set_autotune
 from .plan import BWD, FWD
 from .types import AttentionGrads, AttentionOutput, MaskType
@@ -295,9 +296,28 @@ def attention(call: Any) -> AttentionOutput:
 
     Returns :class:`~cudnn_attn.types.AttentionOutput`: ``output``, ``logsumexp`` with
     ``return_aux=AuxRequest(logsumexp=True)`` (else ``None``), ``amax_s``/``amax_o`` with FP8.  The
-    extensions (``stream``, ``autotune``, ``out_type``, ``check_values``) are :func:`dot_product_attention`'s.
+    extensions (``stream``, ``autotune``, ``out_type``, ``check_values``) are :func:`dot_product_attention`'s,
+    and so is the direct path of repeated calls (CuPy Q/K/V and a mask without arrays).
     """
-    _, result, exporter = _forward(call)
+    qkv = (call.query, call.key, call.value)
+    mask = call.mask
+    plain = (call.bias is None and call.sink is None and call.fp8_params is None and call.stream is None
+             and call.out_type is None and (mask is None or type(mask) is MaskSpec and not mask.has_arrays)
+             and _is_cupy(*qkv))
+    if plain:               # the direct path, keyed by the mask's static fields (MaskSpec compares by identity)
+        static = ("attention", None if mask is None else mask.static(padding=False), call.scale, call.dropout_rate,
+                  call.layout, call.return_aux, call.autotune)
+        try:
+            direct = _direct.get(_direct_signature(FWD, qkv, static))
+        except TypeError:                                     # an unhashable argument: validation explains
+            direct = None
+        if direct is not None:
+            seed = check_seed(call.seed) if direct.dropout else call.seed
+            results = direct(qkv, seed)
+            return AttentionOutput(results[0], results[1] if direct.training else None)
+    config, result, exporter = _forward(call)
+    if plain:
+        _remember_direct(FWD, qkv, static, config, call.autotune, ("query", "key", "value"))
     return _export(result, exporter)
 
 

@@ -58,6 +58,10 @@ class MaskSpec:
         return self.right_bound is not None or self.left_bound is not None
 
     @property
+    def has_arrays(self) -> bool:
+        return any(getattr(self, name) is not None for name in _ARRAYS)
+
+    @property
     def causal(self) -> bool:
         return self.right_bound == 0
 
