@@ -260,6 +260,18 @@ def _remember_direct(kind: str, arrays: tuple, static: tuple, config: AttentionC
     _direct[_direct_signature(kind, arrays, static)] = _Direct(config, kind, arrays, autotune, names)
 
 
+def _launch_direct(kind: str, arrays: tuple, static: tuple, seed: Any) -> tuple[_Direct, list[Any]] | None:
+    """The direct path of a remembered signature: ``(its _Direct, the results)``, or ``None`` when the
+    signature is not remembered (or holds an unhashable argument: the generic path's validation explains)."""
+    try:
+        direct = _direct.get(_direct_signature(kind, arrays, static))
+    except TypeError:
+        return None
+    if direct is None:
+        return None
+    return direct, direct(arrays, check_seed(seed) if direct.dropout else seed)
+
+
 def _is_cupy(*arrays: Any) -> bool:
     ndarray = _NDARRAY or _cupy_ndarray()
     for x in arrays:
@@ -307,13 +319,9 @@ def attention(call: Any) -> AttentionOutput:
     if plain:               # the direct path, keyed by the mask's static fields (MaskSpec compares by identity)
         static = ("attention", None if mask is None else mask.static(padding=False), call.scale, call.dropout_rate,
                   call.layout, call.return_aux, call.autotune)
-        try:
-            direct = _direct.get(_direct_signature(FWD, qkv, static))
-        except TypeError:                                     # an unhashable argument: validation explains
-            direct = None
-        if direct is not None:
-            seed = check_seed(call.seed) if direct.dropout else call.seed
-            results = direct(qkv, seed)
+        launched = _launch_direct(FWD, qkv, static, call.seed)
+        if launched is not None:
+            direct, results = launched
             return AttentionOutput(results[0], results[1] if direct.training else None)
     config, result, exporter = _forward(call)
     if plain:
@@ -339,13 +347,9 @@ def dot_product_attention(call: Any) -> Any:
               call.fp8_dtype)
     plain = _plain(call) and not call.score_mod_args and _is_cupy(*qkv)
     if plain:
-        try:
-            direct = _direct.get(_direct_signature(FWD, qkv, static))
-        except TypeError:                                     # an unhashable argument: validation explains
-            direct = None
-        if direct is not None:
-            seed = check_seed(call.seed) if direct.dropout else call.seed
-            results = direct(qkv, seed)
+        launched = _launch_direct(FWD, qkv, static, call.seed)
+        if launched is not None:
+            direct, results = launched
             return (results[0], results[1]) if direct.training else results[0]
     config, result, exporter = _forward(call)
     if plain:
@@ -389,14 +393,9 @@ def dot_product_attention_bwd(call: Any) -> AttentionGrads:
     residual_arrays = (call.query, call.key, call.value, call.output, call.grad_output, call.logsumexp)
     plain = _plain(call) and not call.score_mod_args and _is_cupy(*residual_arrays)
     if plain:
-        try:
-            direct = _direct.get(_direct_signature(BWD, residual_arrays, static))
-        except TypeError:
-            direct = None
-        if direct is not None:
-            seed = check_seed(call.seed) if direct.dropout else call.seed
-            dq, dk, dv = direct(residual_arrays, seed)
-            return AttentionGrads(dq, dk, dv)
+        launched = _launch_direct(BWD, residual_arrays, static, call.seed)
+        if launched is not None:
+            return AttentionGrads(*launched[1])
     exporter = _exporter(call.query, call.out_type)
     arrays, static_arguments = signature.arguments(call, backward=True)
     arrays = _gpu_arrays(call.stream, **arrays, output=call.output, grad_output=call.grad_output,

@@ -1,5 +1,10 @@
 """cuDNN fused attention on JAX arrays: JAX's cuDNN attention API, differentiable, inside every transform.
 
+:func:`attention` is the native call (:func:`cudnn_attn.attention` on JAX arrays): masks as
+:class:`~cudnn_attn.masks.MaskSpec` values (``causal() & window(l, r) & padding(q_lengths, kv_lengths)``), named
+results (:class:`~cudnn_attn.types.AttentionOutput`), everything below holds for it too.  Every public function
+here is made from its signature in :mod:`cudnn_attn.signature` and runs :func:`forward_call`.
+
 :func:`dot_product_attention` and :func:`paged_attention` keep the signatures, defaults and return
 forms of JAX's ``jax._src.cudnn.fused_attention_stablehlo`` (the same as :mod:`cudnn_attn.api` and
 :mod:`cudnn_attn.reference`), with keyword-only extensions after them:
