@@ -35,9 +35,12 @@ float32 arrays.
 
 Errors, before any GPU work: :class:`ValueError` for invalid arguments,
 :class:`~cudnn_attn.errors.UnsupportedConfigurationError` for valid calls this GPU / cuDNN cannot run,
-:class:`~cudnn_attn.errors.NoGPUError` without a usable GPU.  The native API with named results
-(:class:`~cudnn_attn.types.AttentionOutput` / ``AttentionGrads``) and preallocated outputs is
-:mod:`cudnn_attn.execution`.
+:class:`~cudnn_attn.errors.NoGPUError` without a usable GPU.
+
+:func:`attention` is the native call: masks as :class:`~cudnn_attn.masks.MaskSpec` values, named results
+(:class:`~cudnn_attn.types.AttentionOutput`).  The signatures of all four functions are written once, in
+:mod:`cudnn_attn.signature`.  On a prepared ``(AttentionConfig, AttentionOperands)`` with preallocated
+outputs: :mod:`cudnn_attn.execution`.
 """
 
 from __future__ import annotations
@@ -46,14 +49,15 @@ import weakref
 from typing import Any, Callable, Sequence
 
 
-from . import execution, runtime
+from . import execution, runtime, signature
 from .config import AttentionConfig, AttentionOperands
+from .masks import MaskSpec
 from .execution import set_autotune
 from .plan import BWD, FWD
-from .types import AttentionGrads, FP8Params, MaskType
+from .types import AttentionGrads, AttentionOutput, MaskType
 from .validation import check_seed, validate_call, validate_backward
 
-__all__ = ["BoundAttention", "bind", "dot_product_attention", "dot_product_attention_bwd", "paged_attention",
+__all__ = ["BoundAttention", "attention", "bind", "dot_product_attention", "dot_product_attention_bwd", "paged_attention",
            "set_autotune"]
 
 # -- arrays in, arrays out ------------------------------------------------------------------------------
@@ -119,7 +123,7 @@ _OPERAND_FIELDS = ("query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_
 class _ValidationMemo:
     """:func:`~cudnn_attn.validation.validate_call` for repeated call signatures, without re-running it.
 
-    ``prepare`` reads nothing but shapes, dtypes and the static arguments, so its verdict and its
+    ``validate_call`` reads nothing but shapes, dtypes and the static arguments, so its verdict and its
     configuration hold for every call with the same signature (shape, dtype and strides of every array,
     the device, every static argument).  When it passed the arrays through unchanged (no mask folded
     into the bias, no FP8 scales, no score_mod arguments), a repeated signature reuses the configuration
@@ -130,7 +134,7 @@ class _ValidationMemo:
         self._maxsize = maxsize
         self._known: dict[tuple, tuple[Any, frozenset]] = {}
 
-    def prepare(self, arrays: dict[str, Any], static: dict[str, Any]) -> tuple[Any, Any]:
+    def validate(self, arrays: dict[str, Any], static: dict[str, Any]) -> tuple[Any, Any]:
         if arrays.get("mask") is not None or arrays.get("fp8_params") or arrays.get("score_mod_args"):
             return validate_call(**arrays, **static, xp=_cupy())
         shapes = tuple(None if arrays.get(n) is None else (arrays[n].shape, arrays[n].dtype, _strides(arrays[n]))
@@ -138,7 +142,7 @@ class _ValidationMemo:
         signature = (shapes, tuple(static.items()))
         try:
             known = self._known.get(signature)
-        except TypeError:                         # an unhashable argument: prepare explains what is wrong
+        except TypeError:                         # an unhashable argument: validate_call explains what is wrong
             return validate_call(**arrays, **static, xp=_cupy())
         if known is not None:
             config, kept = known
@@ -159,15 +163,15 @@ def _strides(x: Any) -> Any:
 _validated = _ValidationMemo()
 
 
-def _prepared(arrays: dict[str, Any], static: dict[str, Any], fp8_dtype: str | None = None) -> tuple[Any, Any]:
+def _validate_on_device(arrays: dict[str, Any], static: dict[str, Any], fp8_dtype: str | None = None) -> tuple[Any, Any]:
     """Validate (through the memo) on the query's device.  The bias cuDNN reads must be dense and in
-    the io dtype: a mask folded by ``prepare`` may be neither (CuPy 14's bfloat16 ``where`` computes in
+    the io dtype: a mask folded by ``validate_call`` may be neither (CuPy 14's bfloat16 ``where`` computes in
     float32), so it is converted here.  With ``fp8_dtype``, uint8 Q/K/V are the bytes of that FP8 format
-    (CuPy has no float8 dtype): ``prepare`` reads them as such and they are bound as they are."""
+    (CuPy has no float8 dtype): ``validate_call`` reads them as such and they are bound as they are."""
     if fp8_dtype is not None:
         static = dict(static, fp8_dtype=fp8_dtype)
     with runtime.on_device(arrays["query"].device.id):
-        config, operands = _validated.prepare(arrays, static)
+        config, operands = _validated.validate(arrays, static)
         bias, io = operands.bias, operands.query.dtype
         if bias is not None and (bias.dtype != io or not bias.flags.c_contiguous):
             operands = operands.replace(bias=_cupy().ascontiguousarray(bias.astype(io, copy=False)))
@@ -256,6 +260,18 @@ def _remember_direct(kind: str, arrays: tuple, static: tuple, config: AttentionC
     _direct[_direct_signature(kind, arrays, static)] = _Direct(config, kind, arrays, autotune, names)
 
 
+def _launch_direct(kind: str, arrays: tuple, static: tuple, seed: Any) -> tuple[_Direct, list[Any]] | None:
+    """The direct path of a remembered signature: ``(its _Direct, the results)``, or ``None`` when the
+    signature is not remembered (or holds an unhashable argument: the generic path's validation explains)."""
+    try:
+        direct = _direct.get(_direct_signature(kind, arrays, static))
+    except TypeError:
+        return None
+    if direct is None:
+        return None
+    return direct, direct(arrays, check_seed(seed) if direct.dropout else seed)
+
+
 def _is_cupy(*arrays: Any) -> bool:
     ndarray = _NDARRAY or _cupy_ndarray()
     for x in arrays:
@@ -264,17 +280,57 @@ def _is_cupy(*arrays: Any) -> bool:
     return True
 
 
-# -- the seed-compatible functions ----------------------------------------------------------------------------
+# -- the public functions (signatures: cudnn_attn.signature) -----------------------------------------------
 
-def dot_product_attention(
-    query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, q_seqlen: Any = None,
-    kv_seqlen: Any = None, q_offsets: Any = None, kv_offsets: Any = None, fp8_params: FP8Params | None = None,
-    score_mod_args: Sequence[Any] = (), *, scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK,
-    seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH", sliding_window_length: int | None = None,
-    score_mod: Callable[..., Any] | None = None, use_fp8: bool = False, return_residual: bool = False,
-    diagonal_alignment: str = "top_left", sink: Any = None, stream: Any = None, autotune: bool | None = None,
-    fp8_dtype: str = "float8_e4m3fn", out_type: str | None = None, check_values: bool | None = None,
-) -> Any:
+def _forward(call: Any) -> tuple[AttentionConfig, AttentionOutput, Callable[[Any], Any] | None]:
+    """The forward of a seed or native call on the generic path: arrays imported, validated (through the
+    memo), run.  Returns the configuration, the named results and how they return to the caller's framework."""
+    exporter = _exporter(call.query, call.out_type)
+    arrays, static = signature.arguments(call)
+    arrays = _gpu_arrays(call.stream, **arrays)
+    fp8_dtype = getattr(call, "fp8_dtype", None) if static["use_fp8"] else None
+    with signature.native_names(call):
+        config, operands = _validate_on_device(arrays, static, fp8_dtype)
+    config = signature.finish(call, config)
+    result = execution.forward(config, operands, seed=check_seed(call.seed), stream=call.stream,
+                               autotune=call.autotune, check_values=call.check_values)
+    return config, result, exporter
+
+
+@signature.front(signature.NATIVE, "fp8_dtype", "stream", "autotune", "out_type", "check_values")
+def attention(call: Any) -> AttentionOutput:
+    """cuDNN scaled dot-product attention with named results (the native API).
+
+    ``mask`` is a :class:`~cudnn_attn.masks.MaskSpec` built from ``causal()``, ``window(left, right)``,
+    ``padding(q_lengths, kv_lengths)``, ``segments(...)``, ``alibi()``, ``keep(array)`` combined with ``&``;
+    ``bias`` an additive bias broadcastable to ``(B, N, T, S)``; ``scale=None`` is ``1/sqrt(H)``; ``layout``
+    ``"BTNH"`` or ``"BNTH"``; ``fp8_params`` (FP8Params) runs FP8 (uint8 Q/K/V bytes of ``fp8_dtype``).
+
+    Returns :class:`~cudnn_attn.types.AttentionOutput`: ``output``, ``logsumexp`` with
+    ``return_aux=AuxRequest(logsumexp=True)`` (else ``None``), ``amax_s``/``amax_o`` with FP8.  The
+    extensions (``stream``, ``autotune``, ``out_type``, ``check_values``) are :func:`dot_product_attention`'s,
+    and so is the direct path of repeated calls (CuPy Q/K/V and a mask without arrays).
+    """
+    qkv = (call.query, call.key, call.value)
+    mask = call.mask
+    plain = (call.bias is None and call.sink is None and call.fp8_params is None and call.stream is None
+             and call.out_type is None and (mask is None or type(mask) is MaskSpec and not mask.has_arrays)
+             and _is_cupy(*qkv))
+    if plain:               # the direct path, keyed by the mask's static fields (MaskSpec compares by identity)
+        static = ("attention", None if mask is None else mask.static(padding=False), call.scale, call.dropout_rate,
+                  call.layout, call.return_aux, call.autotune)
+        launched = _launch_direct(FWD, qkv, static, call.seed)
+        if launched is not None:
+            direct, results = launched
+            return AttentionOutput(results[0], results[1] if direct.training else None)
+    config, result, exporter = _forward(call)
+    if plain:
+        _remember_direct(FWD, qkv, static, config, call.autotune, ("query", "key", "value"))
+    return _export(result, exporter)
+
+
+@signature.front(signature.FORWARD, "stream", "autotune", "fp8_dtype", "out_type", "check_values")
+def dot_product_attention(call: Any) -> Any:
     """cuDNN scaled dot-product attention (forward).
 
     Shapes: Q ``(B, T, N, H)`` / K, V ``(B, S, K, H)`` in BTNH (``(B, N, T, H)`` in BNTH); ``bias`` and
@@ -285,114 +341,72 @@ def dot_product_attention(
     ``return_residual`` (logsumexp float32 ``(B, N, T)``, ``(B*M, N, T)`` packed), or
     ``(output, amax_s, amax_o)`` with ``use_fp8`` (FP8 output as uint8 bytes, see the module doc).
     """
-    static = (scale, mask_type, dropout_rate, qkv_layout, sliding_window_length, score_mod, use_fp8,
-              return_residual, diagonal_alignment, autotune, fp8_dtype)
-    plain = (bias is None and mask is None and q_seqlen is None and kv_seqlen is None and q_offsets is None
-             and kv_offsets is None and fp8_params is None and sink is None and not score_mod_args
-             and stream is None and out_type is None and _is_cupy(query, key, value))
+    qkv = (call.query, call.key, call.value)
+    static = (call.scale, call.mask_type, call.dropout_rate, call.qkv_layout, call.sliding_window_length,
+              call.score_mod, call.use_fp8, call.return_residual, call.diagonal_alignment, call.autotune,
+              call.fp8_dtype)
+    plain = _plain(call) and not call.score_mod_args and _is_cupy(*qkv)
     if plain:
-        try:
-            direct = _direct.get(_direct_signature(FWD, (query, key, value), static))
-        except TypeError:                                     # an unhashable argument: validation explains
-            direct = None
-        if direct is not None:
-            seed = check_seed(seed) if direct.dropout else seed
-            results = direct((query, key, value), seed)
+        launched = _launch_direct(FWD, qkv, static, call.seed)
+        if launched is not None:
+            direct, results = launched
             return (results[0], results[1]) if direct.training else results[0]
-    exporter = _exporter(query, out_type)
-    arrays = _gpu_arrays(stream, query=query, key=key, value=value, bias=bias, mask=mask, q_seqlen=q_seqlen,
-                         kv_seqlen=kv_seqlen, q_offsets=q_offsets, kv_offsets=kv_offsets, fp8_params=fp8_params,
-                         score_mod_args=score_mod_args, sink=sink)
-    config, operands = _prepared(arrays, dict(
-        scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
-        sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8,
-        training=return_residual, diagonal_alignment=diagonal_alignment), fp8_dtype if use_fp8 else None)
-    seed = check_seed(seed)
-    result = execution.forward(config, operands, seed=seed, stream=stream, autotune=autotune,
-                               check_values=check_values)
+    config, result, exporter = _forward(call)
     if plain:
-        _remember_direct(FWD, (query, key, value), static, config, autotune, ("query", "key", "value"))
-    return _export(result.seed_form(use_fp8, return_residual), exporter)
+        _remember_direct(FWD, qkv, static, config, call.autotune, ("query", "key", "value"))
+    return _export(result.seed_form(call.use_fp8, call.return_residual), exporter)
 
 
-def paged_attention(
-    query: Any, key: Any, value: Any, q_seqlen: Any, kv_seqlen: Any, page_table_k: Any, page_table_v: Any,
-    bias: Any = None, mask: Any = None, fp8_params: FP8Params | None = None, *, scale: float = 1.0,
-    mask_type: MaskType = MaskType.NO_MASK, seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH",
-    sliding_window_length: int | None = None, use_fp8: bool = False, return_residual: bool = False,
-    diagonal_alignment: str = "top_left", sink: Any = None, stream: Any = None, autotune: bool | None = None,
-    out_type: str | None = None, check_values: bool | None = None,
-) -> Any:
+def _plain(call: Any) -> bool:
+    """A call of Q/K/V (and the backward's residuals) alone, on the current stream, results as CuPy arrays."""
+    return (call.bias is None and call.mask is None and call.q_seqlen is None and call.kv_seqlen is None
+            and call.q_offsets is None and call.kv_offsets is None and call.fp8_params is None and call.sink is None
+            and call.stream is None and call.out_type is None)
+
+
+@signature.front(signature.PAGED, "stream", "autotune", "out_type", "check_values")
+def paged_attention(call: Any) -> Any:
     """cuDNN attention over paged K/V caches (forward only).
 
     K/V are caches of blocks ``(num_blocks, block_size, K, H)`` (BTNH) or ``(num_blocks, K, block_size, H)``
     (BNTH); ``page_table_k``/``page_table_v`` int32 ``(B, 1, blocks_per_seq, 1)`` map each sequence's
     logical blocks to cache blocks.  Returns the output, or ``(output, logsumexp)`` with ``return_residual``.
     """
-    exporter = _exporter(query, out_type)
-    arrays = _gpu_arrays(stream, query=query, key=key, value=value, q_seqlen=q_seqlen, kv_seqlen=kv_seqlen,
-                         page_table_k=page_table_k, page_table_v=page_table_v, bias=bias, mask=mask,
-                         fp8_params=fp8_params, sink=sink)
-    config, operands = _prepared(arrays, dict(
-        scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
-        sliding_window_length=sliding_window_length, use_fp8=use_fp8, training=return_residual,
-        diagonal_alignment=diagonal_alignment))
-    result = execution.forward(config, operands, seed=check_seed(seed), stream=stream, autotune=autotune,
-                               check_values=check_values)
-    return _export(result.seed_form(use_fp8, return_residual), exporter)
+    _, result, exporter = _forward(call)
+    return _export(result.seed_form(call.use_fp8, call.return_residual), exporter)
 
 
-def dot_product_attention_bwd(
-    query: Any, key: Any, value: Any, output: Any, grad_output: Any, logsumexp: Any, bias: Any = None,
-    mask: Any = None, q_seqlen: Any = None, kv_seqlen: Any = None, q_offsets: Any = None, kv_offsets: Any = None,
-    fp8_params: FP8Params | None = None, score_mod_args: Sequence[Any] = (), *, scale: float = 1.0,
-    mask_type: MaskType = MaskType.NO_MASK, seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH",
-    sliding_window_length: int | None = None, score_mod: Callable[..., Any] | None = None, use_fp8: bool = False,
-    return_residual: bool = False, diagonal_alignment: str = "top_left", sink: Any = None,
-    deterministic: bool = False, stream: Any = None, autotune: bool | None = None,
-    fp8_dtype: str = "float8_e4m3fn", out_type: str | None = None, check_values: bool | None = None,
-) -> AttentionGrads:
+@signature.front(signature.BACKWARD, "deterministic", "stream", "autotune", "fp8_dtype", "out_type", "check_values")
+def dot_product_attention_bwd(call: Any) -> AttentionGrads:
     """Backward of :func:`dot_product_attention` called with the same arguments (and the same ``seed``).
 
     ``output`` and ``logsumexp`` are the forward's results (``return_residual=True``), ``grad_output``
     the gradient of the output.  Returns :class:`AttentionGrads` ``(dq, dk, dv, dbias, dsink, ...)``:
     ``dbias`` when the bias is differentiable (an explicit bias, or a non-boolean mask), reduced to the
     bias's own broadcast shape; ``dsink`` with a sink; with ``use_fp8`` the FP8 gradients (uint8 bytes,
-    like ``output`` and ``grad_output``) and ``amax_dq/dk/dv/dp``.  ``return_residual`` is accepted
+    like ``output`` and ``grad_output``) and ``amax_dQ/dK/dV/dP``.  ``return_residual`` is accepted
     for signature parity and ignored.
     """
-    del return_residual
-    static = (scale, mask_type, dropout_rate, qkv_layout, sliding_window_length, score_mod, use_fp8,
-              diagonal_alignment, deterministic, autotune, fp8_dtype)
-    residual_arrays = (query, key, value, output, grad_output, logsumexp)
-    plain = (bias is None and mask is None and q_seqlen is None and kv_seqlen is None and q_offsets is None
-             and kv_offsets is None and fp8_params is None and sink is None and not score_mod_args
-             and stream is None and out_type is None and _is_cupy(*residual_arrays))
+    static = (call.scale, call.mask_type, call.dropout_rate, call.qkv_layout, call.sliding_window_length,
+              call.score_mod, call.use_fp8, call.diagonal_alignment, call.deterministic, call.autotune,
+              call.fp8_dtype)
+    residual_arrays = (call.query, call.key, call.value, call.output, call.grad_output, call.logsumexp)
+    plain = _plain(call) and not call.score_mod_args and _is_cupy(*residual_arrays)
     if plain:
-        try:
-            direct = _direct.get(_direct_signature(BWD, residual_arrays, static))
-        except TypeError:
-            direct = None
-        if direct is not None:
-            seed = check_seed(seed) if direct.dropout else seed
-            dq, dk, dv = direct(residual_arrays, seed)
-            return AttentionGrads(dq, dk, dv)
-    exporter = _exporter(query, out_type)
-    arrays = _gpu_arrays(stream, query=query, key=key, value=value, bias=bias, mask=mask, q_seqlen=q_seqlen,
-                         kv_seqlen=kv_seqlen, q_offsets=q_offsets, kv_offsets=kv_offsets, fp8_params=fp8_params,
-                         score_mod_args=score_mod_args, sink=sink, output=output, grad_output=grad_output,
-                         logsumexp=logsumexp)
+        launched = _launch_direct(BWD, residual_arrays, static, call.seed)
+        if launched is not None:
+            return AttentionGrads(*launched[1])
+    exporter = _exporter(call.query, call.out_type)
+    arrays, static_arguments = signature.arguments(call, backward=True)
+    arrays = _gpu_arrays(call.stream, **arrays, output=call.output, grad_output=call.grad_output,
+                         logsumexp=call.logsumexp)
     output, grad_output, logsumexp = (arrays.pop(n) for n in ("output", "grad_output", "logsumexp"))
-    config, operands = _prepared(arrays, dict(
-        scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
-        sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8, training=True,
-        diagonal_alignment=diagonal_alignment, deterministic=deterministic), fp8_dtype if use_fp8 else None)
+    config, operands = _validate_on_device(arrays, static_arguments, call.fp8_dtype if call.use_fp8 else None)
     validate_backward(config, output, grad_output, logsumexp)      # FP8 O and dO: uint8 bytes like Q/K/V
-    seed = check_seed(seed)
-    grads = execution.backward(config, operands, output, grad_output, logsumexp, seed=seed, stream=stream,
-                               autotune=autotune, check_values=check_values)
+    grads = execution.backward(config, operands, output, grad_output, logsumexp, seed=check_seed(call.seed),
+                               stream=call.stream, autotune=call.autotune, check_values=call.check_values)
     if plain and not config.has_dbias and not config.sink:
-        _remember_direct(BWD, residual_arrays, static, config, autotune,
+        _remember_direct(BWD, residual_arrays, static, config, call.autotune,
                          ("query", "key", "value", "output", "grad_output", "logsumexp"))
     return _export(grads, exporter)
 
@@ -427,7 +441,7 @@ class BoundAttention:
         deterministic = static.pop("deterministic")
         return_residual = static.pop("return_residual")
         training = return_residual if kind == FWD else True
-        config, operands = _prepared(dict(zip(self._FWD_NAMES, arrays[:3])), dict(
+        config, operands = _validate_on_device(dict(zip(self._FWD_NAMES, arrays[:3])), dict(
             static, training=training, deterministic=deterministic and kind == BWD))
         if kind == BWD:
             validate_backward(config, *arrays[3:])

@@ -2,7 +2,9 @@
 
 * :func:`dot_product_attention`, :func:`paged_attention` - JAX's cuDNN attention API (:mod:`.api`);
 * :func:`dot_product_attention_nn` - a drop-in for ``jax.nn.dot_product_attention`` (:mod:`.nn`);
-* :func:`attention` - the native entry point on a prepared ``(AttentionConfig, AttentionOperands)``;
+* :func:`attention` - the native call: :class:`~cudnn_attn.masks.MaskSpec` masks, named results
+  (:class:`~cudnn_attn.types.AttentionOutput`); :func:`configured_attention` runs a validated
+  ``(AttentionConfig, AttentionOperands)``;
 * :class:`ContextParallel`, :func:`context_parallelism`, :func:`load_balance`, :func:`restore_order` -
   attention with the sequence sharded over devices (:mod:`.context_parallel`).
 
@@ -12,11 +14,11 @@ partitioning (:mod:`.partitioning`) rules, lowered to a named XLA FFI target who
 CPU (:mod:`.reference_target`).
 """
 
-from .api import attention, dot_product_attention, kernel_options, paged_attention
+from .api import attention, configured_attention, dot_product_attention, kernel_options, paged_attention
 from .context_parallel import ContextParallel, Scheme, context_parallelism, load_balance, restore_order
 from .kernel import Backend, KernelOptions
 from .nn import dot_product_attention_nn
 
-__all__ = ["Backend", "ContextParallel", "KernelOptions", "Scheme", "attention", "context_parallelism",
+__all__ = ["Backend", "ContextParallel", "KernelOptions", "Scheme", "attention", "configured_attention", "context_parallelism",
            "dot_product_attention", "dot_product_attention_nn", "kernel_options", "load_balance", "paged_attention",
            "restore_order"]

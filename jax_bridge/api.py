@@ -1,5 +1,10 @@
 """cuDNN fused attention on JAX arrays: JAX's cuDNN attention API, differentiable, inside every transform.
 
+:func:`attention` is the native call (:func:`cudnn_attn.attention` on JAX arrays): masks as
+:class:`~cudnn_attn.masks.MaskSpec` values (``causal() & window(l, r) & padding(q_lengths, kv_lengths)``), named
+results (:class:`~cudnn_attn.types.AttentionOutput`), everything below holds for it too.  Every public function
+here is made from its signature in :mod:`cudnn_attn.signature` and runs :func:`forward_call`.
+
 :func:`dot_product_attention` and :func:`paged_attention` keep the signatures, defaults and return
 forms of JAX's ``jax._src.cudnn.fused_attention_stablehlo`` (the same as :mod:`cudnn_attn.api` and
 :mod:`cudnn_attn.reference`), with keyword-only extensions after them:
@@ -56,16 +61,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cudnn_attn import values
+from cudnn_attn import signature, values
 from cudnn_attn.config import AttentionConfig, AttentionOperands
 from cudnn_attn.support import check_everywhere
-from cudnn_attn.types import FP8_PARAM_KEYS, AttentionOutput, FP8Params, MaskType
+from cudnn_attn.types import FP8_PARAM_KEYS, AttentionOutput
 from cudnn_attn.validation import check_seed, validate_call
 
 from . import context_parallel as sequence_split
@@ -73,7 +78,7 @@ from . import lifting, primitives
 from .kernel import Backend, KernelOptions
 from .signature import BWD, COTANGENT_OF, FWD, RESIDUALS, named_operands, operand_names, result_names
 
-__all__ = ["attention", "dot_product_attention", "kernel_options", "paged_attention"]
+__all__ = ["attention", "configured_attention", "dot_product_attention", "kernel_options", "paged_attention"]
 
 
 def kernel_options(config: AttentionConfig, *, seed: Any = 42, backend: str | Backend = Backend.FFI,
@@ -201,10 +206,10 @@ def guard_values(config: AttentionConfig, operands: AttentionOperands, check_val
     return values.sanitize(config, operands, jnp)
 
 
-def attention(config: AttentionConfig, operands: AttentionOperands, options: KernelOptions, *,
-              check_values: bool | None = None, names: Mapping[str, str] | None = None) -> AttentionOutput:
-    """The native entry point: a prepared call (:func:`cudnn_attn.validation.validate_call` with ``xp=jax.numpy``)
-    in, :class:`~cudnn_attn.types.AttentionOutput` out; differentiable with respect to the operands.
+def configured_attention(config: AttentionConfig, operands: AttentionOperands, options: KernelOptions, *,
+                         check_values: bool | None = None, names: Mapping[str, str] | None = None) -> AttentionOutput:
+    """Attention on a validated call (:func:`cudnn_attn.validation.validate_call` with ``xp=jax.numpy``):
+    :class:`~cudnn_attn.types.AttentionOutput` out, differentiable with respect to the operands.
     The value operands pass :func:`guard_values` first (``check_values``, ``names``: see there).
 
     Raises :class:`~cudnn_attn.errors.UnsupportedConfigurationError` at once for what no backend runs."""
@@ -214,20 +219,44 @@ def attention(config: AttentionConfig, operands: AttentionOperands, options: Ker
     return AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
 
 
+# -- the public functions (signatures: cudnn_attn.signature) ---------------------------------------
+
+def forward_call(call: Any, names: Mapping[str, str] | None = None) -> AttentionOutput:
+    """A seed or native call's forward: validated, configured, run.  ``names`` renames arguments in the
+    messages (the ``jax.nn`` drop-in's; default: the native API's names for a native call)."""
+    arrays, static = signature.arguments(call)
+    sequence_parallel = "context_parallel" in call._fields
+    context = sequence_split.resolve(getattr(call, "context_parallel", None))
+    if sequence_parallel:
+        arrays["key"], arrays["value"] = sequence_split.whole_sequence(context, call.key, call.value,
+                                                                       static["qkv_layout"])
+    with signature.native_names(call, names):
+        config, operands = validate_call(**arrays, **static, xp=jnp)
+    config = signature.finish(call, config)
+    if sequence_parallel and context.axes:       # inside shard_map: the call describes the whole sequence
+        config = sequence_split.whole_config(config, context)
+        operands = operands.replace(key=call.key, value=call.value)
+    options = kernel_options(config, seed=call.seed, backend=call.backend, cuda_graph=call.cuda_graph,
+                             context_parallel=context if sequence_parallel else None)
+    return configured_attention(config, operands, options, check_values=call.check_values, names=names)
 
 
-# -- the seed-compatible front door ----------------------------------------------------------------
+@signature.front(signature.NATIVE, "deterministic", "cuda_graph", "backend", "context_parallel", "check_values")
+def attention(call: Any) -> AttentionOutput:
+    """Scaled dot-product attention with named results (the native API; :func:`cudnn_attn.attention` on JAX
+    arrays), differentiable, under ``jit``, ``vmap`` and sharding like :func:`dot_product_attention`.
 
-def dot_product_attention(
-    query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, q_seqlen: Any = None,
-    kv_seqlen: Any = None, q_offsets: Any = None, kv_offsets: Any = None, fp8_params: FP8Params | None = None,
-    score_mod_args: Sequence[Any] = (), *, scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK,
-    seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH", sliding_window_length: int | None = None,
-    score_mod: Callable[..., Any] | None = None, use_fp8: bool = False, return_residual: bool = False,
-    diagonal_alignment: str = "top_left", sink: Any = None, deterministic: bool = False,
-    cuda_graph: bool | None = None, backend: str = "ffi", context_parallel: Any = None,
-    check_values: bool | None = None,
-) -> Any:
+    ``mask`` is a :class:`~cudnn_attn.masks.MaskSpec` (``causal()``, ``window(left, right)``,
+    ``padding(q_lengths, kv_lengths)``, ``segments(...)``, ``alibi()``, ``keep(array)``, combined with ``&``);
+    ``scale=None`` is ``1/sqrt(H)``; ``fp8_params`` runs FP8.  Returns
+    :class:`~cudnn_attn.types.AttentionOutput`: ``output``, ``logsumexp`` with
+    ``return_aux=AuxRequest(logsumexp=True)`` (else ``None``), ``amax_s``/``amax_o`` with FP8.
+    """
+    return forward_call(call)
+
+
+@signature.front(signature.FORWARD, "deterministic", "cuda_graph", "backend", "context_parallel", "check_values")
+def dot_product_attention(call: Any) -> Any:
     """Scaled dot-product attention (JAX's cuDNN ``dot_product_attention``; module doc for the extras).
 
     Shapes: Q ``(B, T, N, H)`` / K, V ``(B, S, K, H)`` in BTNH (``(B, N, T, H)`` in BNTH); ``bias`` and
@@ -238,28 +267,11 @@ def dot_product_attention(
     ``return_residual`` (float32 ``(B, N, T)``, ``(B*M, N, T)`` packed), or ``(output, amax_s, amax_o)``
     with ``use_fp8``.
     """
-    context = sequence_split.resolve(context_parallel)
-    whole_key, whole_value = sequence_split.whole_sequence(context, key, value, qkv_layout)
-    config, operands = validate_call(
-        query, whole_key, whole_value, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offsets, None, None, fp8_params,
-        score_mod_args, sink, scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
-        sliding_window_length=sliding_window_length, score_mod=score_mod, use_fp8=use_fp8, training=return_residual,
-        diagonal_alignment=diagonal_alignment, deterministic=deterministic, xp=jnp)
-    if context.axes:                             # inside shard_map: the call describes the whole sequence
-        config = sequence_split.whole_config(config, context)
-        operands = operands.replace(key=key, value=value)
-    options = kernel_options(config, seed=seed, backend=backend, cuda_graph=cuda_graph, context_parallel=context)
-    return attention(config, operands, options, check_values=check_values).seed_form(use_fp8, return_residual)
+    return forward_call(call).seed_form(call.use_fp8, call.return_residual)
 
 
-def paged_attention(
-    query: Any, key: Any, value: Any, q_seqlen: Any, kv_seqlen: Any, page_table_k: Any, page_table_v: Any,
-    bias: Any = None, mask: Any = None, fp8_params: FP8Params | None = None, *, scale: float = 1.0,
-    mask_type: MaskType = MaskType.NO_MASK, seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH",
-    sliding_window_length: int | None = None, use_fp8: bool = False, return_residual: bool = False,
-    diagonal_alignment: str = "top_left", sink: Any = None, cuda_graph: bool | None = None, backend: str = "ffi",
-    check_values: bool | None = None,
-) -> Any:
+@signature.front(signature.PAGED, "cuda_graph", "backend", "check_values")
+def paged_attention(call: Any) -> Any:
     """Attention over paged K/V caches (forward only; JAX's cuDNN ``paged_attention``).
 
     K/V are caches of blocks ``(num_blocks, block_size, K, H)`` (BTNH) or ``(num_blocks, K, block_size, H)``
@@ -267,10 +279,4 @@ def paged_attention(
     logical blocks to cache blocks.  Returns the output, or ``(output, logsumexp)`` with ``return_residual``.
     Differentiating it raises :class:`~cudnn_attn.errors.UnsupportedConfigurationError`.
     """
-    config, operands = validate_call(
-        query, key, value, bias, mask, q_seqlen, kv_seqlen, None, None, page_table_k, page_table_v, fp8_params,
-        (), sink, scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
-        sliding_window_length=sliding_window_length, use_fp8=use_fp8, training=return_residual,
-        diagonal_alignment=diagonal_alignment, xp=jnp)
-    options = kernel_options(config, seed=seed, backend=backend, cuda_graph=cuda_graph)
-    return attention(config, operands, options, check_values=check_values).seed_form(use_fp8, return_residual)
+    return forward_call(call).seed_form(call.use_fp8, call.return_residual)

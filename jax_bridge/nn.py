@@ -9,15 +9,16 @@ semantics, translated onto the library's configuration:
 ``query`` ``(B, T, N, H)`` / ``(T, N, H)``  BTNH layout (a missing batch dimension is added and removed)
 ``key``/``value`` with ``K`` heads     grouped-query attention (``N`` a multiple of ``K``)
 ``bias`` broadcastable to (B, N, T, S)  additive bias, cast to the query's dtype; differentiable
-``mask`` (boolean, True keeps)         folded into the bias with a large negative number
+``mask`` (boolean, True keeps)         :func:`~cudnn_attn.masks.keep`: folded into the bias (large negative)
 ``scale=None``                         ``1 / sqrt(H)``
-``is_causal``                          top-left causal mask (``MaskType.CAUSAL``)
-``query_seq_lengths``/                 padding mask (the missing one is the full length); output rows
+``is_causal``                          top-left causal mask (:func:`~cudnn_attn.masks.causal`)
+``query_seq_lengths``/                 :func:`~cudnn_attn.masks.padding` (the missing one is the full length); rows
 ``key_value_seq_lengths`` ``(B,)``     past a query length are 0, as in ``jax.nn``
-``local_window_size=(l, r)`` or ``w``  keys ``j`` with ``i - l <= j <= i + r`` (``w`` means ``(w, w)``);
-                                       with ``is_causal`` the right side is 0
+``local_window_size=(l, r)`` or ``w``  :func:`~cudnn_attn.masks.window` ``(l, r)``: keys ``i - l <= j <= i + r``
+                                       (``w`` means ``(w, w)``); with ``is_causal`` the right side is 0
 =====================================  =====================================================================
 
+The call is the native :func:`~.api.attention` with that :class:`~cudnn_attn.masks.MaskSpec`.
 Every argument is checked before anything is computed, and errors name the drop-in's own arguments
 (``query_seq_lengths``, ``local_window_size``, ``is_causal``, ...). Refused with a ``ValueError``:
 anything but arrays for ``query``/``key``/``value``/``bias``/``mask`` and the lengths, ranks other
@@ -33,18 +34,16 @@ a finite additive bias.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import numbers
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from cudnn_attn.types import MaskType
-from cudnn_attn.validation import dtype_name, is_array, validate_call
+from cudnn_attn import masks
+from cudnn_attn.validation import dtype_name, is_array
 
-from .api import attention, kernel_options
+from .api import attention, forward_call
 
 # The drop-in's names for the library's arguments, in the messages of value checks.
 NAMES = {"q_seqlen": "query_seq_lengths", "kv_seqlen": "key_value_seq_lengths"}
@@ -123,22 +122,18 @@ def dot_product_attention_nn(query: Any, key: Any, value: Any, bias: Any = None,
         query, key, value = query[None], key[None], value[None]
     if bias is not None and dtype_name(bias) in ("float16", "bfloat16", "float32", "float64"):
         bias = jnp.asarray(bias).astype(query.dtype)
-    padding = query_seq_lengths is not None or key_value_seq_lengths is not None
-    if padding:
-        if query_seq_lengths is None:
-            query_seq_lengths = jnp.full((batch,), query.shape[1], jnp.int32)
-        if key_value_seq_lengths is None:
-            key_value_seq_lengths = jnp.full((batch,), key.shape[1], jnp.int32)
-    mask_type = {(False, False): MaskType.NO_MASK, (True, False): MaskType.CAUSAL,
-                 (False, True): MaskType.PADDING, (True, True): MaskType.PADDING_CAUSAL}[(bool(is_causal), padding)]
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
-    config, operands = validate_call(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
-                                     scale=scale, mask_type=mask_type, qkv_layout="BTNH", xp=jnp)
+    spec = masks.MaskSpec()
+    if is_causal:
+        spec = spec & masks.causal()
     if window is not None:
-        left, right = window
-        # Keys with i - left <= j <= i + right:  d = j - i <= right  and  -d < left + 1.
-        config = config.replace(mask=dataclasses.replace(config.mask, right_bound=right, left_bound=left + 1))
-    options = kernel_options(config, backend=backend, cuda_graph=cuda_graph)
-    output = attention(config, operands, options, check_values=check_values, names=NAMES).output
+        spec = spec & masks.window(*window)
+    if query_seq_lengths is not None or key_value_seq_lengths is not None:
+        spec = spec & masks.padding(
+            jnp.full((batch,), query.shape[1], jnp.int32) if query_seq_lengths is None else query_seq_lengths,
+            jnp.full((batch,), key.shape[1], jnp.int32) if key_value_seq_lengths is None else key_value_seq_lengths)
+    if mask is not None:
+        spec = spec & masks.keep(mask)
+    call = attention.arguments(query, key, value, mask=spec, bias=bias, scale=scale, cuda_graph=cuda_graph,
+                               backend=backend, check_values=check_values)
+    output = forward_call(call, names=NAMES).output
     return output[0] if unbatched else output

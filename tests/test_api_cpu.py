@@ -264,7 +264,7 @@ def _memo_call(memo, rng, **static):
     q, k, v = _qkv(rng)
     seqlen = np.full((2,), 64, np.int32)
     arrays = dict(query=q, key=k, value=v, q_seqlen=seqlen, kv_seqlen=seqlen)
-    return arrays, memo.prepare(arrays, dict(scale=0.125, mask_type=MaskType.CAUSAL, **static))
+    return arrays, memo.validate(arrays, dict(scale=0.125, mask_type=MaskType.CAUSAL, **static))
 
 
 def test_validation_memo_reuses_the_config_and_binds_new_arrays():
@@ -287,9 +287,9 @@ def test_validation_memo_checks_every_new_signature():
     _memo_call(memo, rng)
     q, k, v = _qkv(rng)
     with pytest.raises(ValueError, match="dtype"):
-        memo.prepare(dict(query=q, key=k.astype(np.float32), value=v), dict(scale=0.125))
+        memo.validate(dict(query=q, key=k.astype(np.float32), value=v), dict(scale=0.125))
     with pytest.raises(ValueError, match="sliding_window_length"):
-        memo.prepare(dict(query=q, key=k, value=v), dict(sliding_window_length=0))
+        memo.validate(dict(query=q, key=k, value=v), dict(sliding_window_length=0))
 
 
 def test_validation_memo_skips_calls_whose_arrays_prepare_transforms():
@@ -298,7 +298,7 @@ def test_validation_memo_skips_calls_whose_arrays_prepare_transforms():
     memo, rng = _ValidationMemo(), np.random.default_rng(4)
     q, k, v = _qkv(rng)
     small_bias = rng.standard_normal((64, 64)).astype(np.float16)   # broadcast to 4-D by prepare
-    first = memo.prepare(dict(query=q, key=k, value=v, bias=small_bias), {})
-    second = memo.prepare(dict(query=q, key=k, value=v, bias=small_bias), {})
+    first = memo.validate(dict(query=q, key=k, value=v, bias=small_bias), {})
+    second = memo.validate(dict(query=q, key=k, value=v, bias=small_bias), {})
     assert first[0] == second[0] and first[0] is not second[0]
     assert second[1].bias.shape == (1, 1, 64, 64)

@@ -4,7 +4,7 @@
   :func:`cudnn_attn.validation.validate_call` and return :class:`~cudnn_attn.types.AttentionOutput` /
   :class:`~cudnn_attn.types.AttentionGrads` (formulas in :mod:`.core` and :mod:`.fp8`).
 * :func:`dot_product_attention`, :func:`paged_attention`, :func:`dot_product_attention_bwd` are the
-  seed-compatible entry points on NumPy arrays.
+  seed-compatible entry points on NumPy arrays; :func:`attention` the native one (named results).
 
 What it runs is the support table's to say (:mod:`cudnn_attn.support`, the one authority on
 "unsupported"): it refuses only the rows no front runs (``not_supported_reasons(config,
@@ -20,7 +20,7 @@ path), :mod:`.core` (fp16/bf16), :mod:`.fp8` (FP8 emulation), :mod:`.seed_api`.
 
 from .core import backward, forward
 from .masks import alibi_slopes
-from .seed_api import dot_product_attention, dot_product_attention_bwd, paged_attention
+from .seed_api import attention, dot_product_attention, dot_product_attention_bwd, paged_attention
 
-__all__ = ["alibi_slopes", "backward", "dot_product_attention", "dot_product_attention_bwd", "forward",
+__all__ = ["alibi_slopes", "attention", "backward", "dot_product_attention", "dot_product_attention_bwd", "forward",
            "paged_attention"]
