@@ -12,7 +12,10 @@ Phases (default: ``tests train host jax attention``):
 * ``train``      - per-step times, ours vs ``jax.nn`` cuDNN, tiny and 1024-wide models, 1 and 2 GPUs;
 * ``host``, ``jax``, ``attention``, ``fp8``, ``decode``, ``first_call``, ``context_parallel``, ``autotune``
                  - ``benchmarks/bench_<phase>.py``; ``soak`` - ``benchmarks/soak.py`` (``--quick`` unless ``--full``,
-                 or ``PHASE:full`` for one phase).
+                 or ``PHASE:full`` for one phase);
+* ``sanitizer``  - ``benchmarks/probe_bad_values.py`` (out-of-range lengths, offsets, page ids; raw and clamped)
+                   under ``compute-sanitizer --tool memcheck`` when the machine has one, else with its guard
+                   bytes only (the summary says which).
 
 Each phase gets at most what is left of ``--budget`` (default 570 s) minus a reserve for the phases after
 it; a phase cut short is reported as such.  Exit status: non-zero when a phase failed.
@@ -75,6 +78,38 @@ def test_table() -> list[str]:
     lines.append(f"{'total':48s} {total['passed']:6d} {total['failure']:6d} {total['error']:6d} {total['skipped']:7d}")
     lines += [f"  FAILED {name}" for name in failed[:30]]
     return lines
+
+
+def find_sanitizer() -> str | None:
+    import glob
+    import shutil
+    found = shutil.which("compute-sanitizer")
+    candidates = sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer") + glob.glob("/opt/nvidia/**/compute-sanitizer",
+                                                                                        recursive=True))
+    return found or (candidates[-1] if candidates else None)
+
+
+def sanitizer(limit: float) -> tuple[int, float, list[str]]:
+    """The bad-values probe: under compute-sanitizer's memcheck (every tensor its own allocation) when the
+    machine has the tool, and always with guard bytes around each tensor."""
+    tool = find_sanitizer()
+    lines = [f"== bad values probe (compute-sanitizer: {tool or 'not on this machine'})"]
+    took, status = 0.0, 0
+    runs = [("probe_guards", [sys.executable, "benchmarks/probe_bad_values.py", "--timeout", "60",
+                              "--out", os.path.join(OUT, "probe.json")])]
+    if tool:
+        runs.append(("probe_memcheck", [tool, "--tool", "memcheck", "--target-processes", "all", sys.executable,
+                                        "benchmarks/probe_bad_values.py", "--guard-bytes", "0", "--timeout", "120",
+                                        "--out", os.path.join(OUT, "probe_memcheck.json")]))
+    for name, command in runs:
+        rc, seconds = run(name, command, max(20.0, limit - took) / (1 if name == runs[-1][0] else 2))
+        took += seconds
+        status |= int(rc != 0)
+        text = tail(name, 60).splitlines()
+        errors = [line for line in text if "ERROR SUMMARY" in line or "Invalid" in line][:6]
+        lines += [f"  {name}: rc={rc}, {seconds:.0f} s"] + ["    " + line for line in text[-14:]] + \
+                 ["    " + line for line in errors]
+    return status, took, lines
 
 
 def train_commands(full: bool) -> list[tuple[str, list[str]]]:
@@ -144,6 +179,9 @@ def main() -> int:
                                                          f"..{r['losses'][-1]:.5f}" if "error" not in r
                                                          else f"FAILED {r['error']}"))
             rc = 0 if all("error" not in r for r in results) else 1
+        elif phase == "sanitizer":
+            rc, took, lines = sanitizer(limit)
+            summary += lines
         elif phase in BENCHES:
             quick = [] if full else ["--quick"]
             if phase == "soak":                       # the soak writes one JSON file
