@@ -92,7 +92,8 @@ def evict_case(store_dir: str, count: int) -> dict:
     gc.collect()
     after_gc = alive()
     return {"built": count, "cached": len(cache), "evictions": cache.stats().evictions,
-            "alive_before_gc": before_gc, "alive_after_gc": after_gc, "rss_mib": rss}
+            "alive_before_gc": before_gc, "alive_after_gc": after_gc, "live_graphs": cache.live_graphs(),
+            "rss_mib": rss}
 
 
 def main() -> None:

@@ -49,4 +49,5 @@ def test_evicted_graphs_are_freed(deviceless_env, tmp_path):
     assert reply["cached"] == 4 and reply["evictions"] == 36, reply
     assert reply["alive_before_gc"] == [4, 4], reply
     assert reply["alive_after_gc"] == [4, 4], reply
+    assert reply["live_graphs"] == 4, reply
     assert not _leaks(stderr), "\n".join(_leaks(stderr)[:20])
