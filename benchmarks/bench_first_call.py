@@ -150,6 +150,7 @@ class _Stopwatch:
     def __init__(self):
         import importlib
         import inspect
+        import types
 
         self.ms: dict[str, float] = {}
         self.calls: dict[str, int] = {}
@@ -161,13 +162,14 @@ class _Stopwatch:
                 *parents, name = path.split(".")
                 for parent in parents:
                     owner = getattr(owner, parent)
-                raw = inspect.getattr_static(owner, name)
-            except (ImportError, AttributeError):
+                # classes and modules: the attribute as stored; an instance: its bound method, set on it
+                is_instance = not isinstance(owner, (type, types.ModuleType))
+                raw = getattr(owner, name) if is_instance else inspect.getattr_static(owner, name)
+                self._wrap(owner, name, raw, label, is_instance)
+            except (ImportError, AttributeError):         # renamed, absent, or an instance with __slots__
                 self.missing.append(f"{module_name}.{path}")
-                continue
-            self._wrap(owner, name, raw, label)
 
-    def _wrap(self, owner, name, raw, label) -> None:
+    def _wrap(self, owner, name, raw, label, is_instance: bool) -> None:
         import functools
 
         kind = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
@@ -183,11 +185,14 @@ class _Stopwatch:
                 self.calls[label] = self.calls.get(label, 0) + 1
 
         setattr(owner, name, kind(timed) if kind else timed)
-        self._undo.append((owner, name, raw))
+        self._undo.append((owner, name, None if is_instance else raw))
 
     def stop(self) -> dict:
         for owner, name, raw in reversed(self._undo):
-            setattr(owner, name, raw)
+            if raw is None:
+                delattr(owner, name)              # the instance's class method shows through again
+            else:
+                setattr(owner, name, raw)
         return {"stages_ms": {label: round(ms, 2) for label, ms in self.ms.items()}, "stage_calls": self.calls,
                 "not_found": self.missing}
 
