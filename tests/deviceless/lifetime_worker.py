@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import sys
+import threading
 import weakref
 from pathlib import Path
 
@@ -47,11 +48,21 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+class _Context:
+    """What a :class:`~cudnn_attn.plan.CallPlan` keeps of its device context (nothing launches here)."""
+
+    device = 0
+    lock = threading.Lock()
+
+
 def _builder(store, target):
+    """The GPU path's builder with a deviceless target: the graph (built or loaded) in its call plan and
+    launcher, so that everything the library holds per graph is exercised."""
     from cudnn_attn.graphs import build_or_load
+    from cudnn_attn.plan import CallPlan
 
     def build(key):
-        return build_or_load(key.config, key.kind, target, store=store)
+        return CallPlan(build_or_load(key.config, key.kind, target, store=store), _Context())
     return build
 
 
@@ -62,13 +73,16 @@ def exit_case(store_dir: str) -> dict:
 
     store, target = PlanStore(store_dir), DevicelessTarget.h200()
     build = _builder(store, target)
-    origins = []
+    origins, paths = [], []
     for cfg, kind in EXIT_CASES:
-        origins.append(graph_cache.entry(graph_cache.key(cfg, kind, 0), build).graph.origin)
+        plan = graph_cache.entry(graph_cache.key(cfg, kind, 0), build).plan
+        origins.append(plan.built.origin)
+        paths.append(plan.launcher.path)
     # the same forward graphs again from the store: loaded (deserialized) graphs hold frontend objects too
     loaded = [build_or_load(cfg, kind, target, store=store) for cfg, kind in EXIT_CASES if kind == "fwd"]
     globals()["_HELD"] = loaded                              # held by the module until exit
-    return {"origins": origins, "loaded": [g.origin for g in loaded], "cached": len(graph_cache)}
+    return {"origins": origins, "launch_paths": paths, "loaded": [g.origin for g in loaded],
+            "cached": len(graph_cache)}
 
 
 def evict_case(store_dir: str, count: int) -> dict:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from cudnn_attn.launch import FAST
+
 pytestmark = pytest.mark.deviceless
 
 WORKER = Path(__file__).with_name("lifetime_worker.py")
@@ -38,6 +40,7 @@ def test_no_frontend_object_outlives_the_interpreter(deviceless_env, tmp_path):
     atexit release and module teardown free them all before nanobind's own teardown."""
     reply, stderr = run(deviceless_env, tmp_path, "exit")
     assert reply["cached"] == len(reply["origins"]) == 8
+    assert set(reply["launch_paths"]) == {FAST}, reply       # the launchers hold the lowered graphs' raw execute
     assert "loaded" in reply["loaded"], reply           # the store's deserialized graphs were exercised
     assert not _leaks(stderr), "\n".join(_leaks(stderr)[:20])
 
