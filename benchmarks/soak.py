@@ -13,9 +13,13 @@ exactly (the backward runs with ``deterministic=True``).  Reported: errors (by t
 messages), mismatches, and the growth of host RSS, CuPy's memory pool (bytes in use) and device memory in
 use (``cudaMemGetInfo``; JAX is told to preallocate only ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.3`` unless
 set) over the soak after a settling tenth of it (every thread has run, the allocator's per-thread arenas
-and caches exist: growth after that is what accumulates).  Targets: 0 errors, 0 mismatches,
-growth < 1 MiB.  A short table is printed last; ``--out FILE`` writes everything as JSON (with memory
-samples every few seconds).  Exit status 1 when a target is missed.
+and caches exist: growth after that is what accumulates).  Memory is reported by phase - after the
+warm-up, after settling, every ``--phase-calls`` calls (1,000) and after the final ``gc.collect()`` - with
+the number of cuDNN graphs still alive (``GraphCache.live_graphs``: cached, pinned by the JAX bridge, or
+held elsewhere) and the RSS again after glibc's ``malloc_trim(0)`` (:data:`MEMORY_KEYS`), so that steady
+state, allocator retention and real growth can be told apart.  Targets: 0 errors, 0 mismatches, growth
+< 1 MiB (host: the trimmed RSS).  A short table is printed last; ``--out FILE`` writes everything as JSON
+(with memory samples every few seconds).  Exit status 1 when a target is missed.
 
 ``--dry-run`` runs the same machinery on a CPU: the NumPy reference stands in for the CuPy path and the
 JAX bridge runs on its CPU target (``tests/test_soak_dry_run.py`` uses it).
