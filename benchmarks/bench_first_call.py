@@ -121,6 +121,127 @@ def _api_call(config, arrays) -> dict:
     return {"origin": getattr(entries[-1].graph, "origin", "?") if entries else "?"}
 
 
+# Library functions timed inside the public first call (``--child`` with ``breakdown``): (module, owner
+# attribute path, label).  Each is wall time including what it calls; none of them calls another one
+# listed at the same level, except the "of which" rows (marked with a leading "  ").
+_STAGES = (
+    ("cudnn_attn.api", "_validated.prepare", "validation"),
+    ("cudnn_attn.runtime", "DeviceContext.__init__", "device context"),
+    ("cudnn_attn.runtime", "create_handle", "  of which cuDNN handles"),
+    ("cudnn", "create_handle", "  of which cudnn.create_handle"),
+    ("cudnn.frost.device", "current_device", "  of which frontend device lookup"),
+    ("cudnn_attn.support", "Environment.detect", "  of which Environment.detect"),
+    ("cudnn_attn.support", "check_supported", "support check"),
+    ("cudnn_attn.plan_store", "default_store", "plan store opened"),
+    ("cudnn_attn.plan_store", "PlanStore.load", "plan store lookup (read + checksum)"),
+    ("cudnn_attn.graphs.persist", "_load", "deserialize + verify"),
+    ("cudnn_attn.graphs.persist", "build_graph", "build (store miss)"),
+    ("cudnn_attn.plan", "CallPlan.__init__", "call plan"),
+    ("cudnn_attn.plan", "CallPlan.launch", "launch (host)"),
+    ("cudnn_attn.runtime", "DeviceContext.workspace", "  of which workspace allocation"),
+    ("cupy.cuda.compiler", "_compile_with_cache_cuda", "CuPy kernels loaded (disk cache or NVRTC)"),
+    ("cupy.cuda.compiler", "compile_using_nvrtc", "  of which NVRTC compiles"),
+)
+
+
+class _Stopwatch:
+    """Wraps the functions of :data:`_STAGES` with timers for one call; ``stop()`` puts them back."""
+
+    def __init__(self):
+        import importlib
+        import inspect
+        import types
+
+        self.ms: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.missing: list[str] = []
+        self._undo = []
+        for module_name, path, label in _STAGES:
+            try:
+                owner = importlib.import_module(module_name)
+                *parents, name = path.split(".")
+                for parent in parents:
+                    owner = getattr(owner, parent)
+                # classes and modules: the attribute as stored; an instance: its bound method, set on it
+                is_instance = not isinstance(owner, (type, types.ModuleType))
+                raw = getattr(owner, name) if is_instance else inspect.getattr_static(owner, name)
+                self._wrap(owner, name, raw, label, is_instance)
+            except (ImportError, AttributeError):         # renamed, absent, or an instance with __slots__
+                self.missing.append(f"{module_name}.{path}")
+
+    def _wrap(self, owner, name, raw, label, is_instance: bool) -> None:
+        import functools
+
+        kind = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
+        function = raw.__func__ if kind else raw
+
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.ms[label] = self.ms.get(label, 0.0) + 1e3 * (time.perf_counter() - start)
+                self.calls[label] = self.calls.get(label, 0) + 1
+
+        setattr(owner, name, kind(timed) if kind else timed)
+        self._undo.append((owner, name, None if is_instance else raw))
+
+    def stop(self) -> dict:
+        for owner, name, raw in reversed(self._undo):
+            if raw is None:
+                delattr(owner, name)              # the instance's class method shows through again
+            else:
+                setattr(owner, name, raw)
+        return {"stages_ms": {label: round(ms, 2) for label, ms in self.ms.items()}, "stage_calls": self.calls,
+                "not_found": self.missing}
+
+
+CALL_PATH_MODULES = ("cupy", "cudnn", "cudnn_attn.api", "cudnn_attn.execution", "cudnn_attn.cache",
+                     "cudnn_attn.plan", "cudnn_attn.launch", "cudnn_attn.values", "cudnn_attn.support",
+                     "cudnn_attn.plan_store", "cudnn_attn.graphs.persist")
+
+
+def call_path_imports() -> dict:
+    """Import time of each module the CuPy path needs, in order, after ``import cudnn_attn`` (CPU-visible),
+    and whether any of it imported JAX (it must not)."""
+    import importlib
+
+    result = {}
+    for name in CALL_PATH_MODULES:
+        start = time.perf_counter()
+        importlib.import_module(name)
+        result[name] = round(1e3 * (time.perf_counter() - start), 2)
+    return {"imports_ms": result, "jax_imported": "jax" in sys.modules, "torch_imported": "torch" in sys.modules}
+
+
+def breakdown(config, arrays) -> dict:
+    """The public first call with its stages timed (:data:`_STAGES`), the modules it imported, and the
+    imports it needs measured separately before it: ``import cudnn`` (the frontend module; cuDNN's
+    libraries load with the first handle) and the library's call-path modules."""
+    before = set(sys.modules)
+    start = time.perf_counter()
+    import cudnn  # noqa: F401
+
+    import_cudnn_ms = 1e3 * (time.perf_counter() - start)
+    start = time.perf_counter()
+    watch = _Stopwatch()                  # imports the modules whose functions it times
+    import_library_ms = 1e3 * (time.perf_counter() - start)
+    imported_before = sorted({name.partition(".")[0] for name in set(sys.modules) - before})
+    ready = set(sys.modules)
+    start = time.perf_counter()
+    facts = _api_call(config, arrays)
+    total_ms = 1e3 * (time.perf_counter() - start)
+    facts.update(watch.stop(), import_cudnn_ms=round(import_cudnn_ms, 2),
+                 import_library_ms=round(import_library_ms, 2), call_ms=round(total_ms, 2))
+    top = sum(ms for label, ms in facts["stages_ms"].items() if not label.startswith(" "))
+    facts["stages_ms"]["other (sync, API glue, imports inside the call)"] = round(total_ms - top, 2)
+    new = sorted({name.partition(".")[0] for name in set(sys.modules) - ready})
+    facts.update(imported_before_call=imported_before, imported_during_call=new,
+                 jax_imported="jax" in sys.modules)
+    return facts
+
+
 def child(spec: dict) -> dict:
     """One fresh-process measurement; ``spec``: path (api|graph), target (gpu|sm90), lengths, kernels."""
     start = time.perf_counter()
@@ -129,15 +250,22 @@ def child(spec: dict) -> dict:
     result = {"import_s": time.perf_counter() - start, "jax_imported": "jax" in sys.modules}
     if spec["path"] == "import":
         return result
+    if spec["path"] == "imports":
+        return {**result, **call_path_imports()}
     if spec["target"] == "sm90":
-        from cudnn_attn.graphs import driver_stub
+        from cudnn_attn.graphs import driver_stub  # noqa: I001
 
         driver_stub.preload(Path(tempfile.gettempdir()) / "cudnn_attn_bench_stub")
     configs = [_config(n) for n in spec["lengths"]]
     setup = time.perf_counter()
     arrays = [None] * len(configs) if spec["target"] == "sm90" else [_inputs(c) for c in configs]
     result["setup_s"] = time.perf_counter() - setup
+    if spec["path"] == "breakdown":
+        result.update(breakdown(configs[0], arrays[0]))
+        return result
+    handle_start = time.perf_counter()
     call = _GraphPath(spec["target"], spec.get("kernels", False)) if spec["path"] == "graph" else _api_call
+    result["graph_setup_s"] = time.perf_counter() - handle_start         # the graph path's own handle
     timings = []
     for config, inputs in zip(configs, arrays):
         t0 = time.perf_counter()
@@ -232,6 +360,8 @@ def _series(name: str, path: str, spec_for_run, runs: int, store_for_run, key: s
               samples_ms=[round(1e3 * s, 2) for s in samples], runs=runs,
               origin=facts.get("origin"), plan=facts.get("plan"), launch_path=facts.get("launch_path"),
               jax_imported=facts.get("jax_imported"), plan_ms=_ms(facts.get("plan_s")))
+    if path == "graph":
+        row["handle_setup_ms"] = _ms(facts.get("graph_setup_s"))     # before the timed window
     target = TARGETS_MS.get(name)
     if target is not None:
         row.update(target_ms=target, met=row["median_ms"] <= target)
@@ -250,11 +380,15 @@ def scenarios(args: argparse.Namespace, work: Path) -> list[Row]:
         return str(work / f"empty-{next(counter)}")
 
     length = SHAPE["T"]
+    rows.append(_stage_series("call-path imports", {"path": "imports"}, max(runs, 5), lambda i: None, "imports_ms"))
     for path in paths:
         base = {"path": path, "target": target, "lengths": [length]}
         rows.append(_series("cold", path, lambda i: base, runs, fresh))
         warm = str(work / f"warm-{path}")
         rows.append(_series("warm", path, lambda i: base, runs, _primed(warm, base)))
+        if path == "api":
+            rows.append(_stage_series("warm breakdown", {**base, "path": "breakdown"}, runs, lambda i: warm,
+                                      "stages_ms"))
         three = {**base, "lengths": [length, length + 256, length + 512], "kernels": True}
         rows.append(_series("new length (same process)", path, lambda i: three, runs, fresh))
         known = str(work / f"known-{path}")
@@ -277,6 +411,29 @@ def scenarios(args: argparse.Namespace, work: Path) -> list[Row]:
     if not args.dry_run:
         rows.append(_dynamic_runtime_row())
     return rows
+
+
+def _stage_series(name: str, spec: dict, runs: int, store_for_run, key: str) -> Row:
+    """``runs`` fresh processes of a child reporting named stages under ``key``: the median of each."""
+    stages: dict[str, list[float]] = {}
+    facts: dict = {}
+    try:
+        for i in range(runs):
+            facts = _spawn(spec, store_for_run(i))
+            for label, ms in facts[key].items():
+                stages.setdefault(label, []).append(ms)
+    except RuntimeError as exc:
+        print(f"  {name:28s} FAILED: {str(exc).splitlines()[0]}", flush=True)
+        return Row(scenario=name, path=spec["path"], median_ms=float("nan"), error=str(exc)[-3000:])
+    medians = {label: round(statistics.median(values), 2) for label, values in stages.items()}
+    total = sum(ms for label, ms in medians.items() if not label.startswith(" "))
+    extra = {k: facts[k] for k in ("import_cudnn_ms", "import_library_ms", "call_ms", "imported_during_call",
+                                   "imported_before_call", "stage_calls", "not_found", "origin") if k in facts}
+    row = Row(scenario=name, path=spec["path"], median_ms=total, stages_ms=medians, runs=runs,
+              jax_imported=facts.get("jax_imported"), **extra)
+    print(f"  {name:28s} {spec['path']:6s} {total:9.1f} ms  " + ", ".join(f"{k.strip()} {v:.1f}"
+                                                                      for k, v in medians.items()), flush=True)
+    return row
 
 
 def _primed(store: str, spec: dict):
@@ -325,6 +482,8 @@ def table(rows: list[Row], imports: list[tuple[str, float]]) -> str:
             extra += f" (build/load {r['plan_ms']:.1f} ms)"
         if r.get("launch_path"):
             extra += f" launch {r['launch_path']}"
+        if r.get("handle_setup_ms") is not None:
+            extra += f" (+ own handle/stream {r['handle_setup_ms']:.1f} ms before the window)"
         if "ratio" in r:
             extra += f"  static {r['static_ms']:.3f} ms, dynamic/static {r['ratio']:.3f}"
         if r.get("note"):
@@ -335,6 +494,12 @@ def table(rows: list[Row], imports: list[tuple[str, float]]) -> str:
             extra += f"  FAILED: {r['error'].strip().splitlines()[-1][:120]}"
         lines.append(f"{r['scenario']:28s} {r['path']:6s} {r['median_ms']:10.1f} {target:>7s}  "
                      f"{str(r.get('origin') or '-'):22s} {extra}{verdict}".rstrip())
+        for label, ms in (r.get("stages_ms") or {}).items():
+            lines.append(f"    {label:60s} {ms:9.2f} ms")
+        if r.get("import_cudnn_ms") is not None:
+            lines.append(f"    (before the call: import cudnn {r['import_cudnn_ms']:.1f} ms, call-path modules "
+                         f"{r['import_library_ms']:.1f} ms; the call itself {r['call_ms']:.1f} ms; imported during "
+                         f"the call: {', '.join(r.get('imported_during_call') or []) or 'nothing'})")
     lines.append("import cudnn_attn, largest cumulative entries: "
                  + ", ".join(f"{name} {ms:.0f} ms" for name, ms in imports[:8]))
     return "\n".join(lines)

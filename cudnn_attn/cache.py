@@ -13,6 +13,8 @@ and executing one costs microseconds, so every graph is built once per process a
 * :class:`GraphCache` is a bounded, thread-safe LRU with statistics.  Two threads missing the same
   key build it once (the second waits).  Failed builds are not cached.  The default builder checks
   support (:func:`cudnn_attn.support.check_supported`) before any GPU work.
+* :meth:`GraphCache.live_graphs` counts the graphs the cache built that are still alive anywhere (in the
+  cache, pinned by the JAX bridge, held by a caller): evicted graphs must not stay alive behind it.
 * ``entries()`` lists what is cached - a table in Jupyter (``_repr_html_``) and in a terminal
   (``repr``) - and ``dump(key_or_index)`` returns one entry's cuDNN graph (JSON text).
 * Each build is logged on the ``cudnn_attn`` logger at INFO with its duration.
@@ -28,6 +30,7 @@ import html
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -207,6 +210,7 @@ class GraphCache:
         self._pending: dict[GraphKey, _Pending] = {}
         self._hits = self._misses = self._evictions = 0
         self._build_seconds = 0.0
+        self._built: dict[int, weakref.ref] = {}       # id -> weak reference of every graph built here
 
     # -- lookup -----------------------------------------------------------------------------------
     def plan(self, config: AttentionConfig, kind: str, device: int | None = None, *,
@@ -268,6 +272,7 @@ class GraphCache:
             raise
         seconds = time.perf_counter() - start
         entry = CacheEntry(key, plan, seconds)
+        _track(self._built, entry.graph)
         with self._lock:
             self._misses += 1
             self._build_seconds += seconds
@@ -292,6 +297,10 @@ class GraphCache:
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
+
+    def live_graphs(self) -> int:
+        """How many graphs this cache built are still alive (cached, pinned or held by a caller)."""
+        return sum(ref() is not None for ref in list(self._built.values()))
 
     def stats(self) -> CacheStats:
         with self._lock:
@@ -344,6 +353,16 @@ class GraphCache:
                 raise TypeError(f"which: expected a GraphKey or an int index, got {type(which).__name__}")
         describe = getattr(entry.graph, "describe", None)
         return describe() if callable(describe) else repr(entry.graph.graph)
+
+
+def _track(built: dict[int, weakref.ref], graph: Any) -> None:
+    """Remember ``graph`` weakly in ``built`` until it dies (graphs that cannot be weakly referenced are not
+    counted).  The callback holds the dict, not the cache, so it keeps nothing alive."""
+    key = id(graph)
+    try:
+        built[key] = weakref.ref(graph, lambda _, key=key: built.pop(key, None))
+    except TypeError:
+        pass
 
 
 def _workspace(graph: Any) -> int:

@@ -133,6 +133,30 @@ class _StreamHandle:
 
 # -- one context per device ---------------------------------------------------------------------------
 
+def create_handle(device: int) -> Any:
+    """A ``cudnn.Handle`` of CUDA ``device`` (current while this runs).
+
+    ``cudnn.create_handle()`` asks ``cudnn.frost.device.current_device()`` for the ordinal, which imports
+    ``cuda.bindings`` and finds the driver library (84 ms measured on a CPU machine, where it then fails;
+    paid on the first call of every process).  The ordinal is known here, so the backend handle is
+    wrapped with it, as the frontend documents for raw handles (``cudnn.Handle(backend_handle, ordinal,
+    stream)``); frontends without that route get ``cudnn.create_handle()``.
+    """
+    import cudnn
+
+    backend = getattr(cudnn, "_pybind_module", None)
+    create, get_stream = getattr(backend, "create_handle", None), getattr(backend, "get_stream", None)
+    if create is None or get_stream is None or not isinstance(getattr(cudnn, "Handle", None), type):
+        return cudnn.create_handle()
+    raw = create()
+    try:
+        return cudnn.Handle(raw, device, get_stream(raw))
+    except Exception:
+        with contextlib.suppress(Exception):
+            backend._raw_destroy_handle(raw)
+        return cudnn.create_handle()
+
+
 class DeviceContext:
     """The cuDNN handle of one device, the lock that guards it, its environment and the CuPy path's
     workspaces (see the module doc).  Made by :func:`device_context`."""
@@ -147,8 +171,8 @@ class DeviceContext:
         self.lock = threading.Lock()
         self._planning_lock = threading.Lock()
         with cupy.cuda.Device(device):
-            self.handle = cudnn.create_handle()
-            self._planning_handle = cudnn.create_handle()
+            self.handle = create_handle(device)
+            self._planning_handle = create_handle(device)
             self.environment = Environment.detect()
         self.handle_address = int(self.handle.backend_handle)
         self._stream = None                       # the stream the handle points at

@@ -322,6 +322,12 @@ _kernel_caches: dict[tuple, KernelCache] = {}
 _kernel_caches_lock = threading.Lock()
 
 
+def _release_kernel_caches() -> None:
+    """At exit (:func:`cudnn_attn.runtime.release`): drop cuDNN's kernel-cache objects."""
+    with _kernel_caches_lock:
+        _kernel_caches.clear()
+
+
 def kernel_cache_for(device: int, store: PlanStore | None) -> KernelCache:
     """The process's :class:`KernelCache` of a CUDA ``device`` (one per device and store folder)."""
     key = (device, None if store is None else str(store.directory))
@@ -330,3 +336,12 @@ def kernel_cache_for(device: int, store: PlanStore | None) -> KernelCache:
         if cache is None:
             cache = _kernel_caches[key] = KernelCache(store)
         return cache
+
+
+def _register_release() -> None:
+    from cudnn_attn import runtime
+
+    runtime.on_release(_release_kernel_caches)
+
+
+_register_release()

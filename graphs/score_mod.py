@@ -155,6 +155,7 @@ class ScoreModGraph:
     program: ScoreModProgram
     forward: Program
     backward: Program
+    kind: str = "bwd"       # the graph's kind: its last callback ("score_mod" in a forward graph) ends the wiring
 
     @property
     def num_args(self) -> int:
@@ -185,19 +186,36 @@ class ScoreModGraph:
             raise ValueError(f"bias: {'required' if self.takes_bias else 'not taken'} by {self.program.name!r} here")
         if (seq_len_q is None or seq_len_kv is None) and self.takes_seq_lens:
             raise ValueError("seq_len_q, seq_len_kv: the modification masks padding and needs both")
-        leaves = {"args": tuple(args), "seq_len_q": seq_len_q, "seq_len_kv": seq_len_kv}
-        recorded: dict[str, Any] = {}
+        state: dict[str, Any] = {"leaves": {"args": tuple(args), "seq_len_q": seq_len_q, "seq_len_kv": seq_len_kv},
+                                 "bias": bias}
+        last = "score_mod" if self.kind == "fwd" else "score_mod_bprop"
+
+        def taken(name: str) -> dict[str, Any]:
+            if "leaves" not in state:
+                raise RuntimeError(f"cuDNN called {name} after the graph's last score_mod callback")
+            return state
+
+        def finish(name: str, sg: Any) -> None:
+            if name == last:
+                state.clear()
+                _release_lowering(sg)
 
         def score_mod(sg: Any, score: Any) -> Any:
-            if bias is not None:
-                score = sg.add(a=score, b=bias, name=f"{self.forward.name}_bias")
-            recorded["score"] = score
-            return emit(sg, self.forward, score, {**leaves, "score": score})
+            held = taken("score_mod")
+            if held["bias"] is not None:
+                score = sg.add(a=score, b=held["bias"], name=f"{self.forward.name}_bias")
+            held["score"] = score
+            out = emit(sg, self.forward, score, {**held["leaves"], "score": score})
+            finish("score_mod", sg)
+            return out
 
         def score_mod_bprop(sg: Any, grad: Any) -> Any:
-            if self.backward.uses("score") and "score" not in recorded:
+            held = taken("score_mod_bprop")
+            if self.backward.uses("score") and "score" not in held:
                 raise RuntimeError("cuDNN called score_mod_bprop before score_mod; the score is not available")
-            return emit(sg, self.backward, grad, {**leaves, "cotangent": grad, "score": recorded.get("score")})
+            out = emit(sg, self.backward, grad, {**held["leaves"], "cotangent": grad, "score": held.get("score")})
+            finish("score_mod_bprop", sg)
+            return out
 
         return score_mod, score_mod_bprop
 
@@ -215,6 +233,22 @@ class ScoreModGraph:
         program = self.forward if cotangent is None else self.backward
         return evaluate(program, score=score, cotangent=cotangent, args=tuple(args),
                         seq_len_q=seq_len_q, seq_len_kv=seq_len_kv)
+
+
+def _release_lowering(sg: Any) -> None:
+    """Break the reference cycle through C++ that a score_mod callback puts in a cuDNN graph.
+
+    cuDNN keeps the callbacks (a ``std::function``) in its C++ graph; what they reach keeps that graph
+    alive: our closure's tensors (keep-alive on their graph) and the frontend's lowering closure
+    (``_CallbackGraphShim._lower``, whose cells hold the C++ graph and its tensor map).  Python's
+    collector cannot see through C++, so every score_mod graph stayed alive until exit (measured
+    deviceless: each built graph's ``backend_graph`` and tensors were reported by nanobind as leaked at
+    exit, and never freed by the cache's eviction).  cuDNN calls each callback once, while planning;
+    after the graph's last callback the lowering is done, so its closure cells are emptied.
+    """
+    lower = getattr(sg, "_lower", None)                     # frontend 1.32's shim; absent: nothing to break
+    for cell in getattr(lower, "__closure__", None) or ():
+        cell.cell_contents = None
 
 
 def score_mod_refusals(config: AttentionConfig, kind: str | None = None) -> list[str]:
@@ -266,5 +300,5 @@ def score_mod_graph(config: AttentionConfig, kind: str) -> ScoreModGraph:
         raise ValueError(f"kind: expected 'fwd' or 'bwd', got {kind!r}")
     check_structure(config, kind=kind)
     forward, backward = masked_programs(config)
-    return ScoreModGraph(config, score_mod_program(config.score_mod), forward, backward)
+    return ScoreModGraph(config, score_mod_program(config.score_mod), forward, backward, kind)
 

@@ -159,22 +159,25 @@ def lower(ctx: Any, *args: Any, kind: str, config: AttentionConfig, options: Any
     _check_expressible(kernel)
     key = registry.key(kernel)
     plans = prepare(kernel, key, _lowering_devices(ctx))
-    plan = plans[0]
+    # The traced function below captures plain data only, never the plans: whatever JAX keeps of a
+    # lowering must not keep cuDNN graphs alive (the handler finds the pinned plan by key and device).
+    operand_ids, result_specs = plans[0].operand_ids, plans[0].results
     target = TARGET if options.cuda_graph else EAGER_TARGET
     workspace = max(p.workspace_size for p in plans)
+    del plans
 
     def call(*arrays: Any) -> list[Any]:
         named = dict(zip(kernel.operands, arrays))
         bound, segments = graph_inputs(jnp, config, kind, named)
-        if set(bound) != set(plan.operand_ids):
+        if set(bound) != set(operand_ids):
             raise RuntimeError(f"the JAX bridge binds {sorted(t.name for t in bound)} but the cuDNN {kind} graph of "
-                               f"{config.describe()} reads {sorted(t.name for t in plan.operand_ids)}")
+                               f"{config.describe()} reads {sorted(t.name for t in operand_ids)}")
         outs = jax.ffi.ffi_call(
-            target, [jax.ShapeDtypeStruct(spec.shape, spec.dtype) for spec in plan.results]
+            target, [jax.ShapeDtypeStruct(spec.shape, spec.dtype) for spec in result_specs]
             + [jax.ShapeDtypeStruct((max(workspace, 1),), jnp.uint8)],
-        )(*(bound[t] for t in plan.operand_ids), key=np.int64(key))
+        )(*(bound[t] for t in operand_ids), key=np.int64(key))
         results = {}
-        for spec, value in zip(plan.results, outs):
+        for spec, value in zip(result_specs, outs):
             if spec.fill is Fill.ROWS_AFTER:
                 value = zero_rows(jnp, value, named["q_seqlen"])
             elif spec.fill is Fill.SEGMENTS:

@@ -236,3 +236,17 @@ def test_the_cache_itself_shows_its_statistics_and_listing():
     assert "mask=none" in text
     page = cache._repr_html_()
     assert "1 hits, 1 misses" in page and page.count("<tr>") == 2
+
+
+def test_live_graphs_counts_what_is_still_alive_anywhere():
+    """Evicted graphs die with their entry unless someone else holds them; ``live_graphs`` sees both."""
+    cache = GraphCache(maxsize=2, builder=CountingBuilder())
+    held = cache.entry(key(config(q_len=64))).plan            # a caller (e.g. the JAX bridge) keeps this one
+    for n in (128, 192, 256, 320):
+        cache.entry(key(config(q_len=n)))
+    assert len(cache) == 2 and cache.stats().evictions == 3
+    assert cache.live_graphs() == 3                            # the two cached and the held one
+    del held
+    assert cache.live_graphs() == 2
+    cache.clear()
+    assert cache.live_graphs() == 0

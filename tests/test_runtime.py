@@ -4,6 +4,7 @@ threads, never made on the execution path, closed at release; the call plan's la
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 import types
 
@@ -139,3 +140,41 @@ def test_launch_zeroes_before_what_the_policy_says(monkeypatch):
     nbytes = 2 * 8 * 2 * 16 * 2
     assert zeroed == [[(pointers[-3], nbytes), (pointers[-2], nbytes), (pointers[-1], nbytes)]]   # dq, dk, dv
     assert plan.launcher.calls[0][1] == 0x10 and plan.context.workspaces == []
+
+
+class _FakeHandle:
+    def __init__(self, backend_handle, ordinal=None, stream=None):
+        self.backend_handle, self.ordinal, self.stream = backend_handle, ordinal, stream
+
+
+def _fake_cudnn(monkeypatch, *, backend: bool = True, handle_type=_FakeHandle):
+    """A stand-in ``cudnn`` module recording what :func:`runtime.create_handle` asks of it."""
+    calls = []
+    fake = types.ModuleType("cudnn")
+    fake.Handle = handle_type
+    fake.create_handle = lambda: calls.append("create_handle") or _FakeHandle(7, "looked up", 0)
+    if backend:
+        fake._pybind_module = types.SimpleNamespace(
+            create_handle=lambda: calls.append("raw") or 1234, get_stream=lambda raw: 0,
+            _raw_destroy_handle=lambda raw: calls.append(("destroyed", raw)))
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    return calls
+
+
+def test_create_handle_wraps_the_backend_handle_with_the_known_device(monkeypatch):
+    calls = _fake_cudnn(monkeypatch)
+    handle = runtime.create_handle(3)
+    assert (handle.backend_handle, handle.ordinal, handle.stream) == (1234, 3, 0)
+    assert calls == ["raw"]                      # cudnn.create_handle (and its device lookup) never ran
+
+
+def test_create_handle_falls_back_to_the_frontend(monkeypatch):
+    calls = _fake_cudnn(monkeypatch, backend=False)
+    assert runtime.create_handle(0).ordinal == "looked up" and calls == ["create_handle"]
+
+    def refuse(*args):
+        raise TypeError("another signature")
+
+    calls = _fake_cudnn(monkeypatch, handle_type=type("Refusing", (), {"__init__": refuse}))
+    assert runtime.create_handle(0).ordinal == "looked up"
+    assert calls == ["raw", ("destroyed", 1234), "create_handle"]      # the raw handle is not leaked

@@ -27,10 +27,14 @@ def test_dry_run_has_no_errors_and_no_mismatches(tmp_path, capsys):
     soak = _soak()
     cache = cudnn_attn.graph_cache
     out = tmp_path / "soak.json"
-    soak.main(["--dry-run", "--calls", "96", "--threads", "3", "--cache-size", "2", "--out", str(out)])
+    soak.main(["--dry-run", "--calls", "96", "--threads", "3", "--cache-size", "2", "--phase-calls", "40",
+               "--out", str(out)])
     report = json.loads(out.read_text())
     assert report["errors"] == {} and report["mismatches"] == {}, report["messages"]
     assert report["calls"] == 96 and set(report["calls_by_path"]) == set(soak.PATHS)
-    assert report["growth"].keys() == {"host_rss"}
+    assert report["growth"].keys() == {"host_rss", "host_rss_trimmed"}
+    phases = [row["phase"] for row in report["phases"]]        # settled after 9 calls, then 40, 40 and 7
+    assert phases == ["warm-up", "settled", "after 49 calls", "after 89 calls", "final (after gc)"], phases
+    assert all(row["live_graphs"] == 0 for row in report["phases"])    # the reference path builds no graph
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith(("PASS", "FAIL"))   # the table comes last
     assert cudnn_attn.graph_cache is cache and cudnn_attn.execution.graph_cache is cache     # put back
