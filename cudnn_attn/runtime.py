@@ -162,8 +162,6 @@ class DeviceContext:
     workspaces (see the module doc).  Made by :func:`device_context`."""
 
     def __init__(self, device: int):
-        import cudnn
-
         from .support import Environment
 
         cupy = _cupy()
