@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -60,63 +60,98 @@ def _check_expressible(kernel: Kernel) -> None:
         raise UnsupportedConfigurationError(reasons, config)
 
 
-# -- plans pinned for the handler ---------------------------------------------------------------------
+# -- call sites prepared for the handler ---------------------------------------------------------------
 
-_pinned: dict[tuple[int, int], tuple[Any, tuple]] = {}     # (kernel key, device) -> (plan, host scalar values)
+class PreparedCall(NamedTuple):
+    """One call site on one device, as the handler runs it: the plan, and ``launch(addresses, stream)``
+    with everything else fixed (host scalars, the workspace as the last result, the stream kept bound)."""
+
+    plan: Any
+    launch: Callable[[list, int], None]
+
+
+def _prepared_call(plan: Any, scalars: tuple) -> PreparedCall:
+    launch, uses_workspace = plan.launch, bool(plan.workspace_size)
+
+    def run(addresses: list, stream: int) -> None:
+        workspace = addresses.pop()                   # XLA's uint8 result, last
+        launch(addresses, stream, workspace if uses_workspace else 0, scalars, True)
+
+    return PreparedCall(plan, run)
+
+
+_prepared: dict[tuple[int, int], PreparedCall] = {}      # (call-site key, device) -> what the handler runs
 _lock = threading.Lock()
 
 
-def prepare(kernel: Kernel, key: int, devices: list[int]) -> list[Any]:
-    """The plans of ``kernel`` on ``devices``: contexts made, graphs built or found, warmed up, pinned."""
+def plan_devices(kernel: Kernel, key: int, devices: list[int]) -> list[Any]:
+    """At lowering: the plans of ``kernel`` on ``devices`` - each device's context made, the graph built or
+    found, warmed up and kept for the handler under ``key``."""
     from cudnn_attn import runtime
     from cudnn_attn.cache import graph_cache
 
     plans = []
     for device in devices:
-        found = _pinned.get((key, device))
+        found = _prepared.get((key, device))
         if found is None:
             runtime.device_context(device)
             plan = graph_cache.plan(kernel.config, kernel.kind, device)
             plan.warm_up()
             with _lock:
-                found = _pinned.setdefault((key, device), (plan, host_scalar_values(kernel.config, kernel.seed)))
-        plans.append(found[0])
+                found = _prepared.setdefault((key, device), _prepared_call(
+                    plan, host_scalar_values(kernel.config, kernel.seed)))
+        plans.append(found.plan)
     return plans
 
 
 def pinned_plan(key: int, device: int) -> Any:
     """The plan the handler runs for call site ``key`` on ``device`` (``None`` when not prepared)."""
-    found = _pinned.get((key, device))
-    return None if found is None else found[0]
+    found = _prepared.get((key, device))
+    return None if found is None else found.plan
 
 
 def _run(call: ffi.Call) -> None:
-    """The handler: XLA's buffers and stream into the pinned plan's launch (see the module doc)."""
-    start = time.perf_counter_ns() if stages is not None else 0
-    key, args, results, stream, device = call.snapshot()
-    if device is None:                                # a runtime without the query: XLA made the device current
+    """The handler: XLA's buffers and stream into the prepared launch (see the module doc)."""
+    if stages is not None:
+        return _run_timed(call)
+    key, addresses, stream, device = call.snapshot()
+    found = _prepared.get((key, device))
+    if found is None:
+        found = _unprepared(key, device)
+    found.launch(addresses, stream)
+
+
+def _run_timed(call: ffi.Call) -> None:
+    """:func:`_run` recording its stages (benchmarks): read the call frame, find the call site, launch."""
+    now = time.perf_counter_ns
+    start = now()
+    key, addresses, stream, device = call.snapshot()
+    read = now()
+    found = _prepared.get((key, device)) or _unprepared(key, device)
+    found_at = now()
+    found.launch(addresses, stream)
+    stages.append((read - start, found_at - read, now() - found_at))
+
+
+def _unprepared(key: int, device: int | None) -> PreparedCall:
+    """The call site on ``device`` when the fast lookup missed: a runtime without the device query (XLA made
+    the device current), else the error of a device the lowering did not prepare."""
+    if device is None:
         import cupy
 
         device = cupy.cuda.runtime.getDevice()
-    found = _pinned.get((key, device))
-    if found is None:
-        kernel = registry.kernel(key)                 # raises the "lowered in another process" error
-        raise RuntimeError(
-            f"cudnn_attn: the {kernel.kind} kernel of {kernel.config.describe()} was not prepared for GPU {device} "
-            f"when it was lowered (prepared: {sorted(d for k, d in _pinned if k == key)}); nothing is built while "
-            f"XLA runs a program. Lower the computation for this device (jax.jit with its sharding).")
-    plan, scalars = found
-    workspace = results.pop()
-    if start:
-        found_at = time.perf_counter_ns()
-    plan.launch(args + results, stream, workspace=workspace if plan.workspace_size else 0, scalars=scalars,
-                keep_stream=True)
-    if start:
-        stages.append((found_at - start, time.perf_counter_ns() - found_at))
+        found = _prepared.get((key, device))
+        if found is not None:
+            return found
+    kernel = registry.kernel(key)                     # raises the "lowered in another process" error
+    raise RuntimeError(
+        f"cudnn_attn: the {kernel.kind} kernel of {kernel.config.describe()} was not prepared for GPU {device} "
+        f"when it was lowered (prepared: {sorted(d for k, d in _prepared if k == key)}); nothing is built while "
+        f"XLA runs a program. Lower the computation for this device (jax.jit with its sharding).")
 
 
-stages: list[tuple[int, int]] | None = None
-"""When a list (benchmarks): ``(read the call and find the plan, launch)`` nanoseconds of every run."""
+stages: list[tuple[int, int, int]] | None = None
+"""When a list (benchmarks): ``(read the call frame, find the call site, launch)`` nanoseconds of every run."""
 
 
 HANDLERS = (ffi.make_handler(TARGET, _run, command_buffer_compatible=True), ffi.make_handler(EAGER_TARGET, _run))
@@ -126,7 +161,7 @@ def _release() -> None:
     """At exit (:func:`cudnn_attn.runtime.release`): wait for computations in flight, then unpin the plans."""
     ffi.finish_pending_calls()
     with _lock:
-        _pinned.clear()
+        _prepared.clear()
 
 
 def _register_release() -> None:
@@ -167,7 +202,7 @@ def lower(ctx: Any, *args: Any, kind: str, config: AttentionConfig, options: Any
     kernel = Kernel(config, kind, options.seed)
     _check_expressible(kernel)
     key = registry.key(kernel)
-    plans = prepare(kernel, key, _lowering_devices(ctx))
+    plans = plan_devices(kernel, key, _lowering_devices(ctx))
     plan = plans[0]
     target = TARGET if options.cuda_graph else EAGER_TARGET
     workspace = max(p.workspace_size for p in plans)

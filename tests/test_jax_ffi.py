@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,3 +114,55 @@ def test_kernel_registry_is_stable_and_explains_unknown_keys():
         registry.kernel(first + 5)
     with pytest.raises(ValueError, match="kind"):
         Kernel(config, "sideways")
+
+
+# -- the GPU handler's Python on a call frame in host memory (no GPU: the launch is recorded) -------------
+
+class _RecordingPlan:
+    """What the handler needs of a CallPlan: ``launch`` (recorded) and the workspace size."""
+
+    def __init__(self, workspace_size):
+        self.workspace_size, self.launches = workspace_size, []
+
+    def launch(self, pointers, stream, workspace, scalars, keep_stream):
+        self.launches.append((list(pointers), stream, workspace, scalars, keep_stream))
+
+
+@pytest.mark.parametrize("n_args,n_rets,workspace_size", [(3, 2, 256), (6, 4, 0), (1, 1, 64)])
+def test_gpu_handler_passes_the_frames_buffers_stream_and_workspace_to_the_prepared_launch(
+        n_args, n_rets, workspace_size):
+    from cudnn_attn.jax_bridge import cudnn_target
+
+    key = 2 ** 40 + n_args                       # a key no lowering of this process uses
+    frame = ffi.HostCallFrame(key, n_args, n_rets)
+    call = ffi.Call(frame.address)
+    assert call.snapshot() == ffi.Snapshot(key, [0x1000 * (i + 1) for i in range(n_args + n_rets)], 0, 0)
+    assert call.addresses_and_key() == (key, call.arg_addresses(), call.ret_addresses())
+    assert [b.address for b in call.args + call.rets] == call.snapshot().addresses
+    plan = _RecordingPlan(workspace_size)
+    cudnn_target._prepared[(key, 0)] = cudnn_target._prepared_call(plan, (1234, 0))
+    try:
+        handler = ffi.make_handler("cudnn_attn_test_host_frame", cudnn_target._run)
+        assert ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(handler.address)(frame.address) is None
+        cudnn_target.stages = []
+        cudnn_target._run(call)
+        assert len(cudnn_target.stages) == 1 and all(ns >= 0 for ns in cudnn_target.stages[0])
+    finally:
+        cudnn_target.stages = None
+        del cudnn_target._prepared[(key, 0)]
+    addresses = [0x1000 * (i + 1) for i in range(n_args + n_rets)]
+    expected = (addresses[:-1], 0, addresses[-1] if workspace_size else 0, (1234, 0), True)
+    assert plan.launches == [expected, expected]
+
+
+def test_gpu_handler_names_an_unprepared_device():
+    from cudnn_attn.config import AttentionConfig
+    from cudnn_attn.jax_bridge import cudnn_target
+    from cudnn_attn.jax_bridge.kernel import Kernel, registry
+
+    config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16,
+                             dtype="float16", scale=0.0123)        # a configuration no GPU test lowers
+    key = registry.key(Kernel(config, "fwd"))
+    frame = ffi.HostCallFrame(key, 3, 2)
+    with pytest.raises(RuntimeError, match="not prepared for GPU 0"):
+        cudnn_target._run(ffi.Call(frame.address))
