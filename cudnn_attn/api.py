@@ -42,6 +42,7 @@ Errors, before any GPU work: :class:`ValueError` for invalid arguments,
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -180,12 +181,17 @@ class _Direct:
     """A validated signature whose arrays are exactly the graph's operands (Q, K, V and, for the
     backward, O, dO and the logsumexp): each call binds them, allocates the results and launches.
 
+    Several results (the backward's dq, dk, dv; the training forward's output and logsumexp) are views of
+    one allocation from CuPy's pool, 256-byte aligned: one pool allocation costs about as much as one
+    ``cupy.empty`` (the pool's lock and free-list search dominate), a view only the array object.  The
+    memory returns to the pool when the last of them is freed.
+
     It refers to its :class:`~cudnn_attn.plan.CallPlan` weakly, so evicting the plan from the graph
     cache frees it; the next call fetches (or rebuilds) it.
     """
 
     __slots__ = ("config", "kind", "device", "autotune", "order", "dropout", "training", "signature", "_plan",
-                 "_results", "__weakref__")
+                 "_results", "_layout", "_nbytes", "__weakref__")
 
     def __init__(self, config: AttentionConfig, kind: str, arrays: tuple, autotune: bool | None,
                  names: Sequence[str]):
@@ -193,17 +199,22 @@ class _Direct:
 
         self.config, self.kind, self.autotune = config, kind, autotune
         self.device = arrays[0].data.device_id
-        self.signature = tuple((x.shape, x.dtype, x.strides) for x in arrays)
+        self.signature = [(x.shape, x.dtype, x.strides) for x in arrays]
         self.dropout = config.has_dropout
         self.training = config.training
         plan = self.plan()
         position = {DIRECT_IDS[name]: i for i, name in enumerate(names)}
-        self.order = tuple(position[t] for t in plan.operand_ids)
+        self.order = operator.itemgetter(*(position[t] for t in plan.operand_ids))
 
     def plan(self) -> Any:
         plan = execution.plan_for(self.config, self.kind, self.device, self.autotune)
         self._plan = weakref.ref(plan)
         self._results = tuple((spec.shape, spec.dtype) for spec in plan.results)
+        layout, offset = [], 0
+        for spec in plan.results:
+            layout.append((spec.shape, spec.dtype, offset))
+            offset += -(-spec.nbytes // _ALIGNMENT) * _ALIGNMENT
+        self._layout, self._nbytes = tuple(layout), offset
         return plan
 
     def __call__(self, arrays: tuple, seed: int, out: Any = None) -> list[Any]:
@@ -214,10 +225,17 @@ class _Direct:
                 return self._launch(cupy, plan, arrays, seed, out)
         return self._launch(cupy, plan, arrays, seed, out)
 
+    def _allocate(self, cupy: Any) -> list[Any]:
+        """The results on the current device and stream (see the class doc)."""
+        if len(self._layout) == 1:
+            shape, dtype, _ = self._layout[0]
+            return [cupy.empty(shape, dtype)]
+        memory, ndarray = cupy.cuda.alloc(self._nbytes), cupy.ndarray
+        return [ndarray(shape, dtype, memory + offset if offset else memory) for shape, dtype, offset in self._layout]
+
     def _launch(self, cupy: Any, plan: Any, arrays: tuple, seed: int, out: Any) -> list[Any]:
-        empty = cupy.empty
         if out is None:
-            results = [empty(shape, dtype) for shape, dtype in self._results]
+            results = self._allocate(cupy)
         else:
             shape, dtype = self._results[0]
             if type(out) is not type(arrays[0]) or out.shape != shape or out.dtype != dtype \
@@ -225,13 +243,14 @@ class _Direct:
                 raise ValueError(f"out: must be a C-contiguous CuPy array {dtype}{list(shape)} on GPU {self.device}, "
                                  f"got {type(out).__name__}" + (f" {out.dtype}{list(out.shape)}"
                                                                if hasattr(out, "shape") else ""))
-            results = [out] + [empty(shape, dtype) for shape, dtype in self._results[1:]]
-        pointers = [arrays[i].data.ptr for i in self.order]
+            results = [out] + [cupy.empty(shape, dtype) for shape, dtype in self._results[1:]]
+        pointers = [x.data.ptr for x in self.order(arrays)]          # Q, K, V at least: a tuple
         pointers += [r.data.ptr for r in results]
-        plan.launch(pointers, cupy.cuda.get_current_stream().ptr, scalars=(seed, 0) if self.dropout else ())
+        plan.launch(pointers, cupy.cuda.get_current_stream().ptr, None, (seed, 0) if self.dropout else ())
         return results
 
 
+_ALIGNMENT = 256                        # bytes between the results of one allocation (cuDNN asks for 16)
 _direct: dict[tuple, _Direct] = {}
 _DIRECT_MAX = 1024
 
@@ -437,10 +456,14 @@ class BoundAttention:
         return _Direct(config, kind, arrays, None, self._BWD_NAMES[:len(arrays)])
 
     def _check(self, direct: _Direct, arrays: tuple) -> None:
-        ndarray = _cupy_ndarray()
-        if all(type(x) is ndarray for x in arrays) and arrays[0].data.device_id == direct.device \
-                and tuple((x.shape, x.dtype, x.strides) for x in arrays) == direct.signature:
-            return
+        ndarray = _NDARRAY or _cupy_ndarray()
+        for x in arrays:
+            if type(x) is not ndarray:
+                break
+        else:
+            if [(x.shape, x.dtype, x.strides) for x in arrays] == direct.signature \
+                    and arrays[0].data.device_id == direct.device:
+                return
         for name, x, (shape, dtype, strides) in zip(self._BWD_NAMES, arrays, direct.signature):
             if type(x) is not ndarray or (x.shape, x.dtype, x.strides) != (shape, dtype, strides) \
                     or x.data.device_id != direct.device:
