@@ -9,8 +9,8 @@ and add keyword-only extensions after them:
 * ``deterministic`` (backward) - deterministic dQ accumulation, bit-identical reruns;
 * ``stream`` - where to run (default: the current CuPy stream of the query's device; see
   :mod:`cudnn_attn.runtime`);
-* ``autotune`` - time every cuDNN plan once per configuration and keep the fastest (``None``: the
-  global :func:`set_autotune` setting, off by default);
+* ``autotune`` - time every cuDNN plan once per configuration and keep the fastest (``None``: off, unless
+  ``CUDNN_ATTN_AUTOTUNE=1`` was set when the library was imported: :data:`cudnn_attn.execution.AUTOTUNE_DEFAULT`);
 * ``fp8_dtype`` (with ``use_fp8``) - the FP8 format of the uint8 operands: ``"float8_e4m3fn"``
   (default) or ``"float8_e5m2"``;
 * ``out_type`` - the array type of the results: ``None`` (default) returns them in the query's
@@ -49,13 +49,11 @@ from typing import Any, Callable, Sequence
 
 from . import execution, runtime
 from .config import AttentionConfig, AttentionOperands
-from .execution import set_autotune
 from .plan import BWD, FWD
 from .types import AttentionGrads, FP8Params, MaskType
 from .validation import check_seed, prepare, prepare_backward
 
-__all__ = ["BoundAttention", "bind", "dot_product_attention", "dot_product_attention_bwd", "paged_attention",
-           "set_autotune"]
+__all__ = ["BoundAttention", "bind", "dot_product_attention", "dot_product_attention_bwd", "paged_attention"]
 
 # -- arrays in, arrays out ------------------------------------------------------------------------------
 
@@ -256,10 +254,9 @@ _DIRECT_MAX = 1024
 
 
 def _direct_signature(kind: str, arrays: tuple, static: tuple) -> tuple:
-    """Everything validation and the plan depend on: shape, dtype and strides of every array, the device,
-    the static arguments and the global autotune default."""
-    return (kind, *[(x.shape, x.dtype, x.strides) for x in arrays], arrays[0].data.device_id, static,
-            execution._autotune_default)
+    """Everything validation and the plan depend on: shape, dtype and strides of every array, the device
+    and the static arguments (``autotune`` among them; its default is fixed at import)."""
+    return (kind, *[(x.shape, x.dtype, x.strides) for x in arrays], arrays[0].data.device_id, static)
 
 
 def _remember_direct(kind: str, arrays: tuple, static: tuple, config: AttentionConfig, autotune: bool | None,
@@ -432,9 +429,10 @@ class BoundAttention:
     _FWD_NAMES = ("query", "key", "value")
     _BWD_NAMES = _FWD_NAMES + ("output", "grad_output", "logsumexp")
 
-    def __init__(self, query: Any, key: Any, value: Any, *, seed: int, static: dict):
+    def __init__(self, query: Any, key: Any, value: Any, *, seed: int, static: dict, autotune: bool | None = None):
         self._static = dict(static)
         self._seed = check_seed(seed)
+        self._autotune = autotune
         self._forward = self._make(FWD, (query, key, value))
         self._backward: _Direct | None = None
         self.config: AttentionConfig = self._forward.config
@@ -453,7 +451,7 @@ class BoundAttention:
         if lifted_config(config) is not None:
             raise ValueError(f"bind: the {kind} of {config.describe()} runs padded to even lengths (cudnn_attn.lift); "
                              "call dot_product_attention / dot_product_attention_bwd for it")
-        return _Direct(config, kind, arrays, None, self._BWD_NAMES[:len(arrays)])
+        return _Direct(config, kind, arrays, self._autotune, self._BWD_NAMES[:len(arrays)])
 
     def _check(self, direct: _Direct, arrays: tuple) -> None:
         ndarray = _NDARRAY or _cupy_ndarray()
@@ -493,10 +491,12 @@ class BoundAttention:
 def bind(query: Any, key: Any, value: Any, *, scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK,
          seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH",
          sliding_window_length: int | None = None, return_residual: bool = False,
-         diagonal_alignment: str = "top_left", deterministic: bool = False) -> BoundAttention:
+         diagonal_alignment: str = "top_left", deterministic: bool = False,
+         autotune: bool | None = None) -> BoundAttention:
     """A pre-bound attention call for these Q/K/V (CuPy arrays; their shapes, dtypes, strides and device)
-    and static arguments (those of :func:`dot_product_attention`).  Validates and builds now; each call of
-    the returned :class:`BoundAttention` only checks the arrays and launches."""
+    and static arguments (those of :func:`dot_product_attention`).  Validates and builds now (``autotune``:
+    times every cuDNN plan on these arrays and keeps the fastest); each call of the returned
+    :class:`BoundAttention` only checks the arrays and launches."""
     if not _is_cupy(query, key, value):
         raise ValueError(f"query/key/value: bind takes CuPy arrays, got {type(query).__name__}, "
                          f"{type(key).__name__}, {type(value).__name__} (convert with cupy.from_dlpack)")
@@ -504,7 +504,8 @@ def bind(query: Any, key: Any, value: Any, *, scale: float = 1.0, mask_type: Mas
     static = dict(scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
                   sliding_window_length=sliding_window_length, return_residual=return_residual,
                   diagonal_alignment=diagonal_alignment, deterministic=deterministic)
-    return BoundAttention(query, key, value, seed=seed, static=static)
+    execution.plan_choice(autotune)                               # a bad value fails here, named
+    return BoundAttention(query, key, value, seed=seed, static=static, autotune=autotune)
 
 
 _CUPY = None

@@ -243,12 +243,22 @@ def test_unsupported_configuration_is_refused_before_building(monkeypatch, build
     (True, False, PlanChoice.HEURISTIC),
     (False, True, PlanChoice.AUTOTUNED),
 ])
-def test_autotune_setting(default, per_call, expected):
-    try:
-        cudnn_attn.set_autotune(default)
-        assert execution.plan_choice(per_call) is expected
-    finally:
-        cudnn_attn.set_autotune(False)
+def test_autotune_option_and_its_whole_program_default(default, per_call, expected, monkeypatch):
+    monkeypatch.setattr(execution, "AUTOTUNE_DEFAULT", default)
+    assert execution.plan_choice(per_call) is expected
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), (" ON ", True), ("yes", True), ("0", False),
+                                       ("", False), ("off", False), (None, False)])
+def test_autotune_environment_variable(value, on):
+    environ = {} if value is None else {execution.AUTOTUNE_ENV_VAR: value}
+    assert execution.autotune_from_environment(environ) is on
+
+
+@pytest.mark.parametrize("bad", [1, "yes", 0.0])
+def test_autotune_must_be_a_bool_or_none(bad):
+    with pytest.raises(ValueError, match="autotune: must be True, False or None"):
+        execution.plan_choice(bad)
 
 
 def test_seed_return_forms():

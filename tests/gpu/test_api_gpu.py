@@ -274,6 +274,18 @@ def test_direct_path_and_bound_call_equal_the_public_call():
         bound(q.astype(cp.float16), k, v)
 
 
+def test_bound_call_with_autotune_runs_a_timed_plan():
+    """``bind(..., autotune=True)`` times the plans once and its calls run the winner: the output matches the
+    reference (a different plan may round differently from the heuristic's, so not bit-identical)."""
+    rng = np.random.default_rng(43)
+    q, k, v = (cp.asarray(x) for x in _qkv(rng, "bfloat16", T=128, S=128))
+    bound = cudnn_attn.bind(q, k, v, scale=0.125, mask_type=MaskType.CAUSAL, autotune=True)
+    ref = reference.dot_product_attention(*(cp.asnumpy(x) for x in (q, k, v)), scale=0.125,
+                                          mask_type=MaskType.CAUSAL)
+    assert_close("output", bound(q, k, v), ref, "bfloat16")
+    assert graph_cache.key(bound.config, "fwd", 0, plan=PlanChoice.AUTOTUNED) in graph_cache
+
+
 def test_direct_path_results_of_one_allocation_are_independent_arrays():
     """The direct path allocates the backward's dq, dk, dv (and the training forward's output and logsumexp)
     as 256-byte-aligned views of one pool allocation: each is its own C-contiguous array, writing one leaves
