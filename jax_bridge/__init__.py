@@ -14,9 +14,9 @@ CPU (:mod:`.reference_target`).
 
 from .api import attention, dot_product_attention, kernel_options, paged_attention
 from .context_parallel import ContextParallel, Scheme, context_parallelism, load_balance, restore_order
-from .kernel import Backend, KernelOptions
+from .call_site import Backend, CallOptions
 from .nn import dot_product_attention_nn
 
-__all__ = ["Backend", "ContextParallel", "KernelOptions", "Scheme", "attention", "context_parallelism",
+__all__ = ["Backend", "CallOptions", "ContextParallel", "Scheme", "attention", "context_parallelism",
            "dot_product_attention", "dot_product_attention_nn", "kernel_options", "load_balance", "paged_attention",
            "restore_order"]

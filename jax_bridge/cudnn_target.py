@@ -1,21 +1,23 @@
-"""The GPU kernel: the library's cuDNN graph, run on XLA's stream, reading and writing XLA's buffers.
+"""The GPU target: the library's cuDNN graph, run on XLA's stream, reading and writing XLA's buffers.
 
 Lowering (once per compiled call site): everything a run needs is prepared here
-    :func:`lower` registers the :class:`~.kernel.Kernel` and, for **every GPU of the lowering's device
-    assignment**, makes the device's cuDNN context (handle and lock, :mod:`cudnn_attn.runtime`), finds
+    :func:`lower` registers the :class:`~.call_site.AttentionCall` and :func:`plan_devices`, for **every GPU
+    of the lowering's device assignment**, makes the device's cuDNN context (handle and lock, :mod:`cudnn_attn.runtime`), finds
     or builds the :class:`~cudnn_attn.plan.CallPlan` in :data:`cudnn_attn.graph_cache` (after the
     support check, so a refused configuration fails at ``jit`` time with its reasons) and warms it up
     (one launch on scratch buffers, so that no CUDA module is loaded lazily while XLA runs the
     program - loading may synchronise the device, which deadlocks a program whose other GPUs wait in
-    a collective for this one).  The plan is pinned for the handler.  Then it emits one FFI call whose
+    a collective for this one).  The plan is kept for the handler with its launch prepared
+    (:class:`PreparedCall`: host scalars bound, the workspace the last result).  Then it emits one FFI call whose
     operands and results are the plan's (packed segments are converted with ``jax.numpy`` around the
     call, :func:`cudnn_attn.plan.graph_inputs`); the workspace is an extra ``uint8`` result that XLA
     allocates.  After the call, the logsumexp gets the after-launch part of the plan's fill policy.
 
 Execution (every run): nothing is created, built or allocated
-    The handler reads the call site's key, the device ordinal, XLA's stream and the buffer addresses,
-    looks up the pinned plan and calls :meth:`CallPlan.launch` (under the device lock: point the
-    handle at the stream, zero what the policy zeroes first, launch).  A missing plan - a device the
+    The handler reads the call site's key, the device ordinal, XLA's stream and the buffer addresses
+    (:meth:`ffi.Call.snapshot`: one pass over the call frame as 64-bit words), finds the prepared call
+    by ``(key, device)`` and runs its :meth:`CallPlan.launch` (under the device lock: point the handle at
+    the stream only when it changed, zero what the policy zeroes first, launch).  A missing plan - a device the
     lowering did not prepare - is a clear error, never a build.
 
 CUDA graphs (XLA command buffers)
@@ -25,7 +27,7 @@ CUDA graphs (XLA command buffers)
     right.  The host scalars (the dropout seed) are static per call site.  ``cuda_graph=False`` selects
     a target without the trait (XLA then runs the handler on every execution).
 
-Lifetime: plans pinned for the handler live as long as the process (JAX does not tell a lowering when
+Lifetime: plans kept for the handler live as long as the process (JAX does not tell a lowering when
 its executable dies); the graph cache's bound applies to everything else.
 """
 
@@ -43,13 +45,13 @@ from cudnn_attn.graphs.tensors import ragged_offset_dtype
 from cudnn_attn.plan import Fill, graph_inputs, host_scalar_values, zero_rows
 
 from . import ffi
-from .kernel import EAGER_TARGET, TARGET, Kernel, registry
+from .call_site import EAGER_TARGET, TARGET, AttentionCall, registry
 
 
-def _check_expressible(kernel: Kernel) -> None:
+def _check_expressible(site: AttentionCall) -> None:
     import jax
 
-    config = kernel.config
+    config = site.config
     reasons = []
     if config.score_mod is not None and config.score_mod.arg_shapes:
         reasons.append("score_mod arguments are traced arrays under JAX, but cuDNN binds them by value on the host; "
@@ -84,8 +86,8 @@ _prepared: dict[tuple[int, int], PreparedCall] = {}      # (call-site key, devic
 _lock = threading.Lock()
 
 
-def plan_devices(kernel: Kernel, key: int, devices: list[int]) -> list[Any]:
-    """At lowering: the plans of ``kernel`` on ``devices`` - each device's context made, the graph built or
+def plan_devices(site: AttentionCall, key: int, devices: list[int]) -> list[Any]:
+    """At lowering: the plans of call site ``site`` on ``devices`` - each device's context made, the graph built or
     found, warmed up and kept for the handler under ``key``."""
     from cudnn_attn import runtime
     from cudnn_attn.cache import graph_cache
@@ -95,11 +97,11 @@ def plan_devices(kernel: Kernel, key: int, devices: list[int]) -> list[Any]:
         found = _prepared.get((key, device))
         if found is None:
             runtime.device_context(device)
-            plan = graph_cache.plan(kernel.config, kernel.kind, device)
+            plan = graph_cache.plan(site.config, site.kind, device)
             plan.warm_up()
             with _lock:
                 found = _prepared.setdefault((key, device), _prepared_call(
-                    plan, host_scalar_values(kernel.config, kernel.seed)))
+                    plan, host_scalar_values(site.config, site.seed)))
         plans.append(found.plan)
     return plans
 
@@ -143,9 +145,9 @@ def _unprepared(key: int, device: int | None) -> PreparedCall:
         found = _prepared.get((key, device))
         if found is not None:
             return found
-    kernel = registry.kernel(key)                     # raises the "lowered in another process" error
+    site = registry.call(key)                       # raises the "lowered in another process" error
     raise RuntimeError(
-        f"cudnn_attn: the {kernel.kind} kernel of {kernel.config.describe()} was not prepared for GPU {device} "
+        f"cudnn_attn: the {site.kind} call of {site.config.describe()} was not prepared for GPU {device} "
         f"when it was lowered (prepared: {sorted(d for k, d in _prepared if k == key)}); nothing is built while "
         f"XLA runs a program. Lower the computation for this device (jax.jit with its sharding).")
 
@@ -192,23 +194,23 @@ def _lowering_devices(ctx: Any) -> list[int]:
 
 
 def lower(ctx: Any, *args: Any, kind: str, config: AttentionConfig, options: Any) -> Any:
-    """Lowering of the kernel primitive on CUDA (see the module doc)."""
+    """Lowering of the inner primitive on CUDA (see the module doc)."""
     import jax
     import jax.numpy as jnp
     from jax.interpreters import mlir
 
     from cudnn_attn.graphs import packing
 
-    kernel = Kernel(config, kind, options.seed)
-    _check_expressible(kernel)
-    key = registry.key(kernel)
-    plans = plan_devices(kernel, key, _lowering_devices(ctx))
+    site = AttentionCall(config, kind, options.seed)
+    _check_expressible(site)
+    key = registry.key(site)
+    plans = plan_devices(site, key, _lowering_devices(ctx))
     plan = plans[0]
     target = TARGET if options.cuda_graph else EAGER_TARGET
     workspace = max(p.workspace_size for p in plans)
 
     def call(*arrays: Any) -> list[Any]:
-        named = dict(zip(kernel.operands, arrays))
+        named = dict(zip(site.operands, arrays))
         bound, segments = graph_inputs(jnp, config, kind, named)
         if set(bound) != set(plan.operand_ids):
             raise RuntimeError(f"the JAX bridge binds {sorted(t.name for t in bound)} but the cuDNN {kind} graph of "
@@ -224,7 +226,7 @@ def lower(ctx: Any, *args: Any, kind: str, config: AttentionConfig, options: Any
             elif spec.fill is Fill.SEGMENTS:
                 value = packing.lse_from_tokens(jnp, value, segments, config.q_len)
             results[spec.name] = value
-        return [results[name] for name in kernel.results]
+        return [results[name] for name in site.results]
 
     # The conversions above are traced on plain avals: the call is per device, so the operands' mesh
     # shardings and shard_map axes (which sharding-in-types checks would apply to them) do not matter here.

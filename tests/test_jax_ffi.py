@@ -1,4 +1,5 @@
-"""The ctypes XLA FFI layer on CPU: zero-copy buffers, attributes, dtypes, errors, the kernel registry."""
+"""The ctypes XLA FFI layer on CPU: zero-copy buffers, attributes, dtypes, errors, the call-site registry, the GPU handler's
+Python on a call frame in host memory."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from cudnn_attn import jax_bridge  # noqa: F401  (registers the attention targets)
 from cudnn_attn.jax_bridge import ffi
-from cudnn_attn.jax_bridge.kernel import Kernel, KernelRegistry
+from cudnn_attn.jax_bridge.call_site import AttentionCall, CallRegistry
 
 seen: dict = {}
 
@@ -101,19 +102,19 @@ def test_python_errors_become_xla_errors(kind, code, message):
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: x + 1)(x)), 2.0)   # the runtime is fine
 
 
-def test_kernel_registry_is_stable_and_explains_unknown_keys():
+def test_call_site_registry_is_stable_and_explains_unknown_keys():
     from cudnn_attn.validation import prepare
 
     config, _ = prepare(*(np.empty((1, 8, 2, 8), np.float16) for _ in range(3)), xp=np)
-    registry = KernelRegistry()
-    first = registry.key(Kernel(config, "fwd"))
-    assert registry.key(Kernel(config, "fwd")) == first
-    assert registry.key(Kernel(config, "bwd")) != first
-    assert registry.kernel(first) == Kernel(config, "fwd")
+    registry = CallRegistry()
+    first = registry.key(AttentionCall(config, "fwd"))
+    assert registry.key(AttentionCall(config, "fwd")) == first
+    assert registry.key(AttentionCall(config, "bwd")) != first
+    assert registry.call(first) == AttentionCall(config, "fwd")
     with pytest.raises(LookupError, match="lowered in another process"):
-        registry.kernel(first + 5)
+        registry.call(first + 5)
     with pytest.raises(ValueError, match="kind"):
-        Kernel(config, "sideways")
+        AttentionCall(config, "sideways")
 
 
 # -- the GPU handler's Python on a call frame in host memory (no GPU: the launch is recorded) -------------
@@ -158,11 +159,11 @@ def test_gpu_handler_passes_the_frames_buffers_stream_and_workspace_to_the_prepa
 def test_gpu_handler_names_an_unprepared_device():
     from cudnn_attn.config import AttentionConfig
     from cudnn_attn.jax_bridge import cudnn_target
-    from cudnn_attn.jax_bridge.kernel import Kernel, registry
+    from cudnn_attn.jax_bridge.call_site import AttentionCall, registry
 
     config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16,
                              dtype="float16", scale=0.0123)        # a configuration no GPU test lowers
-    key = registry.key(Kernel(config, "fwd"))
+    key = registry.key(AttentionCall(config, "fwd"))
     frame = ffi.HostCallFrame(key, 3, 2)
     with pytest.raises(RuntimeError, match="not prepared for GPU 0"):
         cudnn_target._run(ffi.Call(frame.address))

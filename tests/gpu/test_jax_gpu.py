@@ -209,7 +209,7 @@ def test_the_handler_launches_the_same_plan_as_the_public_call():
     import cudnn_attn
     from cudnn_attn.cache import graph_cache
     from cudnn_attn.jax_bridge import cudnn_target
-    from cudnn_attn.jax_bridge.kernel import Kernel, registry
+    from cudnn_attn.jax_bridge.call_site import AttentionCall, registry
     from cudnn_attn.validation import prepare
 
     rng = np.random.default_rng(41)
@@ -223,7 +223,7 @@ def test_the_handler_launches_the_same_plan_as_the_public_call():
         for _ in range(3):
             np.testing.assert_array_equal(np.asarray(fn(*args)), cp.asnumpy(want))
     config, _ = prepare(*args, scale=SCALE, mask_type=MaskType.CAUSAL, xp=jnp)
-    key = registry.key(Kernel(config, "fwd", 0))
+    key = registry.key(AttentionCall(config, "fwd", 0))
     assert cudnn_target.pinned_plan(key, 0) is graph_cache.plan(config, "fwd", 0)
 
 
