@@ -102,7 +102,7 @@ def cupy_stages(bound, forward_arrays, backward_arrays, calls, rounds) -> dict:
     rows = {}
     for kind, arrays, direct in (("fwd", forward_arrays, bound._forward), ("bwd", backward_arrays, bound._backward)):
         key = next(k for k in api._direct if k[0] == kind)          # the public call's entry (made above)
-        static, signature = key[-2], api._direct_signature
+        static, signature = key[-1], api._direct_signature
         rows[("  public stage: signature + lookup", kind)] = host_us(
             lambda: api._direct.get(signature(kind, arrays, static)), calls=calls, rounds=rounds)
         rows[("  bound stage: check arrays", kind)] = host_us(lambda: bound._check(direct, arrays), calls=calls,

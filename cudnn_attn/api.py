@@ -225,10 +225,11 @@ class _Direct:
 
     def _allocate(self, cupy: Any) -> list[Any]:
         """The results on the current device and stream (see the class doc)."""
+        ndarray = cupy.ndarray                # what cupy.empty returns, without its Python wrapper
         if len(self._layout) == 1:
             shape, dtype, _ = self._layout[0]
-            return [cupy.empty(shape, dtype)]
-        memory, ndarray = cupy.cuda.alloc(self._nbytes), cupy.ndarray
+            return [ndarray(shape, dtype)]
+        memory = cupy.cuda.alloc(self._nbytes)
         return [ndarray(shape, dtype, memory + offset if offset else memory) for shape, dtype, offset in self._layout]
 
     def _launch(self, cupy: Any, plan: Any, arrays: tuple, seed: int, out: Any) -> list[Any]:

@@ -318,7 +318,7 @@ def test_validation_memo_skips_calls_whose_arrays_prepare_transforms():
 
 def test_direct_results_are_aligned_disjoint_views_of_one_allocation(monkeypatch):
     """The backward's dq, dk, dv (odd byte sizes here) come from one pool allocation at 256-byte-aligned,
-    disjoint offsets; a single result is a plain ``cupy.empty``."""
+    disjoint offsets; a single result is a new array of its own."""
     import types
 
     from cudnn_attn import api
@@ -342,8 +342,8 @@ def test_direct_results_are_aligned_disjoint_views_of_one_allocation(monkeypatch
 
     fake = types.SimpleNamespace(
         cuda=types.SimpleNamespace(alloc=lambda n: allocations.append(n) or Memory(0x10000)),
-        ndarray=lambda shape, dtype, memory: made.append((shape, dtype, int(memory))) or (shape, int(memory)),
-        empty=lambda shape, dtype: ("empty", shape))
+        ndarray=lambda shape, dtype, memory=None: ("new", shape) if memory is None else
+        made.append((shape, dtype, int(memory))) or (shape, int(memory)))
     direct._allocate(fake)
     sizes = [spec.nbytes for spec in specs]
     assert len(allocations) == 1 and [m[:2] for m in made] == [(s.shape, s.dtype) for s in specs]
@@ -352,4 +352,4 @@ def test_direct_results_are_aligned_disjoint_views_of_one_allocation(monkeypatch
     assert all(a + n <= b for a, n, b in zip(starts, sizes, starts[1:])) and starts[-1] + sizes[-1] <= allocations[0]
     plan.results = tuple(specs[:1])
     direct.plan()
-    assert direct._allocate(fake) == [("empty", specs[0].shape)] and len(allocations) == 1
+    assert direct._allocate(fake) == [("new", specs[0].shape)] and len(allocations) == 1
