@@ -7,6 +7,10 @@ inference mode and backward.  Rows, from the whole public call down to the floor
 
 * ``public``          - ``cudnn_attn.dot_product_attention`` / ``dot_product_attention_bwd`` (CuPy arrays);
 * ``bound``           - a pre-bound call, ``cudnn_attn.bind(...)`` then ``bound(q, k, v)`` / ``bound.backward``;
+* ``  public stage``, ``  bound stage``, ``  stage`` - the parts of the public and bound calls, each timed
+                        alone: the signature key and its lookup, the bound call's array check, the device
+                        and stream queries, the results' allocation (one pool allocation for several
+                        results) against one ``cupy.empty`` per result;
 * ``plan.launch``     - the call plan's launch alone (results preallocated): lock, stream, pointers, launch;
 * ``raw launch``      - the frontend's private ``_execute_with_raw_ptrs`` with a prefilled pointer array:
                         the floor of any launch through cuDNN's backend (variant pack + ``cudnnBackendExecute``);
@@ -14,7 +18,9 @@ inference mode and backward.  Rows, from the whole public call down to the floor
 * ``torch``           - ``torch.nn.functional.scaled_dot_product_attention`` with the cuDNN backend
                         (backward: autograd's fwd+bwd minus the fwd);
 * ``jax handler``     - our XLA FFI handler alone (entry to return, recorded by ``ffi.record_handler_times``)
-                        in a jitted chain with ``cuda_graph=False``, so that XLA runs it every time;
+                        in a jitted chain with ``cuda_graph=False``, so that XLA runs it every time, and its
+                        stages (``cudnn_target.stages``): reading the call frame, finding the call site, the
+                        launch (``benchmarks/bench_handler_cpu.py`` times the same Python without a GPU);
 * ``jax jit call``    - wall time per call of a jitted chain of 16 calls, XLA's command buffers on (default)
                         and off, and ``jax.nn.dot_product_attention(implementation="cudnn")`` for comparison.
 

@@ -174,8 +174,6 @@ _ATTRS_SIZE = _Attrs.size.offset             # size, types, names, attrs follow 
 _VOID_P = C.c_void_p
 _LIST_HEADER = struct.Struct("qPP")           # XLA_FFI_Args/Rets: size, types, items
 _ATTRS_HEADER = struct.Struct("qPPP")         # XLA_FFI_Attrs: size, types, names, attrs
-_SCALAR = struct.Struct("iP")                 # XLA_FFI_Scalar: dtype, value pointer (native alignment)
-assert _SCALAR.size == C.sizeof(_Scalar), "XLA FFI struct layout"
 _POINTER_BYTES = C.sizeof(C.c_void_p)
 _INT_BYTES = C.sizeof(C.c_int)
 _S64 = 5                                      # XLA_FFI_DataType_S64
@@ -270,6 +268,7 @@ class _QueryArgs:
         self.stream_address = C.addressof(self.stream)
         self.device = _DeviceOrdinalArgs(C.sizeof(_DeviceOrdinalArgs), None, None, 0)
         self.device_address = C.addressof(self.device)
+        assert self.stream_address % _W == 0 and self.device_address % _W == 0, "read as words"
         self.words = (self.stream_address // _W, self.device_address // _W)
 
 
@@ -400,10 +399,8 @@ class Call:
         words, frame = _WORDS, self._frame >> 3
         functions = _function_tables.get(words[frame + _FW_API]) or self._functions()
         stream, device = _stream_and_device(functions, words[frame + _FW_CTX])
-        table = words[frame + _FW_ARGS_ITEMS] >> 3
-        addresses = [words[(buffer >> 3) + _BW_DATA] for buffer in words[table:table + words[frame + _FW_ARGS_SIZE]]]
-        table = words[frame + _FW_RETS_ITEMS] >> 3
-        addresses += [words[(buffer >> 3) + _BW_DATA] for buffer in words[table:table + words[frame + _FW_RETS_SIZE]]]
+        addresses = _data_addresses(words[frame + _FW_ARGS_SIZE], words[frame + _FW_ARGS_ITEMS])
+        addresses += _data_addresses(words[frame + _FW_RETS_SIZE], words[frame + _FW_RETS_ITEMS])
         return Snapshot(self._key(), addresses, stream, device)
 
     def addresses_and_key(self) -> tuple[int, list[int], list[int]]:
@@ -476,9 +473,9 @@ class HostCallFrame:
         args = _List(C.sizeof(_List), None, n_args, self.types, self.arg_table)
         rets = _List(C.sizeof(_List), None, n_rets, self.types, self.ret_table)
         attrs = _Attrs(C.sizeof(_Attrs), None, 1, self.attr_types, self.attr_names,
-                           C.cast(self.attr_values, C.POINTER(C.c_void_p)))
+                       C.cast(self.attr_values, C.POINTER(C.c_void_p)))
         self.frame = _CallFrame(C.sizeof(_CallFrame), None, C.addressof(self.api), 0x77, _STAGE_EXECUTE,
-                                    args, rets, attrs, None)
+                                args, rets, attrs, None)
         self.address = C.addressof(self.frame)
 
 
