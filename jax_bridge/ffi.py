@@ -322,6 +322,9 @@ def _data_addresses(count: int, items: int) -> list[int]:
     return [words[(buffer >> 3) + _BW_DATA] for buffer in words[table:table + count]]
 
 
+_new_tuple = tuple.__new__
+
+
 class Snapshot(NamedTuple):
     """What a GPU handler reads of a call, in one pass (:meth:`Call.snapshot`)."""
 
@@ -401,7 +404,8 @@ class Call:
         stream, device = _stream_and_device(functions, words[frame + _FW_CTX])
         addresses = _data_addresses(words[frame + _FW_ARGS_SIZE], words[frame + _FW_ARGS_ITEMS])
         addresses += _data_addresses(words[frame + _FW_RETS_SIZE], words[frame + _FW_RETS_ITEMS])
-        return Snapshot(self._key(), addresses, stream, device)
+        # tuple.__new__ skips the named tuple's Python-level __new__ (0.3 us of a 4.5 us read on a 2-core CPU)
+        return _new_tuple(Snapshot, (self._key(), addresses, stream, device))
 
     def addresses_and_key(self) -> tuple[int, list[int], list[int]]:
         """The platform-independent part of :meth:`snapshot`: ``(key, argument addresses, result addresses)``."""
@@ -418,7 +422,10 @@ class Call:
         value = words[scalar + _SW_VALUE]
         if words[scalar] & _LOW32 != _S64:
             raise TypeError("the call site's attribute must be an int64 scalar")
-        return C.c_int64.from_address(value).value
+        if value & 7:
+            return C.c_int64.from_address(value).value
+        value = words[value >> 3]
+        return value - (1 << 64) if value >> 63 else value        # the word as a signed int64
 
     def _functions(self) -> _Functions:
         return _functions(_WORDS[(self._frame >> 3) + _FW_API])

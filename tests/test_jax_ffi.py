@@ -167,3 +167,11 @@ def test_gpu_handler_names_an_unprepared_device():
     frame = ffi.HostCallFrame(key, 3, 2)
     with pytest.raises(RuntimeError, match="not prepared for GPU 0"):
         cudnn_target._run(ffi.Call(frame.address))
+
+
+@pytest.mark.parametrize("value", [0, 41, -5, 2 ** 63 - 1, -2 ** 63])
+def test_the_single_int64_attribute_is_read_signed(value):
+    frame = ffi.HostCallFrame(value, 2, 1)
+    call = ffi.Call(frame.address)
+    assert call.snapshot().key == value and call.addresses_and_key()[0] == value
+    assert call.int64_attribute("key") == value and call.attributes() == {"key": value}
