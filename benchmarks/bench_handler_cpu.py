@@ -3,15 +3,15 @@
     python benchmarks/bench_handler_cpu.py [--calls N] [--args 3] [--rets 2]
 
 No GPU and no XLA: the call frame, its buffers, its one int64 ``key`` attribute and the XLA API table
-are built here with the structures of :mod:`cudnn_attn.jax_bridge.ffi` (the layout XLA passes), so the
-handler's Python runs exactly as under XLA, minus the launch.  ``Stream_Get`` and ``DeviceOrdinal_Get``
-point at a C function that returns 0 (:class:`ffi.HostCallFrame`), so their cost is the cost of a ctypes call, as under XLA.
+are built in host memory (:class:`ffi.HostCallFrame`, the layout XLA passes), so the handler's Python
+runs exactly as under XLA, minus the launch.  ``Stream_Get`` and ``DeviceOrdinal_Get`` point at a C
+function that returns 0, so their cost is the cost of a ctypes call, as under XLA.
 
 Stages (ns per call: the best of 7 rounds of ``--calls`` calls; the machine may be shared):
 
 * ``frame read``     - :meth:`ffi.Call.snapshot`: key, buffer addresses, stream, device ordinal;
-* ``site lookup``    - finding the prepared launch of the call site on the device;
-* ``launch Python``  - the prepared launch up to (not including) cuDNN: the device lock, the stream
+* ``site lookup``    - finding the launch of the call site on the device;
+* ``launch Python``  - the call site's launch up to (not including) cuDNN: the device lock, the stream
                        check, the pointer array filled in the graph's order;
 * ``handler``        - the whole registered handler (metadata check, stage check, all of the above) with
                        cuDNN's ``_execute_with_raw_ptrs`` replaced by a no-op.
@@ -33,7 +33,7 @@ from cudnn_attn.jax_bridge import cudnn_target, ffi
 
 
 class _StubLauncher:
-    """The prepared launch's cuDNN call replaced by a no-op (the pointer array is still filled)."""
+    """The launch's cuDNN call replaced by a no-op (the pointer array is still filled)."""
 
     @staticmethod
     def raw_execute(pointers: int, count: int, workspace: int, handle: int, plan_index: int) -> None:
@@ -78,8 +78,8 @@ def main() -> int:
     key = 7
     fake = ffi.HostCallFrame(key, options.args, options.rets)
     plan = _plan(options.args, options.rets - 1)
-    prepared = cudnn_target._prepared[(key, 0)] = cudnn_target._prepared_call(plan, ())
-    launch = prepared.launch
+    site = cudnn_target._launches[(key, 0)] = cudnn_target._site_launch(plan, ())
+    launch = site.launch
     call = ffi.Call(fake.address)
     snapshot = call.snapshot()
     assert snapshot.key == key and snapshot.device == 0, snapshot
@@ -87,7 +87,7 @@ def main() -> int:
     handler_fn = C.CFUNCTYPE(C.c_void_p, C.c_void_p)(handler.address)
     rows = {
         "frame read (Call.snapshot)": best_ns(call.snapshot, options.calls),
-        "site lookup": best_ns(lambda: cudnn_target._prepared.get((key, 0)), options.calls),
+        "site lookup": best_ns(lambda: cudnn_target._launches.get((key, 0)), options.calls),
         "launch Python (no cuDNN)": best_ns(lambda: launch(list(snapshot.addresses), 0), options.calls),
         "handler through ctypes (no cuDNN)": best_ns(lambda: handler_fn(fake.address), options.calls),
         "empty ctypes callback": best_ns(

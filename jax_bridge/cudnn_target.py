@@ -1,24 +1,25 @@
 """The GPU target: the library's cuDNN graph, run on XLA's stream, reading and writing XLA's buffers.
 
-Lowering (once per compiled call site): everything a run needs is prepared here
-    :func:`lower` registers the :class:`~.call_site.AttentionCall` and :func:`plan_devices`, for **every GPU
-    of the lowering's device assignment**, makes the device's cuDNN context (handle and lock, :mod:`cudnn_attn.runtime`), finds
-    or builds the :class:`~cudnn_attn.plan.CallPlan` in :data:`cudnn_attn.graph_cache` (after the
-    support check, so a refused configuration fails at ``jit`` time with its reasons) and warms it up
-    (one launch on scratch buffers, so that no CUDA module is loaded lazily while XLA runs the
-    program - loading may synchronise the device, which deadlocks a program whose other GPUs wait in
-    a collective for this one).  The plan is kept for the handler with its launch prepared
-    (:class:`PreparedCall`: host scalars bound, the workspace the last result).  Then it emits one FFI call whose
-    operands and results are the plan's (packed segments are converted with ``jax.numpy`` around the
-    call, :func:`cudnn_attn.plan.graph_inputs`); the workspace is an extra ``uint8`` result that XLA
-    allocates.  After the call, the logsumexp gets the after-launch part of the plan's fill policy.
+Lowering (once per compiled call site): everything a run needs is decided here
+    :func:`lower` registers the :class:`~.call_site.AttentionCall`; :func:`plan_devices`, for **every
+    GPU of the lowering's device assignment**, makes the device's cuDNN context (handle and lock,
+    :mod:`cudnn_attn.runtime`), finds or builds the :class:`~cudnn_attn.plan.CallPlan` in
+    :data:`cudnn_attn.graph_cache` (after the support check, so a refused configuration fails at ``jit``
+    time with its reasons) and warms it up (one launch on scratch buffers, so that no CUDA module is
+    loaded lazily while XLA runs the program - loading may synchronise the device, which deadlocks a
+    program whose other GPUs wait in a collective for this one).  The plan is kept for the handler as a
+    :class:`SiteLaunch` (host scalars bound, the workspace the last result).  Then :func:`lower` emits one
+    FFI call whose operands and results are the plan's (packed segments are converted with
+    ``jax.numpy`` around the call, :func:`cudnn_attn.plan.graph_inputs`); the workspace is an extra
+    ``uint8`` result that XLA allocates.  After the call, the logsumexp gets the after-launch part of the
+    plan's fill policy.
 
 Execution (every run): nothing is created, built or allocated
     The handler reads the call site's key, the device ordinal, XLA's stream and the buffer addresses
-    (:meth:`ffi.Call.snapshot`: one pass over the call frame as 64-bit words), finds the prepared call
-    by ``(key, device)`` and runs its :meth:`CallPlan.launch` (under the device lock: point the handle at
-    the stream only when it changed, zero what the policy zeroes first, launch).  A missing plan - a device the
-    lowering did not prepare - is a clear error, never a build.
+    (:meth:`ffi.Call.snapshot`: one pass over the call frame as 64-bit words), finds the call site's
+    launch by ``(key, device)`` and runs :meth:`CallPlan.launch` (under the device lock: point the handle
+    at the stream only when it changed, zero what the policy zeroes first, launch).  A missing plan - a
+    device the lowering did not plan - is a clear error, never a build.
 
 CUDA graphs (XLA command buffers)
     The target is declared command-buffer compatible, so XLA may record the handler's work (memsets
@@ -62,9 +63,9 @@ def _check_expressible(site: AttentionCall) -> None:
         raise UnsupportedConfigurationError(reasons, config)
 
 
-# -- call sites prepared for the handler ---------------------------------------------------------------
+# -- call sites planned for the handler ----------------------------------------------------------------
 
-class PreparedCall(NamedTuple):
+class SiteLaunch(NamedTuple):
     """One call site on one device, as the handler runs it: the plan, and ``launch(addresses, stream)``
     with everything else fixed (host scalars, the workspace as the last result, the stream kept bound)."""
 
@@ -72,17 +73,17 @@ class PreparedCall(NamedTuple):
     launch: Callable[[list, int], None]
 
 
-def _prepared_call(plan: Any, scalars: tuple) -> PreparedCall:
+def _site_launch(plan: Any, scalars: tuple) -> SiteLaunch:
     launch, uses_workspace = plan.launch, bool(plan.workspace_size)
 
     def run(addresses: list, stream: int) -> None:
         workspace = addresses.pop()                   # XLA's uint8 result, last
         launch(addresses, stream, workspace if uses_workspace else 0, scalars, True)
 
-    return PreparedCall(plan, run)
+    return SiteLaunch(plan, run)
 
 
-_prepared: dict[tuple[int, int], PreparedCall] = {}      # (call-site key, device) -> what the handler runs
+_launches: dict[tuple[int, int], SiteLaunch] = {}      # (call-site key, device) -> what the handler runs
 _lock = threading.Lock()
 
 
@@ -94,32 +95,32 @@ def plan_devices(site: AttentionCall, key: int, devices: list[int]) -> list[Any]
 
     plans = []
     for device in devices:
-        found = _prepared.get((key, device))
+        found = _launches.get((key, device))
         if found is None:
             runtime.device_context(device)
             plan = graph_cache.plan(site.config, site.kind, device)
             plan.warm_up()
             with _lock:
-                found = _prepared.setdefault((key, device), _prepared_call(
+                found = _launches.setdefault((key, device), _site_launch(
                     plan, host_scalar_values(site.config, site.seed)))
         plans.append(found.plan)
     return plans
 
 
 def pinned_plan(key: int, device: int) -> Any:
-    """The plan the handler runs for call site ``key`` on ``device`` (``None`` when not prepared)."""
-    found = _prepared.get((key, device))
+    """The plan the handler runs for call site ``key`` on ``device`` (``None`` when not planned)."""
+    found = _launches.get((key, device))
     return None if found is None else found.plan
 
 
 def _run(call: ffi.Call) -> None:
-    """The handler: XLA's buffers and stream into the prepared launch (see the module doc)."""
+    """The handler: XLA's buffers and stream into the call site's launch (see the module doc)."""
     if stages is not None:
         return _run_timed(call)
     key, addresses, stream, device = call.snapshot()
-    found = _prepared.get((key, device))
+    found = _launches.get((key, device))
     if found is None:
-        found = _unprepared(key, device)
+        found = _missing_site(key, device)
     found.launch(addresses, stream)
 
 
@@ -129,26 +130,26 @@ def _run_timed(call: ffi.Call) -> None:
     start = now()
     key, addresses, stream, device = call.snapshot()
     read = now()
-    found = _prepared.get((key, device)) or _unprepared(key, device)
+    found = _launches.get((key, device)) or _missing_site(key, device)
     found_at = now()
     found.launch(addresses, stream)
     stages.append((read - start, found_at - read, now() - found_at))
 
 
-def _unprepared(key: int, device: int | None) -> PreparedCall:
+def _missing_site(key: int, device: int | None) -> SiteLaunch:
     """The call site on ``device`` when the fast lookup missed: a runtime without the device query (XLA made
-    the device current), else the error of a device the lowering did not prepare."""
+    the device current), else the error of a device the lowering did not plan."""
     if device is None:
         import cupy
 
         device = cupy.cuda.runtime.getDevice()
-        found = _prepared.get((key, device))
+        found = _launches.get((key, device))
         if found is not None:
             return found
     site = registry.call(key)                       # raises the "lowered in another process" error
     raise RuntimeError(
-        f"cudnn_attn: the {site.kind} call of {site.config.describe()} was not prepared for GPU {device} "
-        f"when it was lowered (prepared: {sorted(d for k, d in _prepared if k == key)}); nothing is built while "
+        f"cudnn_attn: the {site.kind} call of {site.config.describe()} was not planned for GPU {device} "
+        f"when it was lowered (planned: {sorted(d for k, d in _launches if k == key)}); nothing is built while "
         f"XLA runs a program. Lower the computation for this device (jax.jit with its sharding).")
 
 
@@ -163,7 +164,7 @@ def _release() -> None:
     """At exit (:func:`cudnn_attn.runtime.release`): wait for computations in flight, then unpin the plans."""
     ffi.finish_pending_calls()
     with _lock:
-        _prepared.clear()
+        _launches.clear()
 
 
 def _register_release() -> None:

@@ -1,5 +1,5 @@
-"""The ctypes XLA FFI layer on CPU: zero-copy buffers, attributes, dtypes, errors, the call-site registry, the GPU handler's
-Python on a call frame in host memory."""
+"""The ctypes XLA FFI layer on CPU: zero-copy buffers, attributes, dtypes, errors, the call-site registry,
+and the GPU handler's Python on a call frame in host memory."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ class _RecordingPlan:
 
 
 @pytest.mark.parametrize("n_args,n_rets,workspace_size", [(3, 2, 256), (6, 4, 0), (1, 1, 64)])
-def test_gpu_handler_passes_the_frames_buffers_stream_and_workspace_to_the_prepared_launch(
+def test_gpu_handler_passes_the_frames_buffers_stream_and_workspace_to_the_site_launch(
         n_args, n_rets, workspace_size):
     from cudnn_attn.jax_bridge import cudnn_target
 
@@ -141,7 +141,7 @@ def test_gpu_handler_passes_the_frames_buffers_stream_and_workspace_to_the_prepa
     assert call.addresses_and_key() == (key, call.arg_addresses(), call.ret_addresses())
     assert [b.address for b in call.args + call.rets] == call.snapshot().addresses
     plan = _RecordingPlan(workspace_size)
-    cudnn_target._prepared[(key, 0)] = cudnn_target._prepared_call(plan, (1234, 0))
+    cudnn_target._launches[(key, 0)] = cudnn_target._site_launch(plan, (1234, 0))
     try:
         handler = ffi.make_handler("cudnn_attn_test_host_frame", cudnn_target._run)
         assert ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(handler.address)(frame.address) is None
@@ -150,13 +150,13 @@ def test_gpu_handler_passes_the_frames_buffers_stream_and_workspace_to_the_prepa
         assert len(cudnn_target.stages) == 1 and all(ns >= 0 for ns in cudnn_target.stages[0])
     finally:
         cudnn_target.stages = None
-        del cudnn_target._prepared[(key, 0)]
+        del cudnn_target._launches[(key, 0)]
     addresses = [0x1000 * (i + 1) for i in range(n_args + n_rets)]
     expected = (addresses[:-1], 0, addresses[-1] if workspace_size else 0, (1234, 0), True)
     assert plan.launches == [expected, expected]
 
 
-def test_gpu_handler_names_an_unprepared_device():
+def test_gpu_handler_names_an_unplanned_device():
     from cudnn_attn.config import AttentionConfig
     from cudnn_attn.jax_bridge import cudnn_target
     from cudnn_attn.jax_bridge.call_site import AttentionCall, registry
@@ -165,7 +165,7 @@ def test_gpu_handler_names_an_unprepared_device():
                              dtype="float16", scale=0.0123)        # a configuration no GPU test lowers
     key = registry.key(AttentionCall(config, "fwd"))
     frame = ffi.HostCallFrame(key, 3, 2)
-    with pytest.raises(RuntimeError, match="not prepared for GPU 0"):
+    with pytest.raises(RuntimeError, match="not planned for GPU 0"):
         cudnn_target._run(ffi.Call(frame.address))
 
 
