@@ -233,7 +233,7 @@ class CallPlan:
         with context.lock:
             context.bind_stream(stream)
             if workspace is None:
-                workspace = context.workspace(stream, self.workspace_size)
+                workspace = context.workspace(stream, self.workspace_size) if self.workspace_size else 0
             if self._zeroed:
                 _memset_zero(pointers, self._zeroed, stream)
             if self._scalars:
