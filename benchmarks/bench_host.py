@@ -7,6 +7,10 @@ inference mode and backward.  Rows, from the whole public call down to the floor
 
 * ``public``          - ``cudnn_attn.dot_product_attention`` / ``dot_product_attention_bwd`` (CuPy arrays);
 * ``bound``           - a pre-bound call, ``cudnn_attn.bind(...)`` then ``bound(q, k, v)`` / ``bound.backward``;
+* ``  public stage``, ``  bound stage``, ``  stage`` - the parts of the public and bound calls, each timed
+                        alone: the signature key and its lookup, the bound call's array check, the device
+                        and stream queries, the results' allocation (one pool allocation for several
+                        results) against one ``cupy.empty`` per result;
 * ``plan.launch``     - the call plan's launch alone (results preallocated): lock, stream, pointers, launch;
 * ``raw launch``      - the frontend's private ``_execute_with_raw_ptrs`` with a prefilled pointer array:
                         the floor of any launch through cuDNN's backend (variant pack + ``cudnnBackendExecute``);
@@ -14,7 +18,9 @@ inference mode and backward.  Rows, from the whole public call down to the floor
 * ``torch``           - ``torch.nn.functional.scaled_dot_product_attention`` with the cuDNN backend
                         (backward: autograd's fwd+bwd minus the fwd);
 * ``jax handler``     - our XLA FFI handler alone (entry to return, recorded by ``ffi.record_handler_times``)
-                        in a jitted chain with ``cuda_graph=False``, so that XLA runs it every time;
+                        in a jitted chain with ``cuda_graph=False``, so that XLA runs it every time, and its
+                        stages (``cudnn_target.stages``): reading the call frame, finding the call site, the
+                        launch (``benchmarks/bench_handler_cpu.py`` times the same Python without a GPU);
 * ``jax jit call``    - wall time per call of a jitted chain of 16 calls, XLA's command buffers on (default)
                         and off, and ``jax.nn.dot_product_attention(implementation="cudnn")`` for comparison.
 
@@ -64,6 +70,7 @@ def cupy_rows(q, k, v, do, calls, rounds) -> dict:
     out = cp.empty_like(q)
     rows[("bound, out=", "fwd")] = host_us(lambda: bound(q, k, v, out=out), calls=calls, rounds=rounds)
     rows[("bound", "bwd")] = host_us(lambda: bound.backward(q, k, v, o, do, lse), calls=calls, rounds=rounds)
+    rows.update(cupy_stages(bound, (q, k, v), (q, k, v, o, do, lse), calls, rounds))
     config = bound.config
     stream = cp.cuda.get_current_stream().ptr
     for kind, inputs in (("fwd", {"query": q, "key": k, "value": v}),
@@ -89,6 +96,29 @@ def cupy_rows(q, k, v, do, calls, rounds) -> dict:
         graph, handle, ordered = plan.built.graph, context.handle, tuple(pointers)
         rows[("frontend execute", kind)] = host_us(
             lambda: graph.execute(ordered, workspace, handle=handle, tensor_uids=uids), calls=calls, rounds=rounds)
+    return rows
+
+
+def cupy_stages(bound, forward_arrays, backward_arrays, calls, rounds) -> dict:
+    """The public and bound calls' parts, each timed alone in a loop (so the table explains the totals):
+    the signature key and its lookup, the bound call's check, the device and stream queries, and the
+    results' allocation.  ``plan.launch`` and the raw floor are rows of their own."""
+    from cudnn_attn import api
+
+    rows = {}
+    for kind, arrays, direct in (("fwd", forward_arrays, bound._forward), ("bwd", backward_arrays, bound._backward)):
+        key = next(k for k in api._direct if k[0] == kind)          # the public call's entry (made above)
+        static, signature = key[-1], api._direct_signature
+        rows[("  public stage: signature + lookup", kind)] = host_us(
+            lambda: api._direct.get(signature(kind, arrays, static)), calls=calls, rounds=rounds)
+        rows[("  bound stage: check arrays", kind)] = host_us(lambda: bound._check(direct, arrays), calls=calls,
+                                                              rounds=rounds)
+        rows[("  stage: device + stream query", kind)] = host_us(
+            lambda: (cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr), calls=calls, rounds=rounds)
+        rows[(f"  stage: allocate {len(direct._layout)} result(s)", kind)] = host_us(
+            lambda: direct._allocate(cp), calls=calls, rounds=rounds)
+        rows[("  stage: cupy.empty per result", kind)] = host_us(
+            lambda: [cp.empty(shape, dtype) for shape, dtype, _ in direct._layout], calls=calls, rounds=rounds)
     return rows
 
 
@@ -149,7 +179,7 @@ def jax_rows(q, k, v, do, rounds) -> dict:
             for _ in range(3):
                 jax.block_until_ready(fn(jq))
             times = ffi.record_handler_times(name == "ours-eager")
-            cudnn_target.stages = [] if name == "ours-eager" else None
+            cudnn_target.stages = [] if name == "ours-eager" else None      # (read, find, launch) per run
             samples = []
             for _ in range(rounds * 4):
                 start = time.perf_counter()
@@ -158,8 +188,8 @@ def jax_rows(q, k, v, do, rounds) -> dict:
             ffi.record_handler_times(False)
             stages, cudnn_target.stages = cudnn_target.stages, None
             if stages:
-                rows[("  of which: read call + find plan", mode)] = statistics.median(a for a, _ in stages) / 1e3
-                rows[("  of which: plan.launch", mode)] = statistics.median(b for _, b in stages) / 1e3
+                for i, stage in enumerate(("read the call frame", "find the call site", "launch")):
+                    rows[(f"  handler stage: {stage}", mode)] = statistics.median(s[i] for s in stages) / 1e3
             rows[(f"jax jit call ({name})", mode)] = statistics.median(samples)
             if times:
                 for target in sorted({t for t, _ in times}):

@@ -13,7 +13,7 @@ from .masks import MaskSpec, alibi, causal, keep, padding, segments, window
 from .signature import AuxRequest
 from .types import AttentionGrads, AttentionLayout, AttentionOutput, FP8Params, Kind, MaskType
 from .api import (
-    BoundAttention, attention, bind, dot_product_attention, dot_product_attention_bwd, paged_attention, set_autotune,
+    BoundAttention, attention, bind, dot_product_attention, dot_product_attention_bwd, paged_attention,
 )
 from .cache import GraphCache, graph_cache
 
@@ -21,7 +21,7 @@ __all__ = [
     "AttentionConfig", "AttentionGrads", "AttentionLayout", "AttentionOperands", "AttentionOutput", "AuxRequest",
     "BoundAttention", "DiagonalAlignment", "FP8Params", "GraphCache", "Kind", "MaskSpec", "MaskType", "NoGPUError",
     "UnsupportedConfigurationError", "alibi", "attention", "bind", "causal", "dot_product_attention",
-    "dot_product_attention_bwd", "graph_cache", "keep", "padding", "paged_attention", "segments", "set_autotune",
+    "dot_product_attention_bwd", "graph_cache", "keep", "padding", "paged_attention", "segments",
     "window",
 ]
 __version__ = "0.1.0"

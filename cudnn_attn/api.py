@@ -9,8 +9,8 @@ and add keyword-only extensions after them:
 * ``deterministic`` (backward) - deterministic dQ accumulation, bit-identical reruns;
 * ``stream`` - where to run (default: the current CuPy stream of the query's device; see
   :mod:`cudnn_attn.runtime`);
-* ``autotune`` - time every cuDNN plan once per configuration and keep the fastest (``None``: the
-  global :func:`set_autotune` setting, off by default);
+* ``autotune`` - time every cuDNN plan once per configuration and keep the fastest (``None``: off, unless
+  ``CUDNN_ATTN_AUTOTUNE=1`` was set when the library was imported: :data:`cudnn_attn.execution.AUTOTUNE_DEFAULT`);
 * ``fp8_dtype`` (with ``use_fp8``) - the FP8 format of the uint8 operands: ``"float8_e4m3fn"``
   (default) or ``"float8_e5m2"``;
 * ``out_type`` - the array type of the results: ``None`` (default) returns them in the query's
@@ -45,6 +45,7 @@ outputs: :mod:`cudnn_attn.execution`.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -52,13 +53,11 @@ from typing import Any, Callable, Sequence
 from . import execution, runtime, signature
 from .config import AttentionConfig, AttentionOperands
 from .masks import MaskSpec
-from .execution import set_autotune
 from .plan import BWD, FWD
 from .types import AttentionGrads, AttentionOutput, MaskType
 from .validation import check_seed, validate_call, validate_backward
 
-__all__ = ["BoundAttention", "attention", "bind", "dot_product_attention", "dot_product_attention_bwd", "paged_attention",
-           "set_autotune"]
+__all__ = ["BoundAttention", "attention", "bind", "dot_product_attention", "dot_product_attention_bwd", "paged_attention"]
 
 # -- arrays in, arrays out ------------------------------------------------------------------------------
 
@@ -184,12 +183,17 @@ class _Direct:
     """A validated signature whose arrays are exactly the graph's operands (Q, K, V and, for the
     backward, O, dO and the logsumexp): each call binds them, allocates the results and launches.
 
+    Several results (the backward's dq, dk, dv; the training forward's output and logsumexp) are views of
+    one allocation from CuPy's pool, 256-byte aligned: one pool allocation costs about as much as one
+    ``cupy.empty`` (the pool's lock and free-list search dominate), a view only the array object.  The
+    memory returns to the pool when the last of them is freed.
+
     It refers to its :class:`~cudnn_attn.plan.CallPlan` weakly, so evicting the plan from the graph
     cache frees it; the next call fetches (or rebuilds) it.
     """
 
     __slots__ = ("config", "kind", "device", "autotune", "order", "dropout", "training", "signature", "_plan",
-                 "_results", "__weakref__")
+                 "_results", "_layout", "_nbytes", "__weakref__")
 
     def __init__(self, config: AttentionConfig, kind: str, arrays: tuple, autotune: bool | None,
                  names: Sequence[str]):
@@ -197,17 +201,22 @@ class _Direct:
 
         self.config, self.kind, self.autotune = config, kind, autotune
         self.device = arrays[0].data.device_id
-        self.signature = tuple((x.shape, x.dtype, x.strides) for x in arrays)
+        self.signature = [(x.shape, x.dtype, x.strides) for x in arrays]
         self.dropout = config.has_dropout
         self.training = config.training
         plan = self.plan()
         position = {DIRECT_IDS[name]: i for i, name in enumerate(names)}
-        self.order = tuple(position[t] for t in plan.operand_ids)
+        self.order = operator.itemgetter(*(position[t] for t in plan.operand_ids))
 
     def plan(self) -> Any:
         plan = execution.plan_for(self.config, self.kind, self.device, self.autotune)
         self._plan = weakref.ref(plan)
         self._results = tuple((spec.shape, spec.dtype) for spec in plan.results)
+        layout, offset = [], 0
+        for spec in plan.results:
+            layout.append((spec.shape, spec.dtype, offset))
+            offset += -(-spec.nbytes // _ALIGNMENT) * _ALIGNMENT
+        self._layout, self._nbytes = tuple(layout), offset
         return plan
 
     def __call__(self, arrays: tuple, seed: int, out: Any = None) -> list[Any]:
@@ -218,10 +227,18 @@ class _Direct:
                 return self._launch(cupy, plan, arrays, seed, out)
         return self._launch(cupy, plan, arrays, seed, out)
 
+    def _allocate(self, cupy: Any) -> list[Any]:
+        """The results on the current device and stream (see the class doc)."""
+        ndarray = cupy.ndarray                # what cupy.empty returns, without its Python wrapper
+        if len(self._layout) == 1:
+            shape, dtype, _ = self._layout[0]
+            return [ndarray(shape, dtype)]
+        memory = cupy.cuda.alloc(self._nbytes)
+        return [ndarray(shape, dtype, memory + offset if offset else memory) for shape, dtype, offset in self._layout]
+
     def _launch(self, cupy: Any, plan: Any, arrays: tuple, seed: int, out: Any) -> list[Any]:
-        empty = cupy.empty
         if out is None:
-            results = [empty(shape, dtype) for shape, dtype in self._results]
+            results = self._allocate(cupy)
         else:
             shape, dtype = self._results[0]
             if type(out) is not type(arrays[0]) or out.shape != shape or out.dtype != dtype \
@@ -229,22 +246,22 @@ class _Direct:
                 raise ValueError(f"out: must be a C-contiguous CuPy array {dtype}{list(shape)} on GPU {self.device}, "
                                  f"got {type(out).__name__}" + (f" {out.dtype}{list(out.shape)}"
                                                                if hasattr(out, "shape") else ""))
-            results = [out] + [empty(shape, dtype) for shape, dtype in self._results[1:]]
-        pointers = [arrays[i].data.ptr for i in self.order]
+            results = [out] + [cupy.empty(shape, dtype) for shape, dtype in self._results[1:]]
+        pointers = [x.data.ptr for x in self.order(arrays)]          # Q, K, V at least: a tuple
         pointers += [r.data.ptr for r in results]
-        plan.launch(pointers, cupy.cuda.get_current_stream().ptr, scalars=(seed, 0) if self.dropout else ())
+        plan.launch(pointers, cupy.cuda.get_current_stream().ptr, None, (seed, 0) if self.dropout else ())
         return results
 
 
+_ALIGNMENT = 256                        # bytes between the results of one allocation (cuDNN asks for 16)
 _direct: dict[tuple, _Direct] = {}
 _DIRECT_MAX = 1024
 
 
 def _direct_signature(kind: str, arrays: tuple, static: tuple) -> tuple:
-    """Everything validation and the plan depend on: shape, dtype and strides of every array, the device,
-    the static arguments and the global autotune default."""
-    return (kind, *[(x.shape, x.dtype, x.strides) for x in arrays], arrays[0].data.device_id, static,
-            execution._autotune_default)
+    """Everything validation and the plan depend on: shape, dtype and strides of every array, the device
+    and the static arguments (``autotune`` among them; its default is fixed at import)."""
+    return (kind, *[(x.shape, x.dtype, x.strides) for x in arrays], arrays[0].data.device_id, static)
 
 
 def _remember_direct(kind: str, arrays: tuple, static: tuple, config: AttentionConfig, autotune: bool | None,
@@ -427,9 +444,10 @@ class BoundAttention:
     _FWD_NAMES = ("query", "key", "value")
     _BWD_NAMES = _FWD_NAMES + ("output", "grad_output", "logsumexp")
 
-    def __init__(self, query: Any, key: Any, value: Any, *, seed: int, static: dict):
+    def __init__(self, query: Any, key: Any, value: Any, *, seed: int, static: dict, autotune: bool | None = None):
         self._static = dict(static)
         self._seed = check_seed(seed)
+        self._autotune = autotune
         self._forward = self._make(FWD, (query, key, value))
         self._backward: _Direct | None = None
         self.config: AttentionConfig = self._forward.config
@@ -448,13 +466,17 @@ class BoundAttention:
         if lifted_config(config) is not None:
             raise ValueError(f"bind: the {kind} of {config.describe()} runs padded to even lengths (cudnn_attn.lift); "
                              "call dot_product_attention / dot_product_attention_bwd for it")
-        return _Direct(config, kind, arrays, None, self._BWD_NAMES[:len(arrays)])
+        return _Direct(config, kind, arrays, self._autotune, self._BWD_NAMES[:len(arrays)])
 
     def _check(self, direct: _Direct, arrays: tuple) -> None:
-        ndarray = _cupy_ndarray()
-        if all(type(x) is ndarray for x in arrays) and arrays[0].data.device_id == direct.device \
-                and tuple((x.shape, x.dtype, x.strides) for x in arrays) == direct.signature:
-            return
+        ndarray = _NDARRAY or _cupy_ndarray()
+        for x in arrays:
+            if type(x) is not ndarray:
+                break
+        else:
+            if [(x.shape, x.dtype, x.strides) for x in arrays] == direct.signature \
+                    and arrays[0].data.device_id == direct.device:
+                return
         for name, x, (shape, dtype, strides) in zip(self._BWD_NAMES, arrays, direct.signature):
             if type(x) is not ndarray or (x.shape, x.dtype, x.strides) != (shape, dtype, strides) \
                     or x.data.device_id != direct.device:
@@ -484,10 +506,12 @@ class BoundAttention:
 def bind(query: Any, key: Any, value: Any, *, scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK,
          seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH",
          sliding_window_length: int | None = None, return_residual: bool = False,
-         diagonal_alignment: str = "top_left", deterministic: bool = False) -> BoundAttention:
+         diagonal_alignment: str = "top_left", deterministic: bool = False,
+         autotune: bool | None = None) -> BoundAttention:
     """A pre-bound attention call for these Q/K/V (CuPy arrays; their shapes, dtypes, strides and device)
-    and static arguments (those of :func:`dot_product_attention`).  Validates and builds now; each call of
-    the returned :class:`BoundAttention` only checks the arrays and launches."""
+    and static arguments (those of :func:`dot_product_attention`).  Validates and builds now (``autotune``:
+    times every cuDNN plan on these arrays and keeps the fastest); each call of the returned
+    :class:`BoundAttention` only checks the arrays and launches."""
     if not _is_cupy(query, key, value):
         raise ValueError(f"query/key/value: bind takes CuPy arrays, got {type(query).__name__}, "
                          f"{type(key).__name__}, {type(value).__name__} (convert with cupy.from_dlpack)")
@@ -495,7 +519,8 @@ def bind(query: Any, key: Any, value: Any, *, scale: float = 1.0, mask_type: Mas
     static = dict(scale=scale, mask_type=mask_type, dropout_rate=dropout_rate, qkv_layout=qkv_layout,
                   sliding_window_length=sliding_window_length, return_residual=return_residual,
                   diagonal_alignment=diagonal_alignment, deterministic=deterministic)
-    return BoundAttention(query, key, value, seed=seed, static=static)
+    execution.plan_choice(autotune)                               # a bad value fails here, named
+    return BoundAttention(query, key, value, seed=seed, static=static, autotune=autotune)
 
 
 _CUPY = None

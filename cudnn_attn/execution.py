@@ -20,6 +20,7 @@ logsumexp comes back as ``(B*M, N, T)``.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Mapping
 
 import numpy as np
@@ -30,18 +31,28 @@ from .config import AttentionConfig, AttentionOperands
 from .plan import BWD, FWD, Fill, graph_inputs, host_scalar_values, zero_rows
 from .types import FP8_BWD_KEYS, FP8_FWD_KEYS, AttentionGrads, AttentionOutput
 
-_autotune_default = False
+AUTOTUNE_ENV_VAR = "CUDNN_ATTN_AUTOTUNE"
 
 
-def set_autotune(enabled: bool) -> None:
-    """Make ``autotune=None`` (the default of every call) mean ``enabled``."""
-    global _autotune_default
-    _autotune_default = bool(enabled)
+def autotune_from_environment(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``$CUDNN_ATTN_AUTOTUNE`` turns autotuning on for the whole program (``1``/``true``/``yes``/``on``):
+    for a program whose calls cannot pass ``autotune=True`` (a training script, a third-party model)."""
+    return environ.get(AUTOTUNE_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+AUTOTUNE_DEFAULT = autotune_from_environment()
+"""What ``autotune=None`` (the default of every call, :func:`cudnn_attn.bind` included) means: the environment
+variable as it was when :mod:`cudnn_attn` was imported (read once, so that the per-signature fast paths need
+no environment lookup)."""
 
 
 def plan_choice(autotune: bool | None) -> PlanChoice:
-    tune = _autotune_default if autotune is None else autotune
-    return PlanChoice.AUTOTUNED if tune else PlanChoice.HEURISTIC
+    """``autotune`` (``None``: :data:`AUTOTUNE_DEFAULT`) as the graph cache's plan choice."""
+    if autotune is None:
+        autotune = AUTOTUNE_DEFAULT
+    elif not isinstance(autotune, (bool, np.bool_)):
+        raise ValueError(f"autotune: must be True, False or None (then ${AUTOTUNE_ENV_VAR} decides), got {autotune!r}")
+    return PlanChoice.AUTOTUNED if autotune else PlanChoice.HEURISTIC
 
 
 def named_arrays(config: AttentionConfig, kind: str, operands: AttentionOperands, **residuals: Any) -> dict:

@@ -216,7 +216,7 @@ class CallPlan:
         self._warm_lock = threading.Lock()
 
     # -- launching ----------------------------------------------------------------------------------
-    def launch(self, pointers: list[int], stream: int, *, workspace: int | None = None,
+    def launch(self, pointers: list[int], stream: int, workspace: int | None = None,
                scalars: Sequence[Any] = (), keep_stream: bool = False) -> None:
         """Launch on ``stream`` (a ``cudaStream_t``).
 
@@ -232,13 +232,14 @@ class CallPlan:
         with context.lock:
             context.bind_stream(stream)
             if workspace is None:
-                workspace = context.workspace(stream, self.workspace_size)
+                workspace = context.workspace(stream, self.workspace_size) if self.workspace_size else 0
             if self._zeroed:
                 _memset_zero(pointers, self._zeroed, stream)
-            if scalars:
+            if self._scalars:
                 for buffer, value in zip(self._scalars, scalars):
                     buffer[0] = value
-            self.launcher(pointers + self._scalar_addresses, workspace, context.handle)
+                pointers = pointers + self._scalar_addresses
+            self.launcher(pointers, workspace, context.handle)
             if stream and not keep_stream:
                 context.bind_stream(0)
 

@@ -14,11 +14,11 @@ partitioning (:mod:`.partitioning`) rules, lowered to a named XLA FFI target who
 CPU (:mod:`.reference_target`).
 """
 
-from .api import attention, configured_attention, dot_product_attention, kernel_options, paged_attention
+from .api import attention, configured_attention, dot_product_attention, call_options, paged_attention
 from .context_parallel import ContextParallel, Scheme, context_parallelism, load_balance, restore_order
-from .kernel import Backend, KernelOptions
+from .call_site import Backend, CallOptions
 from .nn import dot_product_attention_nn
 
-__all__ = ["Backend", "ContextParallel", "KernelOptions", "Scheme", "attention", "configured_attention", "context_parallelism",
-           "dot_product_attention", "dot_product_attention_nn", "kernel_options", "load_balance", "paged_attention",
+__all__ = ["Backend", "CallOptions", "ContextParallel", "Scheme", "attention", "configured_attention", "context_parallelism",
+           "dot_product_attention", "dot_product_attention_nn", "call_options", "load_balance", "paged_attention",
            "restore_order"]

@@ -15,7 +15,7 @@ forms of JAX's ``jax._src.cudnn.fused_attention_stablehlo`` (the same as :mod:`c
   it without running Python (the default, and ``True``); ``False`` runs the Python handler on every
   execution (see :mod:`.cudnn_target`);
 * ``check_values=None`` - the checked mode for sequence lengths, offsets and page ids (below).
-* ``backend="ffi" | "callback"`` - see :class:`~.kernel.Backend`.
+* ``backend="ffi" | "callback"`` - see :class:`~.call_site.Backend`.
 
 They work under ``jit``, ``grad`` (``jax.custom_vjp``: gradients of ``query``, ``key``, ``value``, of
 ``bias`` and an additive ``mask``, of ``sink``; with FP8 the backward's amax values come out as the
@@ -75,26 +75,26 @@ from cudnn_attn.validation import check_seed, validate_call
 
 from . import context_parallel as sequence_split
 from . import lifting, primitives
-from .kernel import Backend, KernelOptions
+from .call_site import Backend, CallOptions
 from .signature import BWD, COTANGENT_OF, FWD, RESIDUALS, named_operands, operand_names, result_names
 
-__all__ = ["attention", "configured_attention", "dot_product_attention", "kernel_options", "paged_attention"]
+__all__ = ["attention", "configured_attention", "dot_product_attention", "call_options", "paged_attention"]
 
 
-def kernel_options(config: AttentionConfig, *, seed: Any = 42, backend: str | Backend = Backend.FFI,
-                   cuda_graph: bool | None = None, context_parallel: Any = None) -> KernelOptions:
+def call_options(config: AttentionConfig, *, seed: Any = 42, backend: str | Backend = Backend.FFI,
+                   cuda_graph: bool | None = None, context_parallel: Any = None) -> CallOptions:
     """The static options of a call (checked): the seed only matters with dropout; ``context_parallel``
     (a :class:`~.context_parallel.ContextParallel`, a scheme name, or ``None`` for the current default)."""
     seed = check_seed(seed)
     if cuda_graph is not None and not isinstance(cuda_graph, (bool, np.bool_)):
         raise ValueError(f"cuda_graph: must be None, True or False, got {cuda_graph!r}")
     context = sequence_split.resolve(context_parallel)
-    return KernelOptions(seed=seed if config.has_dropout else 0, backend=Backend.parse(backend),
+    return CallOptions(seed=seed if config.has_dropout else 0, backend=Backend.parse(backend),
                          cuda_graph=True if cuda_graph is None else bool(cuda_graph),
                          context=None if context == sequence_split.ContextParallel() else context)
 
 
-def _run(kind: str, config: AttentionConfig, options: KernelOptions, operands: Mapping[str, Any]) -> dict[str, Any]:
+def _run(kind: str, config: AttentionConfig, options: CallOptions, operands: Mapping[str, Any]) -> dict[str, Any]:
     """The ``kind`` call on ``operands``, padded to even lengths where the kernel needs it (:mod:`.lifting`;
     inside ``shard_map`` with a sequence axis the operands are local: the engine lifts its block calls)."""
     run_kernel = functools.partial(_run_kernel, kind, options=options)
@@ -104,7 +104,7 @@ def _run(kind: str, config: AttentionConfig, options: KernelOptions, operands: M
 
 
 def _run_kernel(kind: str, config: AttentionConfig, operands: Mapping[str, Any], *,
-                options: KernelOptions) -> dict[str, Any]:
+                options: CallOptions) -> dict[str, Any]:
     """The ``kind`` primitive on ``operands``; inside ``shard_map`` with a sequence axis named by the call's
     ``ContextParallel(axis=...)``, the context-parallel engine over that axis (each block a primitive call)."""
     primitive = primitives.forward if kind == FWD else primitives.backward
@@ -132,12 +132,12 @@ def _select(config: AttentionConfig, kind: str, inputs: Mapping[str, Any], **res
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(config: AttentionConfig, options: KernelOptions, inputs: dict[str, Any]) -> dict[str, Any]:
+def _attention(config: AttentionConfig, options: CallOptions, inputs: dict[str, Any]) -> dict[str, Any]:
     """The forward's named results; ``inputs`` holds every array of the call (see :func:`_inputs`)."""
     return _run(FWD, config, options, _select(config, FWD, inputs))
 
 
-def _attention_fwd(config: AttentionConfig, options: KernelOptions, inputs: dict[str, Any]) -> tuple[dict, tuple]:
+def _attention_fwd(config: AttentionConfig, options: CallOptions, inputs: dict[str, Any]) -> tuple[dict, tuple]:
     """The training forward (with the logsumexp); residuals: the inputs, the output, the logsumexp."""
     check_everywhere(config, kind=BWD)                # a paged call has no backward anywhere
     training = config.replace(training=True)
@@ -146,7 +146,7 @@ def _attention_fwd(config: AttentionConfig, options: KernelOptions, inputs: dict
     return primal, (inputs, results["output"], results["logsumexp"])
 
 
-def _attention_bwd(config: AttentionConfig, options: KernelOptions, residuals: tuple, cotangents: dict) -> tuple:
+def _attention_bwd(config: AttentionConfig, options: CallOptions, residuals: tuple, cotangents: dict) -> tuple:
     """One cotangent per input: the gradients and FP8 amax values of :data:`COTANGENT_OF`, ``None`` (zero)
     for the rest (sequence lengths, offsets, scale factors, a boolean mask's bias)."""
     inputs, output, logsumexp = residuals
@@ -206,7 +206,7 @@ def guard_values(config: AttentionConfig, operands: AttentionOperands, check_val
     return values.sanitize(config, operands, jnp)
 
 
-def configured_attention(config: AttentionConfig, operands: AttentionOperands, options: KernelOptions, *,
+def configured_attention(config: AttentionConfig, operands: AttentionOperands, options: CallOptions, *,
                          check_values: bool | None = None, names: Mapping[str, str] | None = None) -> AttentionOutput:
     """Attention on a validated call (:func:`cudnn_attn.validation.validate_call` with ``xp=jax.numpy``):
     :class:`~cudnn_attn.types.AttentionOutput` out, differentiable with respect to the operands.
@@ -236,7 +236,7 @@ def forward_call(call: Any, names: Mapping[str, str] | None = None) -> Attention
     if sequence_parallel and context.axes:       # inside shard_map: the call describes the whole sequence
         config = sequence_split.whole_config(config, context)
         operands = operands.replace(key=call.key, value=call.value)
-    options = kernel_options(config, seed=call.seed, backend=call.backend, cuda_graph=call.cuda_graph,
+    options = call_options(config, seed=call.seed, backend=call.backend, cuda_graph=call.cuda_graph,
                              context_parallel=context if sequence_parallel else None)
     return configured_attention(config, operands, options, check_values=call.check_values, names=names)
 

@@ -34,7 +34,7 @@ from cudnn_attn.config import AttentionConfig, BiasSpec, PagingSpec
 from cudnn_attn.support import check_everywhere
 from cudnn_attn.types import FP8_PARAM_KEYS
 
-from .kernel import KernelOptions
+from .call_site import CallOptions
 from .signature import BWD, FP8_BWD_AMAX, FP8_FWD_AMAX, operand_names, result_names
 
 _BATCH_LEADING = ("query", "output", "grad_output", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets",
@@ -43,7 +43,7 @@ _PER_CALL = ("sink",)          # per head, shared by the batch: cannot take a vm
 
 
 def batch(primitive: Any, args: list[Any], dims: list[int | None], *, config: AttentionConfig,
-          options: KernelOptions) -> tuple[list[Any], list[int | None]]:
+          options: CallOptions) -> tuple[list[Any], list[int | None]]:
     """The batching rule of ``primitive`` (an :class:`~.primitives.AttentionPrimitive`)."""
     kind = primitive.kind
     names = operand_names(config, kind)
@@ -61,7 +61,7 @@ def batch(primitive: Any, args: list[Any], dims: list[int | None], *, config: At
     return folding.unfold(results)
 
 
-def _one_by_one(primitive: Any, config: AttentionConfig, options: KernelOptions, operands: Mapping[str, Any],
+def _one_by_one(primitive: Any, config: AttentionConfig, options: CallOptions, operands: Mapping[str, Any],
                 batched: set[str], size: int) -> tuple[list[Any], list[int]]:
     """The instances in sequence (``lax.map``): every result gets the mapped axis in front."""
     fixed = {n: a for n, a in operands.items() if n not in batched}

@@ -1,22 +1,25 @@
-"""The GPU kernel: the library's cuDNN graph, run on XLA's stream, reading and writing XLA's buffers.
+"""The GPU target: the library's cuDNN graph, run on XLA's stream, reading and writing XLA's buffers.
 
-Lowering (once per compiled call site): everything a run needs is prepared here
-    :func:`lower` registers the :class:`~.kernel.Kernel` and, for **every GPU of the lowering's device
-    assignment**, makes the device's cuDNN context (handle and lock, :mod:`cudnn_attn.runtime`), finds
-    or builds the :class:`~cudnn_attn.plan.CallPlan` in :data:`cudnn_attn.graph_cache` (after the
-    support check, so a refused configuration fails at ``jit`` time with its reasons) and warms it up
-    (one launch on scratch buffers, so that no CUDA module is loaded lazily while XLA runs the
-    program - loading may synchronise the device, which deadlocks a program whose other GPUs wait in
-    a collective for this one).  The plan is pinned for the handler.  Then it emits one FFI call whose
-    operands and results are the plan's (packed segments are converted with ``jax.numpy`` around the
-    call, :func:`cudnn_attn.plan.graph_inputs`); the workspace is an extra ``uint8`` result that XLA
-    allocates.  After the call, the logsumexp gets the after-launch part of the plan's fill policy.
+Lowering (once per compiled call site): everything a run needs is decided here
+    :func:`lower` registers the :class:`~.call_site.AttentionCall`; :func:`plan_devices`, for **every
+    GPU of the lowering's device assignment**, makes the device's cuDNN context (handle and lock,
+    :mod:`cudnn_attn.runtime`), finds or builds the :class:`~cudnn_attn.plan.CallPlan` in
+    :data:`cudnn_attn.graph_cache` (after the support check, so a refused configuration fails at ``jit``
+    time with its reasons) and warms it up (one launch on scratch buffers, so that no CUDA module is
+    loaded lazily while XLA runs the program - loading may synchronise the device, which deadlocks a
+    program whose other GPUs wait in a collective for this one).  The plan is kept for the handler as a
+    :class:`SiteLaunch` (host scalars bound, the workspace the last result).  Then :func:`lower` emits one
+    FFI call whose operands and results are the plan's (packed segments are converted with
+    ``jax.numpy`` around the call, :func:`cudnn_attn.plan.graph_inputs`); the workspace is an extra
+    ``uint8`` result that XLA allocates.  After the call, the logsumexp gets the after-launch part of the
+    plan's fill policy.
 
 Execution (every run): nothing is created, built or allocated
-    The handler reads the call site's key, the device ordinal, XLA's stream and the buffer addresses,
-    looks up the pinned plan and calls :meth:`CallPlan.launch` (under the device lock: point the
-    handle at the stream, zero what the policy zeroes first, launch).  A missing plan - a device the
-    lowering did not prepare - is a clear error, never a build.
+    The handler reads the call site's key, the device ordinal, XLA's stream and the buffer addresses
+    (:meth:`ffi.Call.snapshot`: one pass over the call frame as 64-bit words), finds the call site's
+    launch by ``(key, device)`` and runs :meth:`CallPlan.launch` (under the device lock: point the handle
+    at the stream only when it changed, zero what the policy zeroes first, launch).  A missing plan - a
+    device the lowering did not plan - is a clear error, never a build.
 
 CUDA graphs (XLA command buffers)
     The target is declared command-buffer compatible, so XLA may record the handler's work (memsets
@@ -25,7 +28,7 @@ CUDA graphs (XLA command buffers)
     right.  The host scalars (the dropout seed) are static per call site.  ``cuda_graph=False`` selects
     a target without the trait (XLA then runs the handler on every execution).
 
-Lifetime: plans pinned for the handler live as long as the process (JAX does not tell a lowering when
+Lifetime: plans kept for the handler live as long as the process (JAX does not tell a lowering when
 its executable dies); the graph cache's bound applies to everything else.
 """
 
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -43,71 +46,106 @@ from cudnn_attn.types import Front
 from cudnn_attn.plan import Fill, graph_inputs, host_scalar_values, zero_rows
 
 from . import ffi
-from .kernel import EAGER_TARGET, TARGET, Kernel, registry
+from .call_site import EAGER_TARGET, TARGET, AttentionCall, registry
 
 
-def _check_expressible(kernel: Kernel) -> None:
+def _check_expressible(site: AttentionCall) -> None:
     """The support table's verdict for this GPU on the JAX front (score_mod arguments, x64 offsets)."""
-    check_supported(kernel.config, kind=kernel.kind, front=Front.JAX)
+    check_supported(site.config, kind=site.kind, front=Front.JAX)
 
 
-# -- plans pinned for the handler ---------------------------------------------------------------------
+# -- call sites planned for the handler ----------------------------------------------------------------
 
-_pinned: dict[tuple[int, int], tuple[Any, tuple]] = {}     # (kernel key, device) -> (plan, host scalar values)
+class SiteLaunch(NamedTuple):
+    """One call site on one device, as the handler runs it: the plan, and ``launch(addresses, stream)``
+    with everything else fixed (host scalars, the workspace as the last result, the stream kept bound)."""
+
+    plan: Any
+    launch: Callable[[list, int], None]
+
+
+def _site_launch(plan: Any, scalars: tuple) -> SiteLaunch:
+    launch, uses_workspace = plan.launch, bool(plan.workspace_size)
+
+    def run(addresses: list, stream: int) -> None:
+        workspace = addresses.pop()                   # XLA's uint8 result, last
+        launch(addresses, stream, workspace if uses_workspace else 0, scalars, True)
+
+    return SiteLaunch(plan, run)
+
+
+_launches: dict[tuple[int, int], SiteLaunch] = {}      # (call-site key, device) -> what the handler runs
 _lock = threading.Lock()
 
 
-def prepare(kernel: Kernel, key: int, devices: list[int]) -> list[Any]:
-    """The plans of ``kernel`` on ``devices``: contexts made, graphs built or found, warmed up, pinned."""
+def plan_devices(site: AttentionCall, key: int, devices: list[int]) -> list[Any]:
+    """At lowering: the plans of call site ``site`` on ``devices`` - each device's context made, the graph built or
+    found, warmed up and kept for the handler under ``key``."""
     from cudnn_attn import runtime
     from cudnn_attn.cache import graph_cache
 
     plans = []
     for device in devices:
-        found = _pinned.get((key, device))
+        found = _launches.get((key, device))
         if found is None:
             runtime.device_context(device)
-            plan = graph_cache.plan(kernel.config, kernel.kind, device)
+            plan = graph_cache.plan(site.config, site.kind, device)
             plan.warm_up()
             with _lock:
-                found = _pinned.setdefault((key, device), (plan, host_scalar_values(kernel.config, kernel.seed)))
-        plans.append(found[0])
+                found = _launches.setdefault((key, device), _site_launch(
+                    plan, host_scalar_values(site.config, site.seed)))
+        plans.append(found.plan)
     return plans
 
 
 def pinned_plan(key: int, device: int) -> Any:
-    """The plan the handler runs for call site ``key`` on ``device`` (``None`` when not prepared)."""
-    found = _pinned.get((key, device))
-    return None if found is None else found[0]
+    """The plan the handler runs for call site ``key`` on ``device`` (``None`` when not planned)."""
+    found = _launches.get((key, device))
+    return None if found is None else found.plan
 
 
 def _run(call: ffi.Call) -> None:
-    """The handler: XLA's buffers and stream into the pinned plan's launch (see the module doc)."""
-    start = time.perf_counter_ns() if stages is not None else 0
-    key, args, results, stream, device = call.snapshot()
-    if device is None:                                # a runtime without the query: XLA made the device current
+    """The handler: XLA's buffers and stream into the call site's launch (see the module doc)."""
+    if stages is not None:
+        return _run_timed(call)
+    key, addresses, stream, device = call.snapshot()
+    found = _launches.get((key, device))
+    if found is None:
+        found = _missing_site(key, device)
+    found.launch(addresses, stream)
+
+
+def _run_timed(call: ffi.Call) -> None:
+    """:func:`_run` recording its stages (benchmarks): read the call frame, find the call site, launch."""
+    now = time.perf_counter_ns
+    start = now()
+    key, addresses, stream, device = call.snapshot()
+    read = now()
+    found = _launches.get((key, device)) or _missing_site(key, device)
+    found_at = now()
+    found.launch(addresses, stream)
+    stages.append((read - start, found_at - read, now() - found_at))
+
+
+def _missing_site(key: int, device: int | None) -> SiteLaunch:
+    """The call site on ``device`` when the fast lookup missed: a runtime without the device query (XLA made
+    the device current), else the error of a device the lowering did not plan."""
+    if device is None:
         import cupy
 
         device = cupy.cuda.runtime.getDevice()
-    found = _pinned.get((key, device))
-    if found is None:
-        kernel = registry.kernel(key)                 # raises the "lowered in another process" error
-        raise RuntimeError(
-            f"cudnn_attn: the {kernel.kind} kernel of {kernel.config.describe()} was not prepared for GPU {device} "
-            f"when it was lowered (prepared: {sorted(d for k, d in _pinned if k == key)}); nothing is built while "
-            f"XLA runs a program. Lower the computation for this device (jax.jit with its sharding).")
-    plan, scalars = found
-    workspace = results.pop()
-    if start:
-        found_at = time.perf_counter_ns()
-    plan.launch(args + results, stream, workspace=workspace if plan.workspace_size else 0, scalars=scalars,
-                keep_stream=True)
-    if start:
-        stages.append((found_at - start, time.perf_counter_ns() - found_at))
+        found = _launches.get((key, device))
+        if found is not None:
+            return found
+    site = registry.call(key)                       # raises the "lowered in another process" error
+    raise RuntimeError(
+        f"cudnn_attn: the {site.kind} call of {site.config.describe()} was not planned for GPU {device} "
+        f"when it was lowered (planned: {sorted(d for k, d in _launches if k == key)}); nothing is built while "
+        f"XLA runs a program. Lower the computation for this device (jax.jit with its sharding).")
 
 
-stages: list[tuple[int, int]] | None = None
-"""When a list (benchmarks): ``(read the call and find the plan, launch)`` nanoseconds of every run."""
+stages: list[tuple[int, int, int]] | None = None
+"""When a list (benchmarks): ``(read the call frame, find the call site, launch)`` nanoseconds of every run."""
 
 
 HANDLERS = (ffi.make_handler(TARGET, _run, command_buffer_compatible=True), ffi.make_handler(EAGER_TARGET, _run))
@@ -117,7 +155,7 @@ def _release() -> None:
     """At exit (:func:`cudnn_attn.runtime.release`): wait for computations in flight, then unpin the plans."""
     ffi.finish_pending_calls()
     with _lock:
-        _pinned.clear()
+        _launches.clear()
 
 
 def _register_release() -> None:
@@ -148,17 +186,17 @@ def _lowering_devices(ctx: Any) -> list[int]:
 
 
 def lower(ctx: Any, *args: Any, kind: str, config: AttentionConfig, options: Any) -> Any:
-    """Lowering of the kernel primitive on CUDA (see the module doc)."""
+    """Lowering of the inner primitive on CUDA (see the module doc)."""
     import jax
     import jax.numpy as jnp
     from jax.interpreters import mlir
 
     from cudnn_attn.graphs import packing
 
-    kernel = Kernel(config, kind, options.seed)
-    _check_expressible(kernel)
-    key = registry.key(kernel)
-    plans = prepare(kernel, key, _lowering_devices(ctx))
+    site = AttentionCall(config, kind, options.seed)
+    _check_expressible(site)
+    key = registry.key(site)
+    plans = plan_devices(site, key, _lowering_devices(ctx))
     # The traced function below captures plain data only, never the plans: whatever JAX keeps of a
     # lowering must not keep cuDNN graphs alive (the handler finds the pinned plan by key and device).
     operand_ids, result_specs = plans[0].operand_ids, plans[0].results
@@ -167,7 +205,7 @@ def lower(ctx: Any, *args: Any, kind: str, config: AttentionConfig, options: Any
     del plans
 
     def call(*arrays: Any) -> list[Any]:
-        named = dict(zip(kernel.operands, arrays))
+        named = dict(zip(site.operands, arrays))
         bound, segments = graph_inputs(jnp, config, kind, named)
         if set(bound) != set(operand_ids):
             raise RuntimeError(f"the JAX bridge binds {sorted(t.name for t in bound)} but the cuDNN {kind} graph of "
@@ -183,7 +221,7 @@ def lower(ctx: Any, *args: Any, kind: str, config: AttentionConfig, options: Any
             elif spec.fill is Fill.SEGMENTS:
                 value = packing.lse_from_tokens(jnp, value, segments, config.q_len)
             results[spec.name] = value
-        return [results[name] for name in kernel.results]
+        return [results[name] for name in site.results]
 
     # The conversions above are traced on plain avals: the call is per device, so the operands' mesh
     # shardings and shard_map axes (which sharding-in-types checks would apply to them) do not matter here.

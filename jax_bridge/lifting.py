@@ -1,4 +1,4 @@
-"""Kernel calls on named operands, padded to even lengths where the kernel needs it (:mod:`cudnn_attn.lift`:
+"""Primitive calls on named operands, padded to even lengths where cuDNN needs it (:mod:`cudnn_attn.lift`:
 training with a bias at odd ``T`` or ``S``, the backward at ``T == S == 1``).  Used by the API for every
 call and by :mod:`.context_parallel` for its block calls (sliced windows make odd blocks)."""
 

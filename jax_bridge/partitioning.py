@@ -4,7 +4,7 @@ Attention is independent across the batch and across heads, so those two dimensi
 each device runs the kernel on its ``B / pb`` examples and ``N / ph`` query heads (with grouped
 K/V heads ``K / ph``: the query heads of one K/V head stay together when ``ph`` divides ``K``).
 A query whose sequence dimension is sharded runs context-parallel (:mod:`.context_parallel`, the scheme
-of the call's ``KernelOptions.context``): K/V are split over the same mesh axes and the bias by its rows
+of the call's ``CallOptions.context``): K/V are split over the same mesh axes and the bias by its rows
 (both resharded as needed), the kernel calls go round the ring or over the gathered keys.  The
 sequence split follows the query: sharded keys with replicated queries are gathered.  Head-dim sharding
 would need a reduction inside the kernel; it is refused with a ``ValueError`` naming the operand and its
@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from cudnn_attn.config import AttentionConfig, BiasSpec
 
 from . import context_parallel
-from .kernel import KernelOptions
+from .call_site import CallOptions
 from .signature import (
     ATTENTION_TENSORS, FP8_BWD_AMAX, FP8_FWD_AMAX, dimension_roles, operand_names, result_names,
 )
@@ -66,7 +66,7 @@ def _factor(config: AttentionConfig, role: str | None, unique: str) -> Any:
     return role
 
 
-def sharding_rule(kind: str, config: AttentionConfig, options: KernelOptions, mesh: Any, operand_types: Any,
+def sharding_rule(kind: str, config: AttentionConfig, options: CallOptions, mesh: Any, operand_types: Any,
                   result_types: Any) -> SdyShardingRule:
     """The Shardy rule of one call: a named factor per dimension (see the module doc)."""
     del options, mesh
@@ -108,7 +108,7 @@ class ShardPlan:
     ``split`` describes the sequence split (``None`` when the sequence stays whole and in its natural order)."""
 
     def __init__(self, config: AttentionConfig, kind: str, mesh: Any, specs: Mapping[str, tuple],
-                 options: KernelOptions):
+                 options: CallOptions):
         self.config, self.kind, self.mesh = config, kind, mesh
         roles = dimension_roles(config, "query", 4)
         query = specs["query"]
@@ -180,7 +180,7 @@ class ShardPlan:
         return x
 
 
-def _split(config: AttentionConfig, options: KernelOptions, axes: tuple[str, ...],
+def _split(config: AttentionConfig, options: CallOptions, axes: tuple[str, ...],
            shards: int) -> context_parallel.Split | None:
     """The sequence split of a call sharded over ``axes`` (``shards`` devices): ``None`` for a whole
     sequence in its natural order."""
@@ -190,7 +190,7 @@ def _split(config: AttentionConfig, options: KernelOptions, axes: tuple[str, ...
     return context_parallel.Split(axes if shards > 1 else (), shards, context.load_balance or 0, context.scheme)
 
 
-def unsharded_split(config: AttentionConfig, options: KernelOptions) -> context_parallel.Split | None:
+def unsharded_split(config: AttentionConfig, options: CallOptions) -> context_parallel.Split | None:
     """The split of a call that is not partitioned (one device): only a load-balanced order matters."""
     return _split(config, options, (), 1)
 
@@ -201,7 +201,7 @@ def any_sharded(arrays: Any) -> bool:
 
 
 def check_types(config: AttentionConfig, kind: str, avals: Mapping[str, Any],
-                options: KernelOptions = KernelOptions()) -> None:
+                options: CallOptions = CallOptions()) -> None:
     """With Explicit mesh axes the operands' shardings are part of their types: check them when the call
     is traced, so that a refused sharding is a ``ValueError`` at the call site (with Auto axes it is
     only known, and refused, when XLA partitions the program)."""
@@ -214,7 +214,7 @@ def check_types(config: AttentionConfig, kind: str, avals: Mapping[str, Any],
     ShardPlan(config, kind, mesh, specs, options)
 
 
-def _plan(config: AttentionConfig, kind: str, mesh: Any, arg_infos: Any, options: KernelOptions) -> ShardPlan:
+def _plan(config: AttentionConfig, kind: str, mesh: Any, arg_infos: Any, options: CallOptions) -> ShardPlan:
     specs = {}
     for name, info in zip(operand_names(config, kind), arg_infos):
         spec = tuple(info.sharding.spec) if isinstance(info.sharding, NamedSharding) else ()
@@ -222,14 +222,14 @@ def _plan(config: AttentionConfig, kind: str, mesh: Any, arg_infos: Any, options
     return ShardPlan(config, kind, mesh, specs, options)
 
 
-def infer_result_shardings(kind: str, config: AttentionConfig, options: KernelOptions, mesh: Any,
+def infer_result_shardings(kind: str, config: AttentionConfig, options: CallOptions, mesh: Any,
                            arg_infos: Any, result_infos: Any) -> list[NamedSharding]:
     """Result shardings from the operands' (GSPMD propagation; Shardy uses :func:`sharding_rule`)."""
     plan = _plan(config, kind, mesh, arg_infos, options)
     return [plan.sharding(name, len(info.shape)) for name, info in zip(result_names(config, kind), result_infos)]
 
 
-def partition(primitive: Any, config: AttentionConfig, options: KernelOptions, mesh: Any, arg_infos: Any,
+def partition(primitive: Any, config: AttentionConfig, options: CallOptions, mesh: Any, arg_infos: Any,
               result_infos: Any) -> tuple[Any, Any, list[NamedSharding], tuple[NamedSharding, ...]]:
     """The per-shard computation: the kernel on the local configuration, then :meth:`ShardPlan.reduce`."""
     kind = primitive.kind
@@ -241,10 +241,10 @@ def partition(primitive: Any, config: AttentionConfig, options: KernelOptions, m
     def shard(*arrays: Any) -> list[Any]:
         operands = dict(zip(names, arrays))
         if plan.split is None:
-            found = primitive.call_kernel(plan.local, options, operands)
+            found = primitive.call_inner(plan.local, options, operands)
         else:
             found = context_parallel.run(kind, plan.local, plan.split, operands,
-                                         lambda block, ops: primitive.call_kernel(block, options, ops))
+                                         lambda block, ops: primitive.call_inner(block, options, ops))
         return [plan.reduce(name, x) for name, x in found.items()]
 
     return mesh, shard, result_shardings, arg_shardings

@@ -2,12 +2,12 @@
 
 Each kind is a pair of JAX primitives whose only static parameters are the
 :class:`~cudnn_attn.config.AttentionConfig` (what to compute) and the
-:class:`~.kernel.KernelOptions` (dropout seed, backend, CUDA graphs):
+:class:`~.call_site.CallOptions` (dropout seed, backend, CUDA graphs):
 
 * the *outer* primitive carries the transformation rules: abstract evaluation, batching
   (:mod:`.batching`), and a lowering through ``custom_partitioning`` with Shardy rules
-  (:mod:`.partitioning`), so that under automatic sharding every device runs the kernel on its shard;
-* the *kernel* primitive is the call itself, lowered per platform: on CPU to the reference FFI
+  (:mod:`.partitioning`), so that under automatic sharding every device runs the inner primitive on its shard;
+* the *inner* primitive is the call itself, lowered per platform: on CPU to the reference FFI
   target (:mod:`.reference_target`), on CUDA to the cuDNN FFI target (:mod:`.cudnn_target`).  With
   ``Backend.CALLBACK`` the outer primitive lowers to ``jax.pure_callback`` instead (no partitioning).
 
@@ -34,7 +34,7 @@ from cudnn_attn.config import AttentionConfig
 from . import context_parallel, cudnn_target, ffi, reference_target
 from . import batching as batching_rules
 from . import partitioning
-from .kernel import Backend, Kernel, KernelOptions
+from .call_site import AttentionCall, Backend, CallOptions
 from .signature import (
     BWD, FWD, GRADIENT_OF, RESULT_FOLLOWS, dimension_roles, operand_names, result_names, result_shapes,
 )
@@ -46,17 +46,17 @@ class AttentionPrimitive:
     def __init__(self, kind: str):
         self.kind = kind
         self.outer = Primitive(f"cudnn_attention_{kind}")
-        self.kernel = Primitive(f"cudnn_attention_{kind}_kernel")
-        for primitive in (self.outer, self.kernel):
+        self.inner = Primitive(f"cudnn_attention_{kind}_inner")
+        for primitive in (self.outer, self.inner):
             primitive.multiple_results = True
             primitive.def_abstract_eval(self._abstract_eval)
             primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))
             dispatch.prim_requires_devices_during_lowering.add(primitive)
         batching.primitive_batchers[self.outer] = functools.partial(batching_rules.batch, self)
         mlir.register_lowering(self.outer, self._lower)
-        mlir.register_lowering(self.kernel, functools.partial(reference_target.lower, kind=kind), platform="cpu")
-        mlir.register_lowering(self.kernel, functools.partial(cudnn_target.lower, kind=kind), platform="cuda")
-        self._partitioned = custom_partitioning(self._call_kernel, static_argnums=(0, 1))
+        mlir.register_lowering(self.inner, functools.partial(reference_target.lower, kind=kind), platform="cpu")
+        mlir.register_lowering(self.inner, functools.partial(cudnn_target.lower, kind=kind), platform="cuda")
+        self._partitioned = custom_partitioning(self._call_inner, static_argnums=(0, 1))
         self._partitioned.def_partition(
             partition=functools.partial(partitioning.partition, self),
             infer_sharding_from_operands=functools.partial(partitioning.infer_result_shardings, kind),
@@ -67,16 +67,16 @@ class AttentionPrimitive:
         return f"AttentionPrimitive({self.kind!r})"
 
     # -- binding ----------------------------------------------------------------------------------
-    def __call__(self, config: AttentionConfig, options: KernelOptions, operands: Mapping[str, Any]) -> dict[str, Any]:
+    def __call__(self, config: AttentionConfig, options: CallOptions, operands: Mapping[str, Any]) -> dict[str, Any]:
         """Bind the outer primitive on named operands; returns the named results."""
         return self._bind(self.outer, config, options, operands)
 
-    def call_kernel(self, config: AttentionConfig, options: KernelOptions,
+    def call_inner(self, config: AttentionConfig, options: CallOptions,
                     operands: Mapping[str, Any]) -> dict[str, Any]:
-        """Bind the kernel primitive directly (inside a partitioned computation: no further rules)."""
-        return self._bind(self.kernel, config, options, operands)
+        """Bind the inner primitive directly (inside a partitioned computation: no further rules)."""
+        return self._bind(self.inner, config, options, operands)
 
-    def _bind(self, primitive: Primitive, config: AttentionConfig, options: KernelOptions,
+    def _bind(self, primitive: Primitive, config: AttentionConfig, options: CallOptions,
               operands: Mapping[str, Any]) -> dict[str, Any]:
         names = operand_names(config, self.kind)
         if set(operands) != set(names):
@@ -85,27 +85,27 @@ class AttentionPrimitive:
         results = primitive.bind(*(operands[name] for name in names), config=config, options=options)
         return dict(zip(result_names(config, self.kind), results))
 
-    def _call_kernel(self, config: AttentionConfig, options: KernelOptions, *arrays: Any) -> list[Any]:
+    def _call_inner(self, config: AttentionConfig, options: CallOptions, *arrays: Any) -> list[Any]:
         """The unpartitioned call (one device).  ``custom_partitioning`` also traces it on sharded operands
         but then runs :func:`~.partitioning.partition` instead, which handles their sequence split."""
         split = partitioning.unsharded_split(config, options)
         if split is not None and not partitioning.any_sharded(arrays):   # a load-balanced order, one device
             found = context_parallel.run(self.kind, config, split, dict(zip(operand_names(config, self.kind), arrays)),
-                                         lambda block, ops: self.call_kernel(block, options, ops))
+                                         lambda block, ops: self.call_inner(block, options, ops))
             return list(found.values())
-        return self.kernel.bind(*arrays, config=config, options=options)
+        return self.inner.bind(*arrays, config=config, options=options)
 
     # -- rules ------------------------------------------------------------------------------------
-    def _abstract_eval(self, *avals: Any, config: AttentionConfig, options: KernelOptions) -> list[Any]:
+    def _abstract_eval(self, *avals: Any, config: AttentionConfig, options: CallOptions) -> list[Any]:
         named = dict(zip(operand_names(config, self.kind), avals))
         partitioning.check_types(config, self.kind, named, options)   # Explicit mesh axes: refuse bad sharding now
         return [_result_aval(config, name, shape, dtype, named)
                 for name, (shape, dtype) in result_shapes(config, self.kind).items()]
 
-    def _lower(self, ctx: Any, *args: Any, config: AttentionConfig, options: KernelOptions) -> Any:
+    def _lower(self, ctx: Any, *args: Any, config: AttentionConfig, options: CallOptions) -> Any:
         if options.backend is Backend.CALLBACK:
-            kernel = Kernel(config, self.kind, options.seed)
-            return mlir.lower_fun(functools.partial(reference_target.reference_callback, kernel),
+            site = AttentionCall(config, self.kind, options.seed)
+            return mlir.lower_fun(functools.partial(reference_target.reference_callback, site),
                                   multiple_results=True)(ctx, *args)
         return mlir.lower_fun(functools.partial(self._partitioned, config, options), multiple_results=True)(ctx, *args)
 
@@ -142,7 +142,7 @@ def _result_aval(config: AttentionConfig, name: str, shape: tuple[int, ...], dty
 forward = AttentionPrimitive(FWD)
 backward = AttentionPrimitive(BWD)
 
-# The FFI targets the kernel primitive lowers to (CUDA registrations wait for the CUDA plugin, if any).
+# The FFI targets the inner primitive lowers to (CUDA registrations wait for the CUDA plugin, if any).
 ffi.register(reference_target.HANDLER, "cpu")
 for _handler in cudnn_target.HANDLERS:
     ffi.register(_handler, "CUDA")

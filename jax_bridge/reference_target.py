@@ -1,4 +1,4 @@
-"""The CPU kernel: the NumPy reference (:mod:`cudnn_attn.reference`) behind the same call sites.
+"""The CPU target: the NumPy reference (:mod:`cudnn_attn.reference`) behind the same call sites.
 
 Two ways to reach it from XLA:
 
@@ -9,7 +9,7 @@ Two ways to reach it from XLA:
 * ``jax.pure_callback`` (:func:`reference_callback`, :attr:`Backend.CALLBACK`), for environments
   where an FFI target cannot be registered.
 
-Dropout uses NumPy's generator seeded with the kernel's seed (the reference's convention), not
+Dropout uses NumPy's generator seeded with the call site's seed (the reference's convention), not
 cuDNN's Philox stream.
 """
 
@@ -22,27 +22,27 @@ import numpy as np
 from cudnn_attn import reference
 
 from . import ffi
-from .kernel import TARGET, Kernel, registry
+from .call_site import TARGET, AttentionCall, registry
 from .signature import FWD, attention_operands, result_shapes
 
 
-def reference_results(kernel: Kernel, arrays: Sequence[Any]) -> dict[str, np.ndarray]:
-    """Run the reference for ``kernel`` on the bound arrays; ``result name -> array``."""
-    config = kernel.config
-    operands, residuals = attention_operands(config, kernel.kind, arrays)
-    if kernel.kind == FWD:
-        result = reference.forward(config, operands, seed=kernel.seed)
+def reference_results(site: AttentionCall, arrays: Sequence[Any]) -> dict[str, np.ndarray]:
+    """Run the reference for call site ``site`` on the bound arrays; ``result name -> array``."""
+    config = site.config
+    operands, residuals = attention_operands(config, site.kind, arrays)
+    if site.kind == FWD:
+        result = reference.forward(config, operands, seed=site.seed)
     else:
         result = reference.backward(config, operands, residuals["output"], residuals["grad_output"],
-                                    residuals["logsumexp"], seed=kernel.seed)
-    return {name: np.asarray(getattr(result, name)) for name in kernel.results}
+                                    residuals["logsumexp"], seed=site.seed)
+    return {name: np.asarray(getattr(result, name)) for name in site.results}
 
 
 def _run(call: ffi.Call) -> None:
-    kernel = registry.kernel(call.int64_attribute("key"))
+    site = registry.call(call.int64_attribute("key"))
     arrays = [ffi.host_array(buffer, writeable=False) for buffer in call.args]
-    results = reference_results(kernel, arrays)
-    for name, buffer in zip(kernel.results, call.rets):
+    results = reference_results(site, arrays)
+    for name, buffer in zip(site.results, call.rets):
         value = results[name]
         if value.dtype != buffer.dtype:
             raise TypeError(f"{name}: the reference produced {value.dtype}, XLA expects {buffer.dtype}")
@@ -53,23 +53,23 @@ HANDLER = ffi.make_handler(TARGET, _run)
 
 
 def lower(ctx: Any, *args: Any, kind: str, config: Any, options: Any) -> Any:
-    """Lowering of the kernel primitive on CPU: one call of the reference FFI target (``cuda_graph`` has no
+    """Lowering of the inner primitive on CPU: one call of the reference FFI target (``cuda_graph`` has no
     meaning here: command buffers are a GPU feature)."""
     import jax
 
-    key = registry.key(Kernel(config, kind, options.seed))
+    key = registry.key(AttentionCall(config, kind, options.seed))
     return jax.ffi.ffi_lowering(TARGET)(ctx, *args, key=np.int64(key))
 
 
-def reference_callback(kernel: Kernel, *arrays: Any) -> list[Any]:
-    """The kernel as ``jax.pure_callback`` (host copies of the operands; any platform)."""
+def reference_callback(site: AttentionCall, *arrays: Any) -> list[Any]:
+    """The call site as ``jax.pure_callback`` (host copies of the operands; any platform)."""
     import jax
 
-    shapes = result_shapes(kernel.config, kernel.kind)
-    result_types = [jax.ShapeDtypeStruct(*shapes[name]) for name in kernel.results]
+    shapes = result_shapes(site.config, site.kind)
+    result_types = [jax.ShapeDtypeStruct(*shapes[name]) for name in site.results]
 
     def host(*values: Any) -> tuple[np.ndarray, ...]:
-        results = reference_results(kernel, [np.asarray(v) for v in values])
-        return tuple(results[name].reshape(shapes[name][0]) for name in kernel.results)
+        results = reference_results(site, [np.asarray(v) for v in values])
+        return tuple(results[name].reshape(shapes[name][0]) for name in site.results)
 
     return list(jax.pure_callback(host, result_types, *arrays))

@@ -243,12 +243,22 @@ def test_unsupported_configuration_is_refused_before_building(monkeypatch, build
     (True, False, PlanChoice.HEURISTIC),
     (False, True, PlanChoice.AUTOTUNED),
 ])
-def test_autotune_setting(default, per_call, expected):
-    try:
-        cudnn_attn.set_autotune(default)
-        assert execution.plan_choice(per_call) is expected
-    finally:
-        cudnn_attn.set_autotune(False)
+def test_autotune_option_and_its_whole_program_default(default, per_call, expected, monkeypatch):
+    monkeypatch.setattr(execution, "AUTOTUNE_DEFAULT", default)
+    assert execution.plan_choice(per_call) is expected
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), (" ON ", True), ("yes", True), ("0", False),
+                                       ("", False), ("off", False), (None, False)])
+def test_autotune_environment_variable(value, on):
+    environ = {} if value is None else {execution.AUTOTUNE_ENV_VAR: value}
+    assert execution.autotune_from_environment(environ) is on
+
+
+@pytest.mark.parametrize("bad", [1, "yes", 0.0])
+def test_autotune_must_be_a_bool_or_none(bad):
+    with pytest.raises(ValueError, match="autotune: must be True, False or None"):
+        execution.plan_choice(bad)
 
 
 def test_seed_return_forms():
@@ -302,3 +312,44 @@ def test_validation_memo_skips_calls_whose_arrays_prepare_transforms():
     second = memo.validate(dict(query=q, key=k, value=v, bias=small_bias), {})
     assert first[0] == second[0] and first[0] is not second[0]
     assert second[1].bias.shape == (1, 1, 64, 64)
+
+
+# -- the direct path's one allocation for several results ---------------------------------------------------
+
+def test_direct_results_are_aligned_disjoint_views_of_one_allocation(monkeypatch):
+    """The backward's dq, dk, dv (odd byte sizes here) come from one pool allocation at 256-byte-aligned,
+    disjoint offsets; a single result is a new array of its own."""
+    import types
+
+    from cudnn_attn import api
+    from cudnn_attn.plan import ResultSpec
+
+    specs = [ResultSpec(name, None, shape, np.dtype(np.float16), None)
+             for name, shape in (("dq", (1, 3, 5, 7)), ("dk", (1, 11, 5, 7)), ("dv", (1, 11, 5, 7)))]
+    class Plan:                                       # referred to weakly by the direct path
+        results = tuple(specs)
+
+    plan = Plan()
+    monkeypatch.setattr(api.execution, "plan_for", lambda *a: plan)
+    direct = api._Direct.__new__(api._Direct)
+    direct.config, direct.kind, direct.device, direct.autotune = None, "bwd", 0, None
+    direct.plan()
+    allocations, made = [], []
+
+    class Memory(int):
+        def __add__(self, offset):
+            return Memory(int(self) + offset)
+
+    fake = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(alloc=lambda n: allocations.append(n) or Memory(0x10000)),
+        ndarray=lambda shape, dtype, memory=None: ("new", shape) if memory is None else
+        made.append((shape, dtype, int(memory))) or (shape, int(memory)))
+    direct._allocate(fake)
+    sizes = [spec.nbytes for spec in specs]
+    assert len(allocations) == 1 and [m[:2] for m in made] == [(s.shape, s.dtype) for s in specs]
+    starts = [m[2] - 0x10000 for m in made]
+    assert all(start % 256 == 0 for start in starts)
+    assert all(a + n <= b for a, n, b in zip(starts, sizes, starts[1:])) and starts[-1] + sizes[-1] <= allocations[0]
+    plan.results = tuple(specs[:1])
+    direct.plan()
+    assert direct._allocate(fake) == [("new", specs[0].shape)] and len(allocations) == 1

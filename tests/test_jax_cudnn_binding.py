@@ -23,7 +23,7 @@ from cudnn_attn.graphs.tensors import TensorId
 from cudnn_attn import plan as call_plan
 from cudnn_attn.graphs.tensors import HOST_SCALAR_IDS
 from cudnn_attn.jax_bridge import cudnn_target
-from cudnn_attn.jax_bridge.kernel import Kernel
+from cudnn_attn.jax_bridge.call_site import AttentionCall
 from cudnn_attn.jax_bridge.signature import BWD, FWD, operand_names, result_shapes
 from cudnn_attn.types import FP8_PARAM_KEYS
 from cudnn_attn.validation import validate_call
@@ -144,4 +144,4 @@ def test_score_mod_arguments_are_refused_on_the_gpu_path():
     q = _array((B, T, N, H), jnp.float16)
     config, _ = validate_call(q, q, q, score_mod=lambda s, c: s * c, score_mod_args=(_array((), jnp.float32),), xp=jnp)
     with pytest.raises(UnsupportedConfigurationError, match="score_mod arguments are traced arrays"):
-        cudnn_target._check_expressible(Kernel(config, FWD))
+        cudnn_target._check_expressible(AttentionCall(config, FWD))

@@ -1,6 +1,9 @@
-"""The ctypes XLA FFI layer on CPU: zero-copy buffers, attributes, dtypes, errors, the kernel registry."""
+"""The ctypes XLA FFI layer on CPU: zero-copy buffers, attributes, dtypes, errors, the call-site registry,
+and the GPU handler's Python on a call frame in host memory."""
 
 from __future__ import annotations
+
+import ctypes
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +12,7 @@ import pytest
 
 from cudnn_attn import jax_bridge  # noqa: F401  (registers the attention targets)
 from cudnn_attn.jax_bridge import ffi
-from cudnn_attn.jax_bridge.kernel import Kernel, KernelRegistry
+from cudnn_attn.jax_bridge.call_site import AttentionCall, CallRegistry
 
 seen: dict = {}
 
@@ -99,16 +102,76 @@ def test_python_errors_become_xla_errors(kind, code, message):
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: x + 1)(x)), 2.0)   # the runtime is fine
 
 
-def test_kernel_registry_is_stable_and_explains_unknown_keys():
+def test_call_site_registry_is_stable_and_explains_unknown_keys():
     from cudnn_attn.validation import validate_call
 
     config, _ = validate_call(*(np.empty((1, 8, 2, 8), np.float16) for _ in range(3)), xp=np)
-    registry = KernelRegistry()
-    first = registry.key(Kernel(config, "fwd"))
-    assert registry.key(Kernel(config, "fwd")) == first
-    assert registry.key(Kernel(config, "bwd")) != first
-    assert registry.kernel(first) == Kernel(config, "fwd")
+    registry = CallRegistry()
+    first = registry.key(AttentionCall(config, "fwd"))
+    assert registry.key(AttentionCall(config, "fwd")) == first
+    assert registry.key(AttentionCall(config, "bwd")) != first
+    assert registry.call(first) == AttentionCall(config, "fwd")
     with pytest.raises(LookupError, match="lowered in another process"):
-        registry.kernel(first + 5)
+        registry.call(first + 5)
     with pytest.raises(ValueError, match="kind"):
-        Kernel(config, "sideways")
+        AttentionCall(config, "sideways")
+
+
+# -- the GPU handler's Python on a call frame in host memory (no GPU: the launch is recorded) -------------
+
+class _RecordingPlan:
+    """What the handler needs of a CallPlan: ``launch`` (recorded) and the workspace size."""
+
+    def __init__(self, workspace_size):
+        self.workspace_size, self.launches = workspace_size, []
+
+    def launch(self, pointers, stream, workspace, scalars, keep_stream):
+        self.launches.append((list(pointers), stream, workspace, scalars, keep_stream))
+
+
+@pytest.mark.parametrize("n_args,n_rets,workspace_size", [(3, 2, 256), (6, 4, 0), (1, 1, 64)])
+def test_gpu_handler_passes_the_frames_buffers_stream_and_workspace_to_the_site_launch(
+        n_args, n_rets, workspace_size):
+    from cudnn_attn.jax_bridge import cudnn_target
+
+    key = 2 ** 40 + n_args                       # a key no lowering of this process uses
+    frame = ffi.HostCallFrame(key, n_args, n_rets)
+    call = ffi.Call(frame.address)
+    assert call.snapshot() == ffi.Snapshot(key, [0x1000 * (i + 1) for i in range(n_args + n_rets)], 0, 0)
+    assert call.addresses_and_key() == (key, call.arg_addresses(), call.ret_addresses())
+    assert [b.address for b in call.args + call.rets] == call.snapshot().addresses
+    plan = _RecordingPlan(workspace_size)
+    cudnn_target._launches[(key, 0)] = cudnn_target._site_launch(plan, (1234, 0))
+    try:
+        handler = ffi.make_handler("cudnn_attn_test_host_frame", cudnn_target._run)
+        assert ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(handler.address)(frame.address) is None
+        cudnn_target.stages = []
+        cudnn_target._run(call)
+        assert len(cudnn_target.stages) == 1 and all(ns >= 0 for ns in cudnn_target.stages[0])
+    finally:
+        cudnn_target.stages = None
+        del cudnn_target._launches[(key, 0)]
+    addresses = [0x1000 * (i + 1) for i in range(n_args + n_rets)]
+    expected = (addresses[:-1], 0, addresses[-1] if workspace_size else 0, (1234, 0), True)
+    assert plan.launches == [expected, expected]
+
+
+def test_gpu_handler_names_an_unplanned_device():
+    from cudnn_attn.config import AttentionConfig
+    from cudnn_attn.jax_bridge import cudnn_target
+    from cudnn_attn.jax_bridge.call_site import AttentionCall, registry
+
+    config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16,
+                             dtype="float16", scale=0.0123)        # a configuration no GPU test lowers
+    key = registry.key(AttentionCall(config, "fwd"))
+    frame = ffi.HostCallFrame(key, 3, 2)
+    with pytest.raises(RuntimeError, match="not planned for GPU 0"):
+        cudnn_target._run(ffi.Call(frame.address))
+
+
+@pytest.mark.parametrize("value", [0, 41, -5, 2 ** 63 - 1, -2 ** 63])
+def test_the_single_int64_attribute_is_read_signed(value):
+    frame = ffi.HostCallFrame(value, 2, 1)
+    call = ffi.Call(frame.address)
+    assert call.snapshot().key == value and call.addresses_and_key()[0] == value
+    assert call.int64_attribute("key") == value and call.attributes() == {"key": value}

@@ -112,7 +112,7 @@ def test_an_untranslatable_function_still_runs_on_the_reference_at_its_shape():
 
 def test_jit_reuses_one_kernel_for_recreated_lambdas():
     from cudnn_attn.jax_bridge import dot_product_attention
-    from cudnn_attn.jax_bridge.kernel import registry
+    from cudnn_attn.jax_bridge.call_site import registry
 
     q, k, v = (jnp.asarray(x) for x in _qkv(np.random.default_rng(4)))
     outputs = []

@@ -274,6 +274,41 @@ def test_direct_path_and_bound_call_equal_the_public_call():
         bound(q.astype(cp.float16), k, v)
 
 
+def test_bound_call_with_autotune_runs_a_timed_plan():
+    """``bind(..., autotune=True)`` times the plans once and its calls run the winner: the output matches the
+    reference (a different plan may round differently from the heuristic's, so not bit-identical)."""
+    rng = np.random.default_rng(43)
+    q, k, v = (cp.asarray(x) for x in _qkv(rng, "bfloat16", T=128, S=128))
+    bound = cudnn_attn.bind(q, k, v, scale=0.125, mask_type=MaskType.CAUSAL, autotune=True)
+    ref = reference.dot_product_attention(*(cp.asnumpy(x) for x in (q, k, v)), scale=0.125,
+                                          mask_type=MaskType.CAUSAL)
+    assert_close("output", bound(q, k, v), ref, "bfloat16")
+    assert graph_cache.key(bound.config, "fwd", 0, plan=PlanChoice.AUTOTUNED) in graph_cache
+
+
+def test_direct_path_results_of_one_allocation_are_independent_arrays():
+    """The direct path allocates the backward's dq, dk, dv (and the training forward's output and logsumexp)
+    as 256-byte-aligned views of one pool allocation: each is its own C-contiguous array, writing one leaves
+    the others intact, and the values equal the fully validated call's."""
+    rng = np.random.default_rng(37)
+    q, k, v = (cp.asarray(x) for x in _qkv(rng, "bfloat16", T=128, S=192, K=2))
+    grad = cp.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    o, lse = cudnn_attn.dot_product_attention(q, k, v, scale=0.125, return_residual=True)
+    o2, lse2 = cudnn_attn.dot_product_attention(q, k, v, scale=0.125, return_residual=True)     # direct path
+    assert cp.array_equal(o2, o) and cp.array_equal(lse2, lse)
+    want = cudnn_attn.dot_product_attention_bwd(q, k, v, o, grad, lse, scale=0.125)
+    got = cudnn_attn.dot_product_attention_bwd(q, k, v, o, grad, lse, scale=0.125)              # direct path
+    arrays = (got.dq, got.dk, got.dv, o2, lse2)
+    for x in arrays:
+        assert x.flags.c_contiguous and x.data.ptr % 256 == 0
+    spans = sorted((x.data.ptr, x.data.ptr + x.nbytes) for x in arrays[:3])
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), "dq, dk, dv overlap"
+    kept = [cp.array(x) for x in (got.dk, got.dv)]
+    got.dq.fill(0)
+    assert cp.array_equal(got.dk, kept[0]) and cp.array_equal(got.dv, kept[1])
+    assert cp.array_equal(got.dk, want.dk) and cp.array_equal(got.dv, want.dv)
+
+
 @pytest.mark.parametrize("framework", ["torch", "jax", "cupy"])
 def test_results_come_back_in_the_callers_framework(framework):
     """torch tensors in -> torch tensors out, JAX arrays in -> JAX arrays out (zero-copy through DLPack);

@@ -209,7 +209,7 @@ def test_the_handler_launches_the_same_plan_as_the_public_call():
     import cudnn_attn
     from cudnn_attn.cache import graph_cache
     from cudnn_attn.jax_bridge import cudnn_target
-    from cudnn_attn.jax_bridge.kernel import Kernel, registry
+    from cudnn_attn.jax_bridge.call_site import AttentionCall, registry
     from cudnn_attn.validation import validate_call
 
     rng = np.random.default_rng(41)
@@ -223,8 +223,36 @@ def test_the_handler_launches_the_same_plan_as_the_public_call():
         for _ in range(3):
             np.testing.assert_array_equal(np.asarray(fn(*args)), cp.asnumpy(want))
     config, _ = validate_call(*args, scale=SCALE, mask_type=MaskType.CAUSAL, xp=jnp)
-    key = registry.key(Kernel(config, "fwd", 0))
+    key = registry.key(AttentionCall(config, "fwd", 0))
     assert cudnn_target.pinned_plan(key, 0) is graph_cache.plan(config, "fwd", 0)
+
+
+def test_the_handler_backward_equals_the_public_backward():
+    """Forward and backward through the handler on every execution (``cuda_graph=False``) and through XLA's
+    command buffers give the public CuPy calls' gradients (one plan per configuration; cuDNN accumulates dQ
+    with atomics, so the gradients agree to rounding, not bit for bit: 1/8 of the bf16 tolerance)."""
+    cp = pytest.importorskip("cupy")
+    import cudnn_attn
+
+    rng = np.random.default_rng(47)
+    (q, k, v), _ = _case("causal", rng)
+    grad = rng.standard_normal(q.shape).astype(q.dtype)
+    cq, ck, cv, cgrad = (cp.asarray(x) for x in (q, k, v, grad))
+    out, lse = cudnn_attn.dot_product_attention(cq, ck, cv, scale=SCALE, mask_type=MaskType.CAUSAL,
+                                                return_residual=True)
+    want = cudnn_attn.dot_product_attention_bwd(cq, ck, cv, out, cgrad, lse, scale=SCALE, mask_type=MaskType.CAUSAL)
+    args = tuple(jnp.asarray(x) for x in (q, k, v))
+    for cuda_graph in (False, True):
+        def attend(q, k, v):
+            return jb.dot_product_attention(q, k, v, scale=SCALE, mask_type=MaskType.CAUSAL, cuda_graph=cuda_graph)
+
+        step = jax.jit(lambda q, k, v, g: jax.vjp(attend, q, k, v)[1](g))
+        for _ in range(3):                               # repeated: the handler's per-call path, not only the first
+            grads = step(*args, jnp.asarray(grad))
+            for name, got in zip(("dq", "dk", "dv"), grads):
+                want_name = cp.asnumpy(getattr(want, name)).astype(np.float32)
+                assert_close(f"{name} cuda_graph={cuda_graph}", np.asarray(got).astype(np.float32), want_name,
+                             "bfloat16", scale=0.125)
 
 
 def test_unsupported_configuration_fails_when_lowered():

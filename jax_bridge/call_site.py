@@ -1,14 +1,14 @@
-"""What a kernel call site is: the static description the FFI handler looks up at run time.
+"""What an attention call site is: the static description the FFI handler looks up at run time.
 
 An XLA FFI call carries typed attributes, not Python objects.  Each call site therefore carries one
-int64 attribute, ``key``, into a process-local :class:`KernelRegistry` of :class:`Kernel` entries
+int64 attribute, ``key``, into a process-local :class:`CallRegistry` of :class:`AttentionCall` entries
 (configuration, forward or backward, dropout seed).  Registration happens when the call site is
 lowered; the handler only reads the entry.  Consequence: a lowered or compiled computation is only
 meaningful in the process that lowered it - it cannot be serialised with ``jax.export`` or reloaded
 from a persistent compilation cache by another process (the key would point nowhere; the handler
 then fails with a clear error rather than guessing).
 
-:class:`KernelOptions` is the static "how to run" companion of the configuration on the primitives:
+:class:`CallOptions` is the static "how to run" companion of the configuration on the primitives:
 the dropout seed (cuDNN binds it by value on the host, so under XLA it is a compile-time constant, as
 in JAX's own cuDNN attention), the backend (a named FFI target, or ``jax.pure_callback``) and whether
 XLA may capture the call into a CUDA graph (by default it may).
@@ -30,7 +30,7 @@ EAGER_TARGET = "cudnn_attn_eager"  # the same cuDNN handler without the command-
 
 
 class Backend(enum.Enum):
-    """How the kernel is called from XLA.
+    """How the inner primitive is called from XLA.
 
     * ``FFI``: a named XLA FFI target whose handler is Python (ctypes).  Runs the cuDNN graph on
       XLA's stream and buffers on GPU, the NumPy reference on CPU host buffers (zero copy in both
@@ -52,7 +52,7 @@ class Backend(enum.Enum):
 
 
 @dataclass(frozen=True)
-class KernelOptions:
+class CallOptions:
     """Static execution options of one attention call (hashable: a primitive parameter).
 
     ``seed`` is the dropout seed (0 when there is no dropout, so that it never splits caches);
@@ -68,8 +68,8 @@ class KernelOptions:
 
 
 @dataclass(frozen=True)
-class Kernel:
-    """One kernel call site: what to compute (``config``, ``kind``) and the dropout ``seed``."""
+class AttentionCall:
+    """One call site of the inner primitive: what to compute (``config``, ``kind``) and the dropout ``seed``."""
 
     config: AttentionConfig
     kind: str
@@ -88,32 +88,32 @@ class Kernel:
         return result_names(self.config, self.kind)
 
 
-class KernelRegistry:
-    """Process-local, thread-safe ``key <-> Kernel`` table.  Equal kernels share one key, so lowering
-    the same computation twice produces the same HLO."""
+class CallRegistry:
+    """Process-local, thread-safe ``key <-> AttentionCall`` table.  Equal call sites share one key, so
+    lowering the same computation twice produces the same HLO."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._keys: dict[Kernel, int] = {}
-        self._kernels: list[Kernel] = []
+        self._keys: dict[AttentionCall, int] = {}
+        self._calls: list[AttentionCall] = []
 
-    def key(self, kernel: Kernel) -> int:
+    def key(self, call: AttentionCall) -> int:
         with self._lock:
-            key = self._keys.get(kernel)
+            key = self._keys.get(call)
             if key is None:
-                key = self._keys[kernel] = len(self._kernels)
-                self._kernels.append(kernel)
+                key = self._keys[call] = len(self._calls)
+                self._calls.append(call)
             return key
 
-    def kernel(self, key: int) -> Kernel:
-        if not 0 <= key < len(self._kernels):
+    def call(self, key: int) -> AttentionCall:
+        if not 0 <= key < len(self._calls):
             raise LookupError(
-                f"attention kernel key {key} is not registered in this process: the computation was lowered "
+                f"attention call-site key {key} is not registered in this process: the computation was lowered "
                 "in another process (cudnn_attn's JAX lowering is process-local and cannot be exported)")
-        return self._kernels[key]
+        return self._calls[key]
 
     def __len__(self) -> int:
-        return len(self._kernels)
+        return len(self._calls)
 
 
-registry = KernelRegistry()
+registry = CallRegistry()
