@@ -50,7 +50,8 @@ def _plan(n_operands: int, n_results: int) -> object:
     count = n_operands + n_results
     launcher._setup_fast_path(tuple(range(count))[::-1], -1, _StubLauncher.raw_execute)
     context = types.SimpleNamespace(lock=threading.Lock(), handle=types.SimpleNamespace(backend_handle=1),
-                                    bind_stream=lambda stream: None, device=0)
+                                    bind_stream=lambda stream: None, device=0,
+                                    workspace=lambda stream, size: 0)
     from cudnn_attn.plan import CallPlan
 
     plan = CallPlan.__new__(CallPlan)

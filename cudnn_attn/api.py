@@ -249,7 +249,10 @@ class _Direct:
             results = [out] + [cupy.empty(shape, dtype) for shape, dtype in self._results[1:]]
         pointers = [x.data.ptr for x in self.order(arrays)]          # Q, K, V at least: a tuple
         pointers += [r.data.ptr for r in results]
-        plan.launch(pointers, cupy.cuda.get_current_stream().ptr, None, (seed, 0) if self.dropout else ())
+        if self.dropout:
+            plan.launch(pointers, cupy.cuda.get_current_stream().ptr, None, (seed, 0))
+        else:
+            plan.run(pointers, cupy.cuda.get_current_stream().ptr)
         return results
 
 

@@ -54,9 +54,11 @@ def time_plans(candidates: Any, launch_arguments: Callable[[Any], tuple], *, rep
     return sorted(timings, key=lambda t: t.milliseconds)
 
 
-def tuned_plan(key: Any, launch_arguments: Callable[[Any], tuple]) -> Any:
+def tuned_plan(key: Any, launch_arguments: Callable[[Any], tuple] | None) -> Any:
     """Cache builder for ``PlanChoice.AUTOTUNED`` keys: build every plan, time them, return the
-    :class:`~cudnn_attn.plan.CallPlan` pinned to the fastest (support checked first)."""
+    :class:`~cudnn_attn.plan.CallPlan` pinned to the fastest (support checked first).  Without
+    ``launch_arguments`` the plans are timed on scratch buffers (:meth:`CallPlan.scratch`: zeros, full
+    lengths); attention's run time does not depend on the values, only on the shapes and lengths."""
     import cupy
 
     from . import runtime
@@ -83,7 +85,11 @@ def tuned_plan(key: Any, launch_arguments: Callable[[Any], tuple]) -> Any:
         with context.planning() as handle:
             built = build_graph(key.config, key.kind, handle, rng_dump=key.rng_dump, plan=ALL_PLANS)
     candidates = CallPlan(built, context, rng_dump=key.rng_dump)
-    timings = time_plans(candidates, launch_arguments)
+    if launch_arguments is not None:
+        timings = time_plans(candidates, launch_arguments)
+    else:                                      # no call's buffers (a bound call tunes when bound): scratch ones
+        with candidates.scratch() as (pointers, stream, _):
+            timings = time_plans(candidates, lambda plan: (pointers, stream.ptr, (0,) * len(plan.scalar_ids)))
     logger.info("autotuned %s %s (heuristic choice %s): %s", key.kind, key.config.describe(), built.plan_name,
                 ", ".join(f"{t.name} {t.milliseconds:.3f} ms" for t in timings))
     with cupy.cuda.Device(key.device):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import ctypes
 import operator
 import struct
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 FAST = "fast"
 FRONTEND = "frontend"
@@ -91,6 +91,22 @@ class Launcher:
         self._count = len(order)
         self._cpp_index = cpp_index
         self._raw_execute = raw_execute
+
+    def bound(self, context: Any) -> Callable[[Sequence[int], int], None] | None:
+        """``run(addresses, workspace)`` on ``context.handle`` (a :class:`~cudnn_attn.runtime.DeviceContext`'s)
+        with every lookup done once; ``None`` when this launcher has no raw path (it then needs
+        :meth:`__call__`).  The caller holds the device lock."""
+        if self._raw_execute is None:
+            return None
+        fill, order, pointers, address = self._fill, self._order, self._pointers, self._pointers_address
+        raw_execute, count, cpp_index = self._raw_execute, self._count, self._cpp_index
+        backend = context.handle.backend_handle
+
+        def run(addresses: Sequence[int], workspace: int) -> None:
+            fill(pointers, 0, *order(addresses))
+            raw_execute(address, count, workspace, backend, cpp_index)
+
+        return run
 
     def __call__(self, addresses: Sequence[int] | Mapping[Any, int], workspace: int, handle: Any) -> None:
         """Run on ``handle``'s stream.  ``addresses`` follow :attr:`ids` (or map every id to its address):

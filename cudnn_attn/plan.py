@@ -31,10 +31,11 @@ compute come back as zeros):
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -214,6 +215,7 @@ class CallPlan:
         self.launcher = Launcher(built, ids, plan_index=plan_index)
         self._warm = False
         self._warm_lock = threading.Lock()
+        self._fast: Any = None                # :meth:`run`'s launch sequence, made by its first call
 
     # -- launching ----------------------------------------------------------------------------------
     def launch(self, pointers: list[int], stream: int, workspace: int | None = None,
@@ -243,6 +245,50 @@ class CallPlan:
             if stream and not keep_stream:
                 context.bind_stream(0)
 
+    def specialized(self, scalars: Sequence[Any] = (), keep_stream: bool = False) -> Callable[..., None]:
+        """:meth:`launch` with ``scalars`` and ``keep_stream`` fixed: ``run(pointers, stream, workspace=None)``.
+
+        A plan that zeroes results or passes host scalars runs :meth:`launch` itself; the others run the
+        same sequence (device lock, handle stream, workspace, the raw cuDNN call) with every attribute
+        looked up once, here.  The JAX handler launches through this.
+        """
+        fast = self._raw_sequence(keep_stream)
+        if fast is not None:
+            return fast
+        launch = self.launch
+        return lambda pointers, stream, workspace=None: launch(pointers, stream, workspace, scalars, keep_stream)
+
+    def run(self, pointers: Sequence[int], stream: int, workspace: int | None = None) -> None:
+        """:meth:`launch` of a plan without host scalars, through :meth:`specialized`'s sequence (the CuPy
+        direct path)."""
+        fast = self._fast
+        if fast is None:
+            fast = self._fast = self._raw_sequence(keep_stream=False) or False
+        if fast:
+            fast(pointers, stream, workspace)
+        else:
+            self.launch(pointers, stream, workspace)
+
+    def _raw_sequence(self, keep_stream: bool) -> Callable[..., None] | None:
+        """The launch sequence as a closure over the context and the launcher's raw call - never over the
+        plan, so that keeping it on the plan makes no reference cycle (evicted graphs are freed at once)."""
+        raw = None if self._zeroed or self._scalars else self.launcher.bound(self.context)
+        if raw is None:
+            return None
+        context, size = self.context, self.workspace_size
+        lock, bind_stream, workspace_for = context.lock, context.bind_stream, context.workspace
+
+        def run(pointers: Sequence[int], stream: int, workspace: int | None = None) -> None:
+            with lock:
+                bind_stream(stream)
+                if workspace is None:
+                    workspace = workspace_for(stream, size) if size else 0
+                raw(pointers, workspace)
+                if stream and not keep_stream:
+                    bind_stream(0)
+
+        return run
+
     def warm_up(self) -> None:
         """Launch once on scratch buffers and wait (see the module doc); at most once per plan.
 
@@ -267,6 +313,17 @@ class CallPlan:
             self._warm = True
 
     def _launch_on_scratch(self) -> None:
+        with self.scratch() as (pointers, stream, workspace):
+            self.launch(pointers, stream.ptr, workspace=workspace, scalars=(0,) * len(self.scalar_ids))
+            stream.synchronize()
+
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[tuple[list[int], Any, int]]:
+        """Buffers for a launch that reads nothing meaningful: ``(pointers, stream, workspace pointer)``, on
+        a new non-blocking stream of the plan's device, valid inside the ``with`` block.  Float inputs and
+        all results alias one zero-filled buffer (the values are never read); integer inputs hold valid
+        values (full sequence lengths, zero offsets and page ids), so no address cuDNN derives from them
+        leaves the buffers.  Used to warm a plan up and to autotune a call that brings no buffers."""
         import cupy
 
         config = self.config
@@ -290,8 +347,10 @@ class CallPlan:
                     pointers.append(values.data.ptr)
                 workspace = cupy.empty(max(self.workspace_size, 1), cupy.uint8)
                 held.append(workspace)
-            self.launch(pointers, stream.ptr, workspace=workspace.data.ptr, scalars=(0,) * len(self.scalar_ids))
-            stream.synchronize()
+                try:
+                    yield pointers, stream, workspace.data.ptr
+                finally:
+                    stream.synchronize()
 
     def _byte_sizes(self) -> list[int]:
         """Bytes of every operand and result buffer, in launch order (from the declared tensors)."""

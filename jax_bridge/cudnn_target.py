@@ -65,11 +65,11 @@ class SiteLaunch(NamedTuple):
 
 
 def _site_launch(plan: Any, scalars: tuple) -> SiteLaunch:
-    launch, uses_workspace = plan.launch, bool(plan.workspace_size)
+    launch, uses_workspace = plan.specialized(scalars, keep_stream=True), bool(plan.workspace_size)
 
     def run(addresses: list, stream: int) -> None:
         workspace = addresses.pop()                   # XLA's uint8 result, last
-        launch(addresses, stream, workspace if uses_workspace else 0, scalars, True)
+        launch(addresses, stream, workspace if uses_workspace else 0)
 
     return SiteLaunch(plan, run)
 

@@ -98,7 +98,8 @@ def sanitizer(limit: float) -> tuple[int, float, list[str]]:
     runs = [("probe_guards", [sys.executable, "benchmarks/probe_bad_values.py", "--timeout", "60",
                               "--out", os.path.join(OUT, "probe.json")])]
     if tool:
-        runs.append(("probe_memcheck", [tool, "--tool", "memcheck", "--target-processes", "all", sys.executable,
+        runs.append(("probe_memcheck", [tool, "--tool", "memcheck", "--report-api-errors", "no",
+                                        "--target-processes", "all", sys.executable,
                                         "benchmarks/probe_bad_values.py", "--guard-bytes", "0", "--timeout", "120",
                                         "--out", os.path.join(OUT, "probe_memcheck.json")]))
     for name, command in runs:

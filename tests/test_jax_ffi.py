@@ -128,6 +128,9 @@ class _RecordingPlan:
     def launch(self, pointers, stream, workspace, scalars, keep_stream):
         self.launches.append((list(pointers), stream, workspace, scalars, keep_stream))
 
+    def specialized(self, scalars=(), keep_stream=False):       # CallPlan.specialized's contract
+        return lambda pointers, stream, workspace=None: self.launch(pointers, stream, workspace, scalars, keep_stream)
+
 
 @pytest.mark.parametrize("n_args,n_rets,workspace_size", [(3, 2, 256), (6, 4, 0), (1, 1, 64)])
 def test_gpu_handler_passes_the_frames_buffers_stream_and_workspace_to_the_site_launch(

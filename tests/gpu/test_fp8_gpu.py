@@ -319,14 +319,26 @@ def test_unsupported_fp8_calls_are_refused_before_building(case, rng):
 @pytest.mark.parametrize("change, argument", [
     (dict(fp8_dtype="e4m3"), "fp8_dtype"),
     (dict(fp8_params=None), "fp8_params"),
-    (dict(mask_type=MaskType.PADDING), "mask_type"),
-], ids=["unknown-format", "no-params", "padding-mask"])
+], ids=["unknown-format", "no-params"])
 def test_invalid_fp8_calls_are_value_errors(change, argument, rng):
     config = fp8_config({}, training=False)
     operands = random_operands(config, rng, poison=False)
     gpu = device_operands(operands)
     with pytest.raises(ValueError, match=argument):
         cudnn_attn.dot_product_attention(gpu.query, gpu.key, gpu.value, **{**public_kwargs(config, operands), **change})
+
+
+def test_fp8_with_a_padding_mask_is_refused_by_the_support_table(rng):
+    """Well formed, so not a ValueError: the support table's FP8 row refuses it, before any build."""
+    config = fp8_config({}, training=False)
+    operands = random_operands(config, rng, poison=False)
+    gpu = device_operands(operands)
+    before = graph_cache.stats()
+    with pytest.raises(UnsupportedConfigurationError) as raised:
+        cudnn_attn.dot_product_attention(gpu.query, gpu.key, gpu.value,
+                                         **{**public_kwargs(config, operands), "mask_type": MaskType.PADDING})
+    assert any("FP8" in reason and "mask" in reason for reason in raised.value.reasons), raised.value.reasons
+    assert graph_cache.stats().entries == before.entries
 
 
 def test_fp16_inputs_with_use_fp8_are_a_value_error(rng):
