@@ -328,18 +328,19 @@ def _bench_torch(backend_name: str):
 PAIRED: dict[str, dict] = {}    # shape -> {"ours fwd": fn, "floor fwd": fn, ...}: the paired measurement
 
 
-def paired(name: str, rounds: int = 7) -> dict:
-    """Ours and the floor alternately, ``rounds`` times each (one call stream, same inputs), so that clock
-    drift and the order of the implementations cannot tell them apart: median ours / floor per kind."""
+def paired(name: str, rounds: int = 8) -> dict:
+    """Ours and the floor alternately, ``rounds`` times each (one call stream, same inputs), in the order
+    ours-floor, floor-ours, ... (ABBA), so that clock drift and which one runs second (a long kernel right
+    after another heats the GPU) cannot tell them apart: median ours / floor per kind."""
     fns, ratios = PAIRED.pop(name, {}), {}
     for kind in ("fwd", "bwd"):
         ours, floor = fns.get(f"ours {kind}"), fns.get(f"floor {kind}")
         if ours is None or floor is None:
             continue
         samples = {"ours": [], "floor": []}
-        for _ in range(rounds):
-            samples["ours"].append(event_ms(ours, rounds=1))
-            samples["floor"].append(event_ms(floor, rounds=1))
+        for round_ in range(rounds):
+            for impl in ("ours", "floor") if round_ % 2 == 0 else ("floor", "ours"):
+                samples[impl].append(event_ms(ours if impl == "ours" else floor, rounds=1))
         ratios[kind] = statistics.median(samples["ours"]) / statistics.median(samples["floor"])
     return ratios
 
@@ -433,7 +434,7 @@ def summary(results: list[Result]) -> str:
     lines.append("host us per cache-hit call (decode shape): " + ", ".join(
         f"{r.impl}: " + " ".join(f"{k[8:]}={v:.1f}" for k, v in r.notes.items() if k.startswith("host_us"))
         for r in decode if not r.error))
-    lines.append("paired (alternating ours/floor) ours/floor: " + "; ".join(
+    lines.append("paired (ABBA order) ours/floor: " + "; ".join(
         f"{r.shape} " + " ".join(f"{k[7:10]} {v:.3f}" for k, v in r.notes.items() if k.startswith("paired"))
         + f" plans ours {r.notes.get('plan')}/{r.notes.get('bwd_plan', '-')}"
         for r in results if r.impl == "ours" and any(k.startswith("paired") for k in r.notes)))

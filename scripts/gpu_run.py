@@ -120,7 +120,7 @@ def train_commands(full: bool) -> list[tuple[str, list[str]]]:
         for gpus in (1, 2):
             for impl in ("ours", "jax"):
                 runs.append((f"{impl} {size} {gpus}gpu", ["--impl", impl, "--size", size, "--gpus", str(gpus),
-                                                          "--steps", "12" if size == "tiny" else "6"]))
+                                                          "--steps", "60" if size == "tiny" else "14"]))
     return runs
 
 
@@ -187,6 +187,8 @@ def main() -> int:
             quick = [] if full else ["--quick"]
             if phase == "soak":                       # the soak writes one JSON file
                 command = ["benchmarks/soak.py", "--out", os.path.join(OUT, "soak.json")]
+                if os.environ.get("SOAK_CALLS"):          # a length between --quick (4k) and the full 100k
+                    command += ["--calls", os.environ["SOAK_CALLS"]]
             else:
                 command = [f"benchmarks/bench_{phase}.py", "--out", OUT]
             rc, took = run(f"bench_{phase}", [sys.executable, *command, *quick], limit)

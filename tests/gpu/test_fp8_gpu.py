@@ -333,9 +333,10 @@ def test_fp8_with_a_padding_mask_is_refused_by_the_support_table(rng):
     config = fp8_config({}, training=False)
     operands = random_operands(config, rng, poison=False)
     gpu = device_operands(operands)
+    lengths = cp.full((config.batch,), config.q_len, cp.int32)
     before = graph_cache.stats()
     with pytest.raises(UnsupportedConfigurationError) as raised:
-        cudnn_attn.dot_product_attention(gpu.query, gpu.key, gpu.value,
+        cudnn_attn.dot_product_attention(gpu.query, gpu.key, gpu.value, q_seqlen=lengths, kv_seqlen=lengths,
                                          **{**public_kwargs(config, operands), "mask_type": MaskType.PADDING})
     assert any("FP8" in reason and "mask" in reason for reason in raised.value.reasons), raised.value.reasons
     assert graph_cache.stats().entries == before.entries
