@@ -354,18 +354,19 @@ IMPLEMENTATIONS = {
 }
 
 
-def shapes(quick: bool) -> list[Shape]:
-    """The decode-like shape first (host overhead), then the long ones; ``quick``: only T=S=4k."""
-    lengths = (4096,) if quick else (1024, 4096, 16384)
-    out = [Shape("decode B1 T1 S4k", 1, 16, 1, 4096, backward=False)]
+def shapes(quick: bool, lengths: tuple[int, ...] | None = None) -> list[Shape]:
+    """The decode-like shape first (host overhead), then the long ones; ``quick``: only T=S=4k;
+    ``lengths``: only these T=S (no decode shape)."""
+    out = [] if lengths else [Shape("decode B1 T1 S4k", 1, 16, 1, 4096, backward=False)]
+    lengths = lengths or ((4096,) if quick else (1024, 4096, 16384))
     out += [Shape(f"T=S={n // 1024}k{' causal' if c else ''}", 4, 16, n, n, causal=c) for n in lengths for c in (False, True)]
     return out
 
 
-def run(quick: bool) -> list[Result]:
+def run(quick: bool, lengths: tuple[int, ...] | None = None) -> list[Result]:
     rng = np.random.default_rng(0)
     results = []
-    for shape in shapes(quick):
+    for shape in shapes(quick, lengths):
         q, k, v, do = inputs(shape, rng)
         for impl, bench in IMPLEMENTATIONS.items():
             result = Result(shape.name, impl)
@@ -459,6 +460,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--quick", action="store_true", help="only the decode shape and T=S=4k")
     parser.add_argument("--only", nargs="*", choices=list(IMPLEMENTATIONS), help="run these implementations")
+    parser.add_argument("--lengths", type=int, nargs="*", help="only these T=S (e.g. 16384), no decode shape")
     args = parser.parse_args()
     if args.only:
         for name in list(IMPLEMENTATIONS):
@@ -466,7 +468,7 @@ def main() -> None:
                 del IMPLEMENTATIONS[name]
     os.makedirs(args.out, exist_ok=True)
     device = cp.cuda.runtime.getDeviceProperties(0)["name"]
-    results = run(args.quick)
+    results = run(args.quick, tuple(args.lengths or ()))
     with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
         json.dump({"device": device.decode() if isinstance(device, bytes) else str(device),
                    "cudnn": cudnn_attn.cache._cudnn_version(), "results": [asdict(r) for r in results]}, f, indent=1)
