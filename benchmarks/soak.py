@@ -403,11 +403,9 @@ rebuilds; single-threaded, 96-120 rebuilds (built, deserialized, backward) moved
 
 def _pinned_plans() -> int | None:
     """Call sites the JAX bridge planned for its FFI handler, one per (site, device): each pins its plan for as
-    long as the process (``cudnn_target._launches``; read ``_pinned`` before its rename)."""
+    long as the process (``cudnn_target._launches``)."""
     module = sys.modules.get("cudnn_attn.jax_bridge.cudnn_target")
     pinned = getattr(module, "_launches", None)
-    if pinned is None:
-        pinned = getattr(module, "_pinned", None)
     return None if pinned is None else len(pinned)
 
 
