@@ -75,8 +75,8 @@ class MaskSpec:
         if self.has_diagonal and other.has_diagonal and self.alignment is not other.alignment:
             raise ValueError(f"mask: the diagonals are aligned differently ({self.alignment.value} & "
                              f"{other.alignment.value})")
-        if self.left_bound is not None and other.left_bound is not None and self.left_bound != other.left_bound \
-                or _both_windows(self, other) and self.right_bound != other.right_bound:
+        both_windows = self.left_bound is not None and other.left_bound is not None
+        if both_windows and (self.left_bound, self.right_bound) != (other.left_bound, other.right_bound):
             raise ValueError(f"mask: two windows of different sizes ({self.describe()} & {other.describe()}); "
                              "give one window(left, right)")
         first = self if self.has_diagonal else other
@@ -121,10 +121,6 @@ class MaskSpec:
         return _config.MaskSpec(right_bound=self.right_bound, left_bound=self.left_bound,
                                 alignment=self.alignment if self.has_diagonal else DiagonalAlignment.TOP_LEFT,
                                 padding=padding, alibi=self.alibi)
-
-
-def _both_windows(a: MaskSpec, b: MaskSpec) -> bool:
-    return a.left_bound is not None and b.left_bound is not None
 
 
 def _tighter(x: int | None, y: int | None) -> int | None:
