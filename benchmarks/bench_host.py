@@ -7,6 +7,10 @@ inference mode and backward.  Rows, from the whole public call down to the floor
 
 * ``public``          - ``cudnn_attn.dot_product_attention`` / ``dot_product_attention_bwd`` (CuPy arrays);
 * ``bound``           - a pre-bound call, ``cudnn_attn.bind(...)`` then ``bound(q, k, v)`` / ``bound.backward``;
+* ``... (no replay)`` - the same with the plans' CUDA-graph replay switched off (:mod:`cudnn_attn.replay`): the
+                        loop passes the same addresses every call, so by default the launches are replays;
+* ``plan.run (replayed)`` / ``cudaGraphLaunch`` / ``stream capture query`` - the replayed launch alone, the
+                        CUDA call it ends in, and the capture-status query it makes first;
 * ``  public stage``, ``  bound stage``, ``  stage`` - the parts of the public and bound calls, each timed
                         alone: the signature key and its lookup, the bound call's array check, the device
                         and stream queries, the results' allocation (one pool allocation for several
@@ -58,18 +62,38 @@ def host_us(fn, *, calls: int, rounds: int) -> float:
     return bench_attention.host_us(fn, calls=calls, rounds=rounds, warmup=20)
 
 
+class replay_switched_off:
+    """Switch the CUDA-graph replay of every cached plan off inside the block (graphs are kept)."""
+
+    def __enter__(self):
+        self.replays = [r for entry in graph_cache._entries.values() for r in entry.plan.replays if r.enabled]
+        for r in self.replays:
+            r.enabled = False
+
+    def __exit__(self, *exc):
+        for r in self.replays:
+            r.enabled = True
+
+
 def cupy_rows(q, k, v, do, calls, rounds) -> dict:
     rows = {}
     o, lse = cudnn_attn.dot_product_attention(q, k, v, scale=SCALE, return_residual=True)
-    rows[("public", "fwd")] = host_us(lambda: cudnn_attn.dot_product_attention(q, k, v, scale=SCALE),
-                                      calls=calls, rounds=rounds)
-    rows[("public", "bwd")] = host_us(lambda: cudnn_attn.dot_product_attention_bwd(q, k, v, o, do, lse, scale=SCALE),
-                                      calls=calls, rounds=rounds)
     bound = cudnn_attn.bind(q, k, v, scale=SCALE)
-    rows[("bound", "fwd")] = host_us(lambda: bound(q, k, v), calls=calls, rounds=rounds)
     out = cp.empty_like(q)
-    rows[("bound, out=", "fwd")] = host_us(lambda: bound(q, k, v, out=out), calls=calls, rounds=rounds)
-    rows[("bound", "bwd")] = host_us(lambda: bound.backward(q, k, v, o, do, lse), calls=calls, rounds=rounds)
+    calls_of = {
+        "public": (lambda: cudnn_attn.dot_product_attention(q, k, v, scale=SCALE),
+                   lambda: cudnn_attn.dot_product_attention_bwd(q, k, v, o, do, lse, scale=SCALE)),
+        "bound": (lambda: bound(q, k, v), lambda: bound.backward(q, k, v, o, do, lse)),
+        "bound, out=": (lambda: bound(q, k, v, out=out), None),
+    }
+    for suffix, switch in (("", None), (" (no replay)", replay_switched_off)):
+        for name, (forward, backward) in calls_of.items():
+            for kind, fn in (("fwd", forward), ("bwd", backward)):
+                if fn is None:
+                    continue
+                fn()                                      # plans (and the bound backward) exist before switching
+                with switch() if switch else _nothing():
+                    rows[(name + suffix, kind)] = host_us(fn, calls=calls, rounds=rounds)
     rows.update(cupy_stages(bound, (q, k, v), (q, k, v, o, do, lse), calls, rounds))
     config = bound.config
     stream = cp.cuda.get_current_stream().ptr
@@ -83,6 +107,16 @@ def cupy_rows(q, k, v, do, calls, rounds) -> dict:
         results = [cp.empty(spec.shape, spec.dtype) for spec in plan.results]
         pointers = [by_id[t].data.ptr for t in plan.operand_ids] + [r.data.ptr for r in results]
         rows[("plan.launch", kind)] = host_us(lambda: plan.launch(pointers, stream), calls=calls, rounds=rounds)
+        rows[("plan.run (replayed)", kind)] = host_us(lambda: plan.run(pointers, stream), calls=calls, rounds=rounds)
+        graphs = [g for r in plan.replays for g in r._graphs.values()]
+        if graphs:
+            from cudnn_attn import replay
+
+            launch_graph = cp.cuda.runtime.graphLaunch
+            rows[("cudaGraphLaunch", kind)] = host_us(lambda: launch_graph(graphs[-1], stream), calls=calls,
+                                                      rounds=rounds)
+            rows[("stream capture query", kind)] = host_us(lambda: replay._capturing(stream), calls=calls,
+                                                           rounds=rounds)
         context, launcher = plan.context, plan.launcher
         workspace = context.workspace(stream, plan.workspace_size)
         context.bind_stream(stream)
@@ -97,6 +131,14 @@ def cupy_rows(q, k, v, do, calls, rounds) -> dict:
         rows[("frontend execute", kind)] = host_us(
             lambda: graph.execute(ordered, workspace, handle=handle, tensor_uids=uids), calls=calls, rounds=rounds)
     return rows
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
 
 
 def cupy_stages(bound, forward_arrays, backward_arrays, calls, rounds) -> dict:
@@ -168,9 +210,11 @@ def jax_rows(q, k, v, do, rounds) -> dict:
             return q
         return jax.jit(run)
 
+    eager = lambda q, k, v: jb.dot_product_attention(q, k, v, scale=SCALE, cuda_graph=False)  # noqa: E731
     impls = {
         "ours": lambda q, k, v: jb.dot_product_attention(q, k, v, scale=SCALE),
-        "ours-eager": lambda q, k, v: jb.dot_product_attention(q, k, v, scale=SCALE, cuda_graph=False),
+        "ours-eager": eager,
+        "ours-eager, no replay": eager,
         "jax.nn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=SCALE, implementation="cudnn"),
     }
     for mode in ("fwd", "fwd+bwd"):
@@ -178,24 +222,29 @@ def jax_rows(q, k, v, do, rounds) -> dict:
             fn = program(attend, mode)
             for _ in range(3):
                 jax.block_until_ready(fn(jq))
-            times = ffi.record_handler_times(name == "ours-eager")
-            cudnn_target.stages = [] if name == "ours-eager" else None      # (read, find, launch) per run
+            switch = replay_switched_off() if name.endswith("no replay") else _nothing()
+            switch.__enter__()
+            timed = name.startswith("ours-eager")
+            times = ffi.record_handler_times(timed)
+            cudnn_target.stages = [] if timed else None      # (read, find, launch) per run
             samples = []
             for _ in range(rounds * 4):
                 start = time.perf_counter()
                 jax.block_until_ready(fn(jq))
                 samples.append((time.perf_counter() - start) / chain * 1e6)
             ffi.record_handler_times(False)
+            switch.__exit__(None, None, None)
             stages, cudnn_target.stages = cudnn_target.stages, None
+            tag = " (no replay)" if name.endswith("no replay") else ""
             if stages:
                 for i, stage in enumerate(("read the call frame", "find the call site", "launch")):
-                    rows[(f"  handler stage: {stage}", mode)] = statistics.median(s[i] for s in stages) / 1e3
+                    rows[(f"  handler stage{tag}: {stage}", mode)] = statistics.median(s[i] for s in stages) / 1e3
             rows[(f"jax jit call ({name})", mode)] = statistics.median(samples)
             if times:
                 for target in sorted({t for t, _ in times}):
                     kind = "fwd" if mode == "fwd" else "fwd+bwd"
-                    rows[(f"jax handler [{target}]", kind)] = statistics.median(ns / 1e3 for t, ns in times
-                                                                                if t == target)
+                    rows[(f"jax handler [{target}]{tag}", kind)] = statistics.median(
+                        ns / 1e3 for t, ns in times if t == target)
     del jnp
     return rows
 
@@ -222,11 +271,11 @@ def main() -> int:
         json.dump({"shape": f"bf16 B{B} N{N} T=S={T} H{H}", "calls": calls, "rounds": rounds,
                    "rows": [{"what": w, "kind": kind, "host_us": us} for (w, kind), us in rows.items()]}, f, indent=1)
     print(f"\n== host us per call at a cache hit, bf16 B{B} N{N} T=S={T} H{H} (median of {rounds} rounds)")
-    print(f"{'what':40s} {'kind':8s} {'host us':>8s}  target")
+    print(f"{'what':44s} {'kind':8s} {'host us':>8s}  target")
     for (what, kind), us in rows.items():
         target = TARGETS.get((what.split(" [")[0], kind.split("+")[0]))
         verdict = "" if target is None else f"<= {target:g} {'OK' if us <= target else 'MISS'}"
-        print(f"{what:40s} {kind:8s} {us:8.1f}  {verdict}")
+        print(f"{what:44s} {kind:8s} {us:8.1f}  {verdict}")
     return 0
 
 

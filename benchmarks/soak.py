@@ -6,7 +6,10 @@ fp16 and bf16) and four paths: the CuPy path forward and backward (``cudnn_attn.
 ``dot_product_attention_bwd`` on CuPy arrays) and the JAX bridge under ``jit``, forward and ``grad``.
 The graph cache is replaced by a new :class:`cudnn_attn.GraphCache` of ``--cache-size`` graphs (4) - far
 fewer than the ~20 graphs the mix needs - so that it evicts and rebuilds constantly while other threads
-use the same configurations.
+use the same configurations.  Every ``--recompile-every`` JAX calls (200) a configuration drops its jitted
+functions and makes new ones, and JAX's caches are cleared at every phase boundary, so executables are
+compiled and destroyed throughout: the JAX bridge must release what it held for dead executables (the
+plans its FFI handler runs, ``cudnn_target._launches``) as the graph cache's bound says.
 
 Every call's results are compared with those of the same inputs computed single-threaded before the soak:
 exactly (the backward runs with ``deterministic=True``).  Reported: errors (by type, with the first
@@ -194,10 +197,12 @@ def small_cache(maxsize: int) -> Iterator[Any]:
 class Workload:
     """Fixed inputs of one configuration and the results every path must reproduce."""
 
-    def __init__(self, config: Config, backend: Backend, rng: np.random.Generator):
+    def __init__(self, config: Config, backend: Backend, rng: np.random.Generator, recompile_every: int = 0):
         import ml_dtypes
 
         self.config, self.backend = config, backend
+        self.recompile_every, self._jax_calls, self.recompiles = recompile_every, 0, 0
+        self._jax_lock = threading.Lock()
         dtype = np.dtype(ml_dtypes.bfloat16) if config.dtype == "bfloat16" else np.dtype(np.float16)
         host = {"query": rng.standard_normal(config.shape(config.T, config.N)).astype(dtype),
                 "key": rng.standard_normal(config.shape(config.S, config.K)).astype(dtype),
@@ -254,14 +259,19 @@ class Workload:
             return grads.dq, grads.dk, grads.dv
         import jax.numpy as jnp
 
-        if not self._jax:
-            self._jax = self._jax_functions()
+        with self._jax_lock:
+            self._jax_calls += 1
+            if not self._jax or (self.recompile_every and self._jax_calls % self.recompile_every == 0):
+                if self._jax:
+                    self.recompiles += 1
+                self._jax = self._jax_functions()      # the old executables die with the old functions
+            functions = self._jax
         arrays = self._jax_arrays
         if path == "jax-fwd":
-            return (self._jax[path](arrays),)
+            return (functions[path](arrays),)
         rest = {n: x for n, x in arrays.items() if n not in ("query", "key", "value")}
         grad = jnp.asarray(self.grad_host)
-        return tuple(self._jax[path](arrays["query"], arrays["key"], arrays["value"], rest, grad))
+        return tuple(functions[path](arrays["query"], arrays["key"], arrays["value"], rest, grad))
 
     def warm_up(self) -> None:
         """Single-threaded: the residuals the backward takes, then the expected results of every path."""
@@ -300,9 +310,14 @@ class Tally:
                     self.messages.append(f"{path}: mismatch in {mismatch}")
 
 
+_deadline = [float("inf")]        # time.monotonic() after which workers stop (--max-seconds)
+
+
 def _worker(index: int, calls: int, workloads: list[Workload], tally: Tally, seed: int) -> None:
     rng = np.random.default_rng(seed + index)
     for _ in range(calls):
+        if time.monotonic() > _deadline[0]:
+            return
         workload = workloads[int(rng.integers(len(workloads)))]
         paths = workload.paths()
         path = paths[int(rng.integers(len(paths)))]
@@ -331,25 +346,26 @@ def _run_threads(calls: int, threads: int, workloads: list[Workload], tally: Tal
 
 
 def soak(*, calls: int, threads: int, cache_size: int, quick: bool, dry_run: bool, seed: int,
-         phase_calls: int = 1000) -> dict:
+         phase_calls: int = 1000, recompile_every: int = 200) -> dict:
     with small_cache(cache_size) as cache:
         return _soak(cache, calls=calls, threads=threads, cache_size=cache_size, quick=quick, dry_run=dry_run,
-                     seed=seed, phase_calls=phase_calls)
+                     seed=seed, phase_calls=phase_calls, recompile_every=recompile_every)
 
 
 def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool, dry_run: bool, seed: int,
-          phase_calls: int = 1000) -> dict:
+          phase_calls: int = 1000, recompile_every: int = 200) -> dict:
     backend = DryRunBackend() if dry_run else Backend()
     rng = np.random.default_rng(seed)
-    workloads = [Workload(config, backend, rng) for config in _configs(quick or dry_run)]
+    workloads = [Workload(config, backend, rng, recompile_every) for config in _configs(quick or dry_run)]
     tally, samples, stop = Tally(), [], threading.Event()
     phases: list[dict] = []
 
     def phase(name: str) -> dict:
         backend.synchronize()
+        _clear_jax_caches()
         gc.collect()
         row = {"phase": name, "calls": sum(tally.calls.values()), **backend.memory(),
-               "live_graphs": cache.live_graphs(), "cached_graphs": len(cache), "pinned_plans": _pinned_plans()}
+               "live_graphs": cache.live_graphs(), "cached_graphs": len(cache), **_jax_side()}
         row["host_rss_trimmed"] = _trimmed_rss()
         phases.append(row)
         print(_phase_line(row), flush=True)
@@ -367,7 +383,7 @@ def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool,
     sampler.start()
     started = time.perf_counter()
     remaining, chunk = calls - settle, 0
-    while remaining > 0:
+    while remaining > 0 and time.monotonic() < _deadline[0]:
         n = min(phase_calls, remaining)
         _run_threads(n, threads, workloads, tally, seed + 1000 * (chunk + 1))
         remaining -= n
@@ -384,12 +400,15 @@ def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool,
         "backend": backend.name, "threads": threads, "calls": sum(tally.calls.values()), "settling_calls": settle,
         "seconds": round(seconds, 1), "warm_up_seconds": round(warm_up_seconds, 1),
         "configurations": [w.config.name for w in workloads],
+        "planned_calls": calls, "stopped_at_deadline": sum(tally.calls.values()) < calls,
         "calls_by_path": dict(tally.calls), "errors": dict(tally.errors), "mismatches": dict(tally.mismatches),
         "messages": tally.messages, "memory_before": before, "memory_after": after,
         "growth": {k: after[k] - before[k] for k in measured}, "phases": phases, "samples": samples,
         "graph_cache": {"maxsize": cache_size, "hits": stats.hits, "misses": stats.misses,
                         "evictions": stats.evictions, "entries": stats.entries, "live_graphs": after["live_graphs"],
                         "pinned_plans": after["pinned_plans"]},
+        "jax_recompiles": sum(w.recompiles for w in workloads),
+        "jax_side_at_end": {k: after[k] for k in ("pinned_plans", "call_sites", "live_executable_sites")},
     }
 
 
@@ -401,12 +420,24 @@ raw RSS swung by 80-180 MiB between phases while the trimmed RSS stayed within 5
 rebuilds; single-threaded, 96-120 rebuilds (built, deserialized, backward) moved the RSS by < 2 MiB."""
 
 
-def _pinned_plans() -> int | None:
-    """Call sites the JAX bridge planned for its FFI handler, one per (site, device): each pins its plan for as
-    long as the process (``cudnn_target._launches``)."""
-    module = sys.modules.get("cudnn_attn.jax_bridge.cudnn_target")
-    pinned = getattr(module, "_launches", None)
-    return None if pinned is None else len(pinned)
+def _clear_jax_caches() -> None:
+    """JAX's own caches (compiled executables, lowerings, traces: LRUs that JAX bounds itself, thousands of
+    entries each) are cleared at every phase boundary, so that the growth measured is what stays alive once
+    nothing is cached: the executables die, and the JAX bridge must then hold nothing for them."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
+
+
+def _jax_side() -> dict:
+    """What the JAX bridge holds: the plans its FFI handler can run (``cudnn_target.held_plans``: held by live
+    executables or recent lowerings), the call-site entries, and the live executables' call sites."""
+    target = sys.modules.get("cudnn_attn.jax_bridge.cudnn_target")
+    call_site = sys.modules.get("cudnn_attn.jax_bridge.call_site")
+    ffi = sys.modules.get("cudnn_attn.jax_bridge.ffi")
+    return {"pinned_plans": None if target is None else len(target._launches),
+            "call_sites": None if call_site is None else len(call_site.registry),
+            "live_executable_sites": None if ffi is None else ffi.live_states()}
 
 
 def _trimmed_rss() -> int | None:
@@ -425,7 +456,8 @@ def _trimmed_rss() -> int | None:
 def _phase_line(row: dict) -> str:
     memory = "  ".join(f"{k} {row[k] / MIB:.1f}" for k in MEMORY_KEYS if row.get(k) is not None)
     return (f"[{row['phase']}] calls {row['calls']}  {memory} MiB  graphs alive {row['live_graphs']} "
-            f"(cached {row['cached_graphs']}, pinned by JAX {row['pinned_plans']})")
+            f"(cached {row['cached_graphs']}, held by the JAX bridge {row['pinned_plans']}; call sites "
+            f"{row['call_sites']}, in live executables {row['live_executable_sites']})")
 
 
 def verdict(report: dict, growth_limit: int = MIB) -> tuple[bool, list[str]]:
@@ -443,7 +475,8 @@ def table(report: dict) -> str:
     errors = collections.Counter()
     for key, count in report["errors"].items():
         errors[key.split(":")[0]] += count
-    lines = [f"soak: {report['calls']} calls ({report['settling_calls']} settling), {report['threads']} threads, "
+    stopped = f" (stopped at --max-seconds; {report['planned_calls']} planned)" if report.get("stopped_at_deadline") else ""
+    lines = [f"soak: {report['calls']} calls{stopped} ({report['settling_calls']} settling), {report['threads']} threads, "
              f"{report['seconds']} s, {report['backend']}",
              f"{'path':12s} {'calls':>8s} {'errors':>7s} {'mismatches':>10s}"]
     for path in PATHS:
@@ -460,7 +493,8 @@ def table(report: dict) -> str:
     cache = report["graph_cache"]
     lines.append(f"graph cache: maxsize {cache['maxsize']}, {cache['hits']} hits, {cache['misses']} misses, "
                  f"{cache['evictions']} evictions; graphs alive at the end {cache['live_graphs']} "
-                 f"(pinned by the JAX bridge: {cache['pinned_plans']})")
+                 f"(held by the JAX bridge: {cache['pinned_plans']}); {report.get('jax_recompiles', 0)} JAX "
+                 f"recompilations")
     ok, failures = verdict(report)
     lines.append("PASS (0 errors, 0 mismatches, growth < 1 MiB; host RSS after malloc_trim)" if ok else "FAIL: " + "; ".join(failures))
     return "\n".join(lines)
@@ -475,13 +509,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU: the NumPy reference and JAX on CPU")
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--phase-calls", type=int, default=1000, help="calls between two memory reports")
+    parser.add_argument("--recompile-every", type=int, default=200,
+                        help="JAX calls of a configuration between two recompilations (0: never)")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="stop issuing calls after this long (the report says how many ran)")
     parser.add_argument("--out", help="write the report as JSON")
     args = parser.parse_args(argv)
     if args.threads < 1 or args.phase_calls < 1 or (args.calls is not None and args.calls < 1):
         parser.error("--threads, --calls and --phase-calls must be >= 1")
     calls = args.calls or (4000 if args.quick else 100_000)
+    if args.max_seconds is not None:
+        _deadline[0] = time.monotonic() + args.max_seconds
     report = soak(calls=calls, threads=args.threads, cache_size=args.cache_size, quick=args.quick,
-                  dry_run=args.dry_run, seed=args.seed, phase_calls=args.phase_calls)
+                  dry_run=args.dry_run, seed=args.seed, phase_calls=args.phase_calls,
+                  recompile_every=args.recompile_every)
     report["passed"], report["failures"] = verdict(report)
     if args.out:
         with open(args.out, "w") as out:

@@ -41,7 +41,9 @@ import numpy as np
 
 from .config import AttentionConfig
 from .graphs.tensors import FP8_AMAX_IDS, FP8_SCALE_IDS, HOST_SCALAR_IDS, TensorId
+from . import replay
 from .launch import Launcher
+from .replay import Replays
 from .types import FP8_BWD_AMAX, Kind
 
 logger = logging.getLogger("cudnn_attn")
@@ -216,6 +218,7 @@ class CallPlan:
         self._warm = False
         self._warm_lock = threading.Lock()
         self._fast: Any = None                # :meth:`run`'s launch sequence, made by its first call
+        self.replays: list[Any] = []          # the CUDA graphs of each launch sequence (cudnn_attn.replay)
 
     # -- launching ----------------------------------------------------------------------------------
     def launch(self, pointers: list[int], stream: int, workspace: int | None = None,
@@ -271,18 +274,24 @@ class CallPlan:
 
     def _raw_sequence(self, keep_stream: bool) -> Callable[..., None] | None:
         """The launch sequence as a closure over the context and the launcher's raw call - never over the
-        plan, so that keeping it on the plan makes no reference cycle (evicted graphs are freed at once)."""
+        plan, so that keeping it on the plan makes no reference cycle (evicted graphs are freed at once).
+        Repeated addresses replay a CUDA graph of the launch (:mod:`cudnn_attn.replay`)."""
         raw = None if self._zeroed or self._scalars else self.launcher.bound(self.context)
         if raw is None:
             return None
         context, size = self.context, self.workspace_size
         lock, bind_stream, workspace_for = context.lock, context.bind_stream, context.workspace
+        replays = Replays(raw, bind_stream, context.capture_stream) if replay.ENABLED else None
+        if replays is not None:
+            self.replays.append(replays)
 
         def run(pointers: Sequence[int], stream: int, workspace: int | None = None) -> None:
             with lock:
-                bind_stream(stream)
                 if workspace is None:
                     workspace = workspace_for(stream, size) if size else 0
+                if replays is not None and replays.launch(pointers, workspace, stream):
+                    return
+                bind_stream(stream)
                 raw(pointers, workspace)
                 if stream and not keep_stream:
                     bind_stream(0)

@@ -176,6 +176,7 @@ class DeviceContext:
         self._stream = None                       # the stream the handle points at
         self._streams: dict[int, Any] = {}
         self._workspaces: dict[int, Any] = {}
+        self._capture: Any = None                 # the private stream launches are captured on (cudnn_attn.replay)
 
     @contextlib.contextmanager
     def planning(self):
@@ -190,6 +191,15 @@ class DeviceContext:
 
             cudnn.set_stream(self.handle, stream_ptr)
             self._stream = stream_ptr
+
+    def capture_stream(self) -> int:
+        """A private non-blocking stream of the device, on which :mod:`cudnn_attn.replay` captures launches.
+        Hold :attr:`lock`."""
+        if self._capture is None:
+            cupy = _cupy()
+            with cupy.cuda.Device(self.device):
+                self._capture = cupy.cuda.Stream(non_blocking=True)
+        return self._capture.ptr
 
     def stream(self, stream_ptr: int) -> Any:
         """A CuPy stream object for ``stream_ptr``, to make it current while allocating."""
@@ -221,6 +231,7 @@ class DeviceContext:
         with self.lock, self._planning_lock:
             self._workspaces.clear()
             self._streams.clear()
+            self._capture = None
             handles = (self.handle, self._planning_handle)
             self.handle = self._planning_handle = None
             for handle in handles:

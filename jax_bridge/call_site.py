@@ -8,6 +8,15 @@ meaningful in the process that lowered it - it cannot be serialised with ``jax.e
 from a persistent compilation cache by another process (the key would point nowhere; the handler
 then fails with a clear error rather than guessing).
 
+Lifetime (:class:`Holds`).  A key is held by every live executable that calls it - the FFI targets are
+registered with an *instantiate* stage whose state XLA destroys with the executable
+(:func:`.ffi.make_handler`), which :meth:`Holds.pin` counts - and by the most recent lowerings, so that
+a lowering compiled a little later still resolves.  When neither holds it the entry is released, and a
+later lowering of the same call site gets a new key (keys are never reused).  The GPU target holds its
+cuDNN plans the same way, with the graph cache's bound for recent lowerings (:mod:`.cudnn_target`).
+Without the instantiate stage (a JAX without ``jax.ffi.register_ffi_type``) nothing is released:
+executables could not say when they die.
+
 :class:`CallOptions` is the static "how to run" companion of the configuration on the primitives:
 the dropout seed (cuDNN binds it by value on the host, so under XLA it is a compile-time constant, as
 in JAX's own cuDNN attention), the backend (a named FFI target, or ``jax.pure_callback``) and whether
@@ -16,10 +25,11 @@ XLA may capture the call into a CUDA graph (by default it may).
 
 from __future__ import annotations
 
+import collections
 import enum
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from cudnn_attn.config import AttentionConfig
 
@@ -88,29 +98,106 @@ class AttentionCall:
         return result_names(self.config, self.kind)
 
 
-class CallRegistry:
-    """Process-local, thread-safe ``key <-> AttentionCall`` table.  Equal call sites share one key, so
-    lowering the same computation twice produces the same HLO."""
+class Holds:
+    """Which keys are still held: the ``recent()`` most recently :meth:`touch`-ed keys, and every key with a
+    :meth:`pin` not yet released.  ``release(key)`` is called (outside the lock) when neither holds a key,
+    once :attr:`releasing` is set; until then nothing is released.  Thread-safe."""
 
-    def __init__(self):
+    def __init__(self, recent: Callable[[], int], release: Callable[[int], None]):
+        self._lock = threading.Lock()
+        self._recent: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._recent_size = recent
+        self.pins: collections.Counter[int] = collections.Counter()   # key -> pins (read-only outside)
+        self._release = release
+        self.releasing = False
+
+    def touch(self, key: int) -> None:
+        with self._lock:
+            self._recent[key] = None
+            self._recent.move_to_end(key)
+            free = []
+            while len(self._recent) > max(1, self._recent_size()):
+                oldest, _ = self._recent.popitem(last=False)
+                if self._free(oldest):
+                    free.append(oldest)
+        for key in free:
+            self._release(key)
+
+    def pin(self, key: int) -> Callable[[], None]:
+        """Hold ``key`` until the returned function is called (once; later calls do nothing)."""
+        with self._lock:
+            self.pins[key] += 1
+        done = []
+
+        def unpin() -> None:
+            if done:
+                return
+            done.append(True)
+            with self._lock:
+                self.pins[key] -= 1
+                if self.pins[key] <= 0:
+                    del self.pins[key]
+                free = self._free(key)
+            if free:
+                self._release(key)
+
+        return unpin
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"recent": len(self._recent), "pinned": len(self.pins), "pins": sum(self.pins.values())}
+
+    def _free(self, key: int) -> bool:
+        return self.releasing and key not in self._recent and self.pins.get(key, 0) <= 0
+
+
+class CallRegistry:
+    """Process-local, thread-safe ``key <-> AttentionCall`` table whose entries live while :attr:`holds`
+    holds them (see the module doc).  Equal call sites share one key while it lives, so lowering the same
+    computation twice produces the same HLO.
+
+    Args:
+        recent: how many recent lowerings hold their key (read at each lowering).
+    """
+
+    def __init__(self, recent: Callable[[], int] = lambda: 1024):
         self._lock = threading.Lock()
         self._keys: dict[AttentionCall, int] = {}
-        self._calls: list[AttentionCall] = []
+        self._calls: dict[int, AttentionCall] = {}
+        self._next = 0
+        self._hooks: list[Callable[[int], None]] = []
+        self.holds = Holds(recent, self._drop)
 
     def key(self, call: AttentionCall) -> int:
+        """The key of ``call`` at a lowering: registered if new, and held as a recent lowering."""
         with self._lock:
             key = self._keys.get(call)
             if key is None:
-                key = self._keys[call] = len(self._calls)
-                self._calls.append(call)
-            return key
+                key = self._keys[call] = self._next
+                self._calls[key] = call
+                self._next += 1
+        self.holds.touch(key)
+        return key
 
     def call(self, key: int) -> AttentionCall:
-        if not 0 <= key < len(self._calls):
+        found = self._calls.get(key)
+        if found is None:
             raise LookupError(
                 f"attention call-site key {key} is not registered in this process: the computation was lowered "
                 "in another process (cudnn_attn's JAX lowering is process-local and cannot be exported)")
-        return self._calls[key]
+        return found
+
+    def on_release(self, hook: Callable[[int], None]) -> None:
+        """Call ``hook(key)`` after an entry is released."""
+        self._hooks.append(hook)
+
+    def _drop(self, key: int) -> None:
+        with self._lock:
+            call = self._calls.pop(key, None)
+            if call is not None and self._keys.get(call) == key:
+                del self._keys[call]
+        for hook in self._hooks:
+            hook(key)
 
     def __len__(self) -> int:
         return len(self._calls)

@@ -28,12 +28,17 @@ CUDA graphs (XLA command buffers)
     right.  The host scalars (the dropout seed) are static per call site.  ``cuda_graph=False`` selects
     a target without the trait (XLA then runs the handler on every execution).
 
-Lifetime: plans kept for the handler live as long as the process (JAX does not tell a lowering when
-its executable dies); the graph cache's bound applies to everything else.
+Lifetime: the handler's plans are held (:class:`~.call_site.Holds`) by every live executable that calls
+the site - its instantiate stage pins them, re-planning any that are gone, and XLA's destruction of the
+executable unpins them - and by the most recent lowerings, as many as the graph cache holds graphs.
+When neither holds them they are dropped, so the graph cache's bound also holds on the JAX side, beyond
+the plans that live programs can still run.  An executable whose instantiate stage did not run (seen by
+the handler) stops all releasing, with a warning: its plans must never go.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, Callable, NamedTuple
@@ -46,7 +51,9 @@ from cudnn_attn.types import Front
 from cudnn_attn.plan import Fill, graph_inputs, host_scalar_values, zero_rows
 
 from . import ffi
-from .call_site import EAGER_TARGET, TARGET, AttentionCall, registry
+
+logger = logging.getLogger("cudnn_attn")
+from .call_site import EAGER_TARGET, TARGET, AttentionCall, Holds, registry
 
 
 def _check_expressible(site: AttentionCall) -> None:
@@ -74,13 +81,37 @@ def _site_launch(plan: Any, scalars: tuple) -> SiteLaunch:
     return SiteLaunch(plan, run)
 
 
+def _graph_cache_size() -> int:
+    from cudnn_attn.cache import graph_cache
+
+    return graph_cache.maxsize
+
+
 _launches: dict[tuple[int, int], SiteLaunch] = {}      # (call-site key, device) -> what the handler runs
+_planned: dict[int, tuple[int, ...]] = {}              # call-site key -> the devices its lowering planned
 _lock = threading.Lock()
 
 
+def _drop_plans(key: int) -> None:
+    with _lock:
+        for device in _planned.get(key, ()):
+            _launches.pop((key, device), None)
+
+
+def _forget_site(key: int) -> None:
+    with _lock:
+        _planned.pop(key, None)
+
+
+plan_holds = Holds(_graph_cache_size, _drop_plans)
+"""Holds the handler's plans (see the module doc)."""
+_pins = plan_holds.pins
+registry.on_release(_forget_site)
+
+
 def plan_devices(site: AttentionCall, key: int, devices: list[int]) -> list[Any]:
-    """At lowering: the plans of call site ``site`` on ``devices`` - each device's context made, the graph built or
-    found, warmed up and kept for the handler under ``key``."""
+    """At lowering (and at an executable's instantiation): the plans of call site ``site`` on ``devices`` -
+    each device's context made, the graph built or found, warmed up and kept for the handler under ``key``."""
     from cudnn_attn import runtime
     from cudnn_attn.cache import graph_cache
 
@@ -95,13 +126,41 @@ def plan_devices(site: AttentionCall, key: int, devices: list[int]) -> list[Any]
                 found = _launches.setdefault((key, device), _site_launch(
                     plan, host_scalar_values(site.config, site.seed)))
         plans.append(found.plan)
+    with _lock:
+        _planned[key] = tuple(sorted(set(_planned.get(key, ())) | set(devices)))
+    plan_holds.touch(key)
     return plans
+
+
+def _instantiate(call: ffi.Call) -> Callable[[], None]:
+    """XLA builds an executable that calls a site: hold its entry and plans (re-planned if dropped since the
+    lowering) until XLA destroys the executable."""
+    key = call.int64_attribute("key")
+    site = registry.call(key)
+    unpin_site, unpin_plans = registry.holds.pin(key), plan_holds.pin(key)
+    try:
+        plan_devices(site, key, list(_planned.get(key, ())))
+    except BaseException:
+        unpin_plans()
+        unpin_site()
+        raise
+
+    def unpin() -> None:
+        unpin_plans()
+        unpin_site()
+
+    return unpin
 
 
 def pinned_plan(key: int, device: int) -> Any:
     """The plan the handler runs for call site ``key`` on ``device`` (``None`` when not planned)."""
     found = _launches.get((key, device))
     return None if found is None else found.plan
+
+
+def held_plans() -> dict[str, int]:
+    """Counts for soaks and notebooks: plans kept for the handler, and what holds them."""
+    return {"plans": len(_launches), **plan_holds.counts(), "executables": ffi.live_states()}
 
 
 def _run(call: ffi.Call) -> None:
@@ -112,6 +171,8 @@ def _run(call: ffi.Call) -> None:
     found = _launches.get((key, device))
     if found is None:
         found = _missing_site(key, device)
+    if key not in _pins and plan_holds.releasing:
+        _not_instantiated(key)
     found.launch(addresses, stream)
 
 
@@ -125,6 +186,14 @@ def _run_timed(call: ffi.Call) -> None:
     found_at = now()
     found.launch(addresses, stream)
     stages.append((read - start, found_at - read, now() - found_at))
+
+
+def _not_instantiated(key: int) -> None:
+    """The handler runs an executable whose instantiate stage did not pin its site: stop all releasing."""
+    if plan_holds.releasing:
+        plan_holds.releasing = registry.holds.releasing = False
+        logger.warning("cudnn_attn: XLA ran call site %d without its instantiate stage; the JAX bridge keeps "
+                       "every plan from now on (the graph cache's bound no longer applies to them)", key)
 
 
 def _missing_site(key: int, device: int | None) -> SiteLaunch:
@@ -148,7 +217,8 @@ stages: list[tuple[int, int, int]] | None = None
 """When a list (benchmarks): ``(read the call frame, find the call site, launch)`` nanoseconds of every run."""
 
 
-HANDLERS = (ffi.make_handler(TARGET, _run, command_buffer_compatible=True), ffi.make_handler(EAGER_TARGET, _run))
+HANDLERS = (ffi.make_handler(TARGET, _run, command_buffer_compatible=True, instantiate=_instantiate),
+            ffi.make_handler(EAGER_TARGET, _run, instantiate=_instantiate))
 
 
 def _release() -> None:
@@ -156,6 +226,7 @@ def _release() -> None:
     ffi.finish_pending_calls()
     with _lock:
         _launches.clear()
+        _planned.clear()
 
 
 def _register_release() -> None:

@@ -19,6 +19,11 @@ Protocol (``c_api.h``, XLA FFI API 0.x; jaxlib 0.11.2 ships minor version 4):
   handler fills in the API version it was written against and its traits (bit 0: safe to capture into
   a command buffer, i.e. a CUDA graph) and returns ``NULL``.
 * At execution it calls the handler with the call frame; ``NULL`` means success.
+* A handler made with ``instantiate=`` is also registered for XLA's *instantiate* stage, which XLA runs
+  once per call site when it builds an executable: the Python function returns an object that this
+  module keeps as the call site's *state* (``XLA_FFI_State_Set`` with a registered type whose deleter
+  XLA calls when the executable is destroyed).  That is the executable-lifetime hook the JAX bridge uses
+  to keep a cuDNN plan exactly as long as a compiled program can run it (:mod:`.call_site`).
 
 Interpreter exit: a handler needs the GIL, and JAX's own exit hook destroys the backends while holding
 it.  A computation still in flight at exit would then wait for the GIL forever, so an exit hook
@@ -119,6 +124,22 @@ class _ErrorDestroyArgs(C.Structure):
     _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p), ("error", C.c_void_p)]
 
 
+class _TypeId(C.Structure):
+    _fields_ = [("type_id", C.c_int64)]
+
+
+_DELETER = C.CFUNCTYPE(None, C.c_void_p)
+
+
+class _TypeInfo(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p), ("deleter", _DELETER)]
+
+
+class _StateSetArgs(C.Structure):
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p), ("ctx", C.c_void_p),
+                ("stage", C.c_int), ("type_id", C.POINTER(_TypeId)), ("state", C.c_void_p)]
+
+
 _FUNCTIONS = ("Error_Create", "Error_GetDetails", "Error_Destroy", "Handler_Register", "Stream_Get",
               "Type_Register", "InvokeContext_Get", "State_Set", "State_Get", "DeviceMemory_Allocate",
               "DeviceMemory_Free", "ThreadPool_Schedule", "ThreadPool_NumThreads", "Future_Create",
@@ -137,6 +158,7 @@ _HANDLER = C.CFUNCTYPE(C.c_void_p, C.c_void_p)       # XLA_FFI_Error* (*)(XLA_FF
 _ERROR_CREATE = C.PYFUNCTYPE(C.c_void_p, C.POINTER(_ErrorCreateArgs))
 _ERROR_DESTROY = C.PYFUNCTYPE(None, C.POINTER(_ErrorDestroyArgs))
 _BY_ADDRESS = C.PYFUNCTYPE(C.c_void_p, C.c_void_p)    # Stream_Get / DeviceOrdinal_Get, args passed by address
+_STATE_SET = C.PYFUNCTYPE(C.c_void_p, C.POINTER(_StateSetArgs))
 
 # The hot path reads the call frame as 64-bit words: ``_WORDS[address >> 3]`` is the aligned word at
 # ``address`` (an unchecked view of the process's memory, like ``from_address``, at a third of its cost:
@@ -195,6 +217,7 @@ def _pointers(count: int) -> struct.Struct:
 
 
 _EXTENSION_METADATA = 1
+_STAGE_INSTANTIATE = 0
 _STAGE_EXECUTE = 3
 _ATTR_SCALAR = 3
 _TRAIT_COMMAND_BUFFER_COMPATIBLE = 1
@@ -494,6 +517,65 @@ class Handler(NamedTuple):
     name: str
     callback: Any           # the ctypes callback object (owns the C function pointer)
     address: int
+    state_type: Any = None  # the _TypeId of its executable state (a handler made with ``instantiate=``)
+
+
+# -- executable-lifetime state ----------------------------------------------------------------------
+
+class _States:
+    """Python objects held as XLA FFI execution state.
+
+    :meth:`keep` stores an object under a token, which the handler hands to ``XLA_FFI_State_Set`` as the
+    state's pointer; XLA calls the registered type's deleter with that token when it destroys the
+    executable, and the object is dropped (and called, when callable).  The deleter runs on whatever
+    thread destroys the executable (also at interpreter exit), so it never raises.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._objects: dict[int, Any] = {}
+        self._next = 1
+        self._deleter = _DELETER(self._delete)
+        self.info = _TypeInfo(C.sizeof(_TypeInfo), None, self._deleter)
+
+    def keep(self, obj: Any) -> int:
+        with self._lock:
+            token, self._next = self._next, self._next + 1
+            self._objects[token] = obj
+        return token
+
+    def _delete(self, token: int | None) -> None:
+        try:
+            with self._lock:
+                obj = self._objects.pop(token or 0, None)
+            if callable(obj):
+                obj()
+        except BaseException:       # noqa: BLE001 - nothing may unwind through XLA's C++ frames
+            pass
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+
+_states = _States()
+
+
+def live_states() -> int:
+    """How many executable states are alive (call sites of executables XLA has not destroyed)."""
+    return len(_states)
+
+
+def _set_state(frame: int, type_id: Any, obj: Any) -> None:
+    """Hand ``obj`` to XLA as the state of the call site being instantiated."""
+    words = _WORDS
+    api = words[(frame >> 3) + _FW_API]
+    token = _states.keep(obj)
+    args = _StateSetArgs(C.sizeof(_StateSetArgs), None, words[(frame >> 3) + _FW_CTX], _STAGE_INSTANTIATE,
+                         C.pointer(type_id), token)
+    error = _STATE_SET(_Api.from_address(api).State_Set)(C.byref(args))
+    if error:
+        _states._delete(token)
+        _raise(_functions(api), error, "XLA_FFI_State_Set")
 
 
 def _error(api_address: int, exc: BaseException) -> int:
@@ -518,15 +600,22 @@ def finish_pending_calls() -> None:
         pass
 
 
-def make_handler(name: str, fn: Callable[[Call], None], *, command_buffer_compatible: bool = False) -> Handler:
+def make_handler(name: str, fn: Callable[[Call], None], *, command_buffer_compatible: bool = False,
+                 instantiate: Callable[[Call], Any] | None = None) -> Handler:
     """Wrap ``fn(call)`` as an XLA FFI handler.
 
     ``command_buffer_compatible`` declares that every call launches the same device work for the same
     attributes, so XLA may capture it into a CUDA graph and replay it without running Python; XLA
     re-captures when the buffer addresses change, so ``fn`` must read the addresses on every call
     (never cache them) and must not synchronise or allocate device memory.
+
+    ``instantiate(call)`` (a call with attributes, no buffers) runs once per call site of every
+    executable XLA builds; what it returns is kept until XLA destroys that executable, then called if
+    callable (see the module doc).  Without ``register_ffi_type`` in JAX, :func:`register` registers
+    the handler without it and says so.
     """
     traits = _TRAIT_COMMAND_BUFFER_COMPATIBLE if command_buffer_compatible else 0
+    state_type = _TypeId(0) if instantiate is not None else None
 
     def handler(frame: int) -> int | None:
         start = time.perf_counter_ns() if _timings is not None else 0
@@ -536,8 +625,13 @@ def make_handler(name: str, fn: Callable[[Call], None], *, command_buffer_compat
                 metadata = _MetadataExtension.from_address(extension).metadata.contents
                 metadata.api_version.major_version, metadata.api_version.minor_version = _API_VERSION
                 metadata.traits = traits
+                if state_type is not None:
+                    metadata.state_type_id = state_type.type_id
                 return None
-            if _WORDS[(frame >> 3) + _FW_STAGE] & _LOW32 != _STAGE_EXECUTE:
+            stage = _WORDS[(frame >> 3) + _FW_STAGE] & _LOW32
+            if stage != _STAGE_EXECUTE:
+                if stage == _STAGE_INSTANTIATE and state_type is not None:
+                    _set_state(frame, state_type, instantiate(Call(frame)))
                 return None
             fn(Call(frame))
             if start:
@@ -557,7 +651,7 @@ def make_handler(name: str, fn: Callable[[Call], None], *, command_buffer_compat
         atexit.register(finish_pending_calls)
         _exit_hook_registered = True
     callback = _HANDLER(handler)
-    return Handler(name, callback, C.cast(callback, C.c_void_p).value)
+    return Handler(name, callback, C.cast(callback, C.c_void_p).value, state_type)
 
 
 _registered: list[Handler] = []        # XLA holds raw function pointers: their callbacks must never be freed
@@ -573,14 +667,27 @@ def record_handler_times(enabled: bool = True) -> list[tuple[str, int]]:
     return _timings if _timings is not None else []
 
 
-def register(handler: Handler, platform: str) -> None:
+def register(handler: Handler, platform: str) -> bool:
     """Register ``handler`` as the XLA FFI target ``handler.name`` for ``platform`` (``"cpu"``, ``"CUDA"``),
-    and keep it alive for the rest of the process.
+    and keep it alive for the rest of the process.  Returns whether its instantiate stage (the
+    executable-lifetime state) is registered too: ``False`` for a handler made without ``instantiate=``
+    and for a JAX without ``jax.ffi.register_ffi_type``.
 
     Registering for a platform whose plugin is not loaded (CUDA on a CPU-only install) is queued by
-    jaxlib until the plugin appears.
+    jaxlib until the plugin appears.  A stateful handler is registered for one platform only (each
+    platform's runtime numbers its own state types).
     """
     import jax
 
+    capsule = jax.ffi.pycapsule(handler.address)
+    stateful = handler.state_type is not None and hasattr(jax.ffi, "register_ffi_type")
+    if stateful:
+        if any(h is handler for h in _registered):
+            raise ValueError(f"handler {handler.name!r}: a stateful handler is registered for one platform")
+        jax.ffi.register_ffi_type(f"{handler.name}.executable_state", {
+            "type_id": jax.ffi.pycapsule(C.addressof(handler.state_type)),
+            "type_info": jax.ffi.pycapsule(C.addressof(_states.info))}, platform=platform)
     _registered.append(handler)
-    jax.ffi.register_ffi_target(handler.name, jax.ffi.pycapsule(handler.address), platform=platform)
+    jax.ffi.register_ffi_target(handler.name, {"instantiate": capsule, "execute": capsule} if stateful else capsule,
+                                platform=platform)
+    return stateful

@@ -34,7 +34,7 @@ from cudnn_attn.config import AttentionConfig
 from . import context_parallel, cudnn_target, ffi, reference_target
 from . import batching as batching_rules
 from . import partitioning
-from .call_site import AttentionCall, Backend, CallOptions
+from .call_site import AttentionCall, Backend, CallOptions, registry
 from .signature import (
     BWD, FWD, GRADIENT_OF, RESULT_FOLLOWS, dimension_roles, operand_names, result_names, result_shapes,
 )
@@ -142,7 +142,9 @@ def _result_aval(config: AttentionConfig, name: str, shape: tuple[int, ...], dty
 forward = AttentionPrimitive(FWD)
 backward = AttentionPrimitive(BWD)
 
-# The FFI targets the inner primitive lowers to (CUDA registrations wait for the CUDA plugin, if any).
-ffi.register(reference_target.HANDLER, "cpu")
-for _handler in cudnn_target.HANDLERS:
-    ffi.register(_handler, "CUDA")
+# The FFI targets the inner primitive lowers to (CUDA registrations wait for the CUDA plugin, if any).  Call-site
+# entries and plans are released only when every target reports the death of its executables (call_site.Holds).
+_cpu_stateful = ffi.register(reference_target.HANDLER, "cpu")
+_gpu_stateful = all([ffi.register(_handler, "CUDA") for _handler in cudnn_target.HANDLERS])
+cudnn_target.plan_holds.releasing = _gpu_stateful
+registry.holds.releasing = _cpu_stateful and _gpu_stateful

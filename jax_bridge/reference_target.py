@@ -49,7 +49,14 @@ def _run(call: ffi.Call) -> None:
         np.copyto(ffi.host_array(buffer, writeable=True), value.reshape(buffer.shape))
 
 
-HANDLER = ffi.make_handler(TARGET, _run)
+def _instantiate(call: ffi.Call) -> Any:
+    """XLA builds an executable calling this site: hold its registry entry until the executable dies."""
+    key = call.int64_attribute("key")
+    registry.call(key)                     # a key of another process fails at compile time, not at run time
+    return registry.holds.pin(key)
+
+
+HANDLER = ffi.make_handler(TARGET, _run, instantiate=_instantiate)
 
 
 def lower(ctx: Any, *args: Any, kind: str, config: Any, options: Any) -> Any:

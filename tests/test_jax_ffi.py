@@ -145,6 +145,7 @@ def test_gpu_handler_passes_the_frames_buffers_stream_and_workspace_to_the_site_
     assert [b.address for b in call.args + call.rets] == call.snapshot().addresses
     plan = _RecordingPlan(workspace_size)
     cudnn_target._launches[(key, 0)] = cudnn_target._site_launch(plan, (1234, 0))
+    unpin = cudnn_target.plan_holds.pin(key)           # as an executable's instantiate stage does
     try:
         handler = ffi.make_handler("cudnn_attn_test_host_frame", cudnn_target._run)
         assert ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(handler.address)(frame.address) is None
@@ -154,6 +155,8 @@ def test_gpu_handler_passes_the_frames_buffers_stream_and_workspace_to_the_site_
     finally:
         cudnn_target.stages = None
         del cudnn_target._launches[(key, 0)]
+        unpin()
+    assert cudnn_target.plan_holds.releasing, "the handler saw the pin"
     addresses = [0x1000 * (i + 1) for i in range(n_args + n_rets)]
     expected = (addresses[:-1], 0, addresses[-1] if workspace_size else 0, (1234, 0), True)
     assert plan.launches == [expected, expected]

@@ -299,3 +299,36 @@ def test_two_gpu_sharding_forward_and_backward(spec, rng):
     for name, got, want in zip(("output", "dq", "dk", "dv"), jax.jit(local)(*(put(x) for x in (q, k, v, do))),
                                single):
         assert_close(f"shard_map {name}", np.asarray(got), want, "bfloat16", scale=0.1)
+
+
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_executables_hold_the_handlers_plans_until_they_die(cuda_graph, monkeypatch):
+    """Issue #11.8 on the GPU: XLA runs the targets' instantiate stage (with command buffers or without), so a
+    live executable pins its plan; once it is destroyed and the site is not among the recent lowerings, the
+    plan the handler ran is dropped - the graph cache's bound holds on the JAX side."""
+    import gc
+
+    from cudnn_attn.jax_bridge import cudnn_target
+    from cudnn_attn.jax_bridge.call_site import registry
+
+    assert cudnn_target.plan_holds.releasing, "the CUDA targets are registered with their instantiate stage"
+    rng = np.random.default_rng(83)
+    (q, k, v), _ = _case("causal", rng)
+    args = tuple(jnp.asarray(x) for x in (q, k, v))
+    scale = 0.0917 if cuda_graph else 0.0919                     # sites no other test lowers
+    fn = jax.jit(lambda q, k, v: jb.dot_product_attention(q, k, v, scale=scale, cuda_graph=cuda_graph))
+    out = np.asarray(fn(*args))
+    assert_close("output", out, reference.dot_product_attention(q, k, v, scale=scale), "bfloat16")
+    key = next(key for key, call in registry._calls.items() if call.config.scale == scale)
+    assert cudnn_target.plan_holds.pins[key] >= 1 and (key, 0) in cudnn_target._launches
+    monkeypatch.setattr(cudnn_target.plan_holds, "_recent_size", lambda: 1)
+    other = jax.jit(lambda q, k, v: jb.dot_product_attention(q, k, v, scale=0.5))
+    np.asarray(other(*args))                                    # another lowering: the site leaves the recent one
+    assert (key, 0) in cudnn_target._launches, "a live executable keeps its plan"
+    np.testing.assert_array_equal(np.asarray(fn(*args)), out)
+    del fn
+    jax.clear_caches()
+    gc.collect()
+    assert cudnn_target.plan_holds.pins[key] == 0
+    assert (key, 0) not in cudnn_target._launches, "the executable died: its plan is released"
+    assert cudnn_target.plan_holds.releasing, "no execution ran without its instantiate stage"

@@ -1,0 +1,170 @@
+"""Replaying a plan's launch as a CUDA graph: the same device work for a fraction of the host time.
+
+cuDNN's raw launch costs 6.8 us (forward) and 14.8 us (backward) of host time per call on the H200
+(building the variant pack, cuDNN's own checks, one to four kernel launches: ``benchmarks/bench_host.py``).
+A call whose addresses were all seen before can instead replay a CUDA graph captured from that very
+launch: one ``cudaGraphLaunch``, and the device runs exactly the kernels the capture recorded.  Eager
+loops hit it all the time: CuPy's memory pool hands the same blocks back, so a loop over the same shapes
+passes the same few address sets (the JAX handler without command buffers sees XLA's fixed buffers).
+
+:class:`Replays` holds one plan's graphs:
+
+* **Keyed by every address the launch uses** - operands, results and the workspace.  The plan fixes
+  everything else (shapes, strides, dtypes, the chosen engine; plans with host scalars or zero-fills
+  never replay), so a graph found under a call's addresses performs exactly that call.
+* **Captured on the second call with the same addresses**, never the first (a one-off call pays no
+  capture): on a private stream of the device in thread-local capture mode, then launched on the
+  caller's stream.  The caller holds the device lock, as for every launch.
+* **Not when the caller's stream is being captured** (the user's CUDA graph, or XLA recording a command
+  buffer): the launch is then recorded the ordinary way.
+* **Bounded**: at most :data:`CAPACITY` graphs per plan (least recently used dropped).  Address sets
+  that cycle through more than that would capture on every call; a plan whose captures reach
+  :data:`PATIENCE` without as many replays stops capturing for good.
+* A failed capture turns replay off for the plan (logged), and the call launches the ordinary way.
+* ``CUDNN_ATTN_REPLAY=0`` turns it off for the process (read at import).
+
+Graphs are destroyed with their plan (CUDA frees an executable graph that is still running when its
+launches complete).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from typing import Any, Callable, Sequence
+
+logger = logging.getLogger("cudnn_attn")
+
+CAPACITY = 64
+"""Graphs kept per plan."""
+PATIENCE = 32
+"""Captures after which a plan whose graphs are replayed fewer times than captured stops capturing."""
+ENABLED = os.environ.get("CUDNN_ATTN_REPLAY", "1").strip().lower() not in ("0", "false", "no", "off")
+"""Whether plans replay at all (``$CUDNN_ATTN_REPLAY``, read at import)."""
+
+
+class Replays:
+    """The CUDA graphs of one plan's launches (see the module doc).
+
+    Args:
+        raw: ``raw(addresses, workspace)`` - the plan's launch on the handle's current stream.
+        bind_stream: points the handle at a stream (the device context's).
+        capture_stream: ``() -> cudaStream_t`` of a private stream of the plan's device.
+    """
+
+    __slots__ = ("_raw", "_bind_stream", "_capture_stream", "_graphs", "_seen", "captures", "replays",
+                 "enabled", "__weakref__")
+
+    def __init__(self, raw: Callable[[Sequence[int], int], None], bind_stream: Callable[[int], None],
+                 capture_stream: Callable[[], int]):
+        self._raw, self._bind_stream, self._capture_stream = raw, bind_stream, capture_stream
+        self._graphs: collections.OrderedDict[tuple, int] = collections.OrderedDict()
+        self._seen: dict[tuple, None] = {}
+        self.captures = self.replays = 0
+        self.enabled = ENABLED
+
+    def launch(self, addresses: Sequence[int], workspace: int, stream: int) -> bool:
+        """Launch by replay when the addresses allow it; ``False`` when the caller must launch itself."""
+        if not self.enabled:
+            return False
+        key = (*addresses, workspace)
+        graph = self._graphs.get(key)
+        if graph is None:
+            if key not in self._seen:
+                if len(self._seen) >= 4 * CAPACITY:
+                    self._seen.clear()
+                self._seen[key] = None
+                return False
+            if self.captures >= PATIENCE and self.replays < self.captures:
+                self.disable()              # addresses do not repeat within CAPACITY: capturing only costs
+                return False
+            if _capturing(stream):
+                return False
+            graph = self._capture(key, addresses, workspace)
+            if graph is None:
+                return False
+        elif _capturing(stream):
+            return False
+        else:
+            self._graphs.move_to_end(key)
+            self.replays += 1
+        _graph_launch(graph, stream)
+        return True
+
+    def _capture(self, key: tuple, addresses: Sequence[int], workspace: int) -> int | None:
+        runtime = _runtime()
+        side = self._capture_stream()
+        self._bind_stream(side)
+        graph = None
+        try:
+            runtime.streamBeginCapture(side, runtime.streamCaptureModeThreadLocal)
+            try:
+                self._raw(addresses, workspace)
+            finally:
+                graph = runtime.streamEndCapture(side)
+            executable = runtime.graphInstantiate(graph)
+        except Exception as error:          # noqa: BLE001 - any CUDA or cuDNN error: launch the ordinary way
+            self.disable()
+            logger.warning("cudnn_attn: capturing a launch into a CUDA graph failed (%s); this plan launches "
+                           "without replay from now on", error)
+            return None
+        finally:
+            if graph:
+                runtime.graphDestroy(graph)
+        self._seen.pop(key, None)
+        self._graphs[key] = executable
+        self.captures += 1
+        if len(self._graphs) > CAPACITY:
+            runtime.graphExecDestroy(self._graphs.popitem(last=False)[1])
+        return executable
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def disable(self) -> None:
+        """No more replays or captures for this plan; its graphs are destroyed."""
+        self.enabled = False
+        self._seen.clear()
+        self.clear()
+
+    def clear(self) -> None:
+        """Destroy every graph (CUDA finishes launches in flight first)."""
+        graphs, self._graphs = self._graphs, collections.OrderedDict()
+        try:
+            destroy = _runtime().graphExecDestroy
+            for executable in graphs.values():
+                destroy(executable)
+        except Exception:                   # noqa: BLE001 - at exit the CUDA context may be gone
+            pass
+
+    def __del__(self) -> None:
+        self.clear()
+
+
+def _runtime() -> Any:
+    from cupy_backends.cuda.api import runtime
+
+    return runtime
+
+
+def _graph_launch(executable: int, stream: int) -> None:
+    global _graph_launch
+    _graph_launch = _runtime().graphLaunch
+    _graph_launch(executable, stream)
+
+
+def _capturing(stream: int) -> bool:
+    """Whether ``stream`` is being captured (cuda-python's ``cudaStreamIsCapturing``; an error counts as yes)."""
+    global _capturing
+    from cuda.bindings import runtime
+
+    is_capturing, success = runtime.cudaStreamIsCapturing, runtime.cudaError_t.cudaSuccess
+    none = runtime.cudaStreamCaptureStatus.cudaStreamCaptureStatusNone
+
+    def capturing(stream: int) -> bool:
+        error, status = is_capturing(stream)
+        return error != success or status != none
+
+    _capturing = capturing
+    return capturing(stream)

@@ -1,0 +1,120 @@
+"""Replayed launches (:mod:`cudnn_attn.replay`) on the GPU: a launch replayed from a CUDA graph writes what
+the launch itself writes, reads the arrays' current contents, stays out of a user's own capture, and the
+JAX handler replays too.  Results are poisoned with NaN before every call, so an unwritten element shows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cudnn_attn
+from cudnn_attn import MaskType, reference
+
+from ._checks import assert_close
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+
+def _qkv(rng, T=256, S=256, N=8, K=8, H=64):
+    import ml_dtypes
+
+    dt = ml_dtypes.bfloat16
+    return [cp.asarray(rng.standard_normal(shape).astype(dt)) for shape in ((2, T, N, H), (2, S, K, H), (2, S, K, H))]
+
+
+def _replays(bound_direct):
+    plan = bound_direct.plan()
+    return sum(r.replays for r in plan.replays), sum(r.captures for r in plan.replays)
+
+
+def test_replayed_forward_equals_the_launch_and_reads_current_contents():
+    rng = np.random.default_rng(61)
+    q, k, v = _qkv(rng)
+    bound = cudnn_attn.bind(q, k, v, scale=0.125, mask_type=MaskType.CAUSAL)
+    out = cp.full(q.shape, np.nan, q.dtype)
+    first = cp.array(bound(q, k, v, out=out))
+    for _ in range(4):                                   # seen, captured, then replayed
+        out.fill(np.nan)
+        assert cp.array_equal(bound(q, k, v, out=out), first)
+    replays, captures = _replays(bound._forward)
+    assert captures == 1 and replays >= 2, (captures, replays)
+    q[...] = cp.asarray(rng.standard_normal(q.shape).astype(q.dtype))   # same address, new values
+    out.fill(np.nan)
+    bound(q, k, v, out=out)
+    ref = reference.dot_product_attention(*(cp.asnumpy(x) for x in (q, k, v)), scale=0.125,
+                                          mask_type=MaskType.CAUSAL)
+    assert_close("output", out, ref, "bfloat16")
+
+
+def test_replayed_backward_matches_the_reference():
+    rng = np.random.default_rng(67)
+    q, k, v = _qkv(rng, T=192, K=2)
+    grad = cp.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+    kwargs = dict(scale=0.125, mask_type=MaskType.CAUSAL)
+    bound = cudnn_attn.bind(q, k, v, return_residual=True, **kwargs)
+    o, lse = bound(q, k, v)
+    ref_o, ref_lse = reference.dot_product_attention(*(cp.asnumpy(x) for x in (q, k, v)), return_residual=True,
+                                                     **kwargs)
+    ref = reference.dot_product_attention_bwd(*(cp.asnumpy(x) for x in (q, k, v)), ref_o, cp.asnumpy(grad),
+                                              ref_lse, **kwargs)
+    for _ in range(5):
+        grads = bound.backward(q, k, v, o, grad, lse)
+        for name in ("dq", "dk", "dv"):
+            assert_close(name, getattr(grads, name), getattr(ref, name), "bfloat16")
+        del grads                                        # the pool hands the same block back: same addresses
+    replays, captures = _replays(bound._backward)
+    assert captures >= 1 and replays >= 1, (captures, replays)
+
+
+def test_public_calls_replay_and_stay_right():
+    rng = np.random.default_rng(71)
+    q, k, v = _qkv(rng, T=128, S=320, N=4, K=4)
+    ref = reference.dot_product_attention(*(cp.asnumpy(x) for x in (q, k, v)), scale=0.2)
+    for _ in range(5):
+        assert_close("output", cudnn_attn.dot_product_attention(q, k, v, scale=0.2), ref, "bfloat16")
+
+
+def test_no_replay_into_a_stream_the_user_captures():
+    """A call inside the user's own CUDA-graph capture is recorded into it (not replayed from ours): the
+    user's graph, launched later, computes the attention of the contents at launch time."""
+    rng = np.random.default_rng(73)
+    q, k, v = _qkv(rng)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        bound = cudnn_attn.bind(q, k, v, scale=0.125)
+        out = cp.full(q.shape, np.nan, q.dtype)
+        for _ in range(3):                               # our graph for these addresses exists
+            bound(q, k, v, out=out)
+        stream.begin_capture()
+        bound(q, k, v, out=out)
+        graph = stream.end_capture()
+        q[...] = cp.asarray(rng.standard_normal(q.shape).astype(q.dtype))
+        out.fill(np.nan)
+        graph.launch(stream)
+    stream.synchronize()
+    ref = reference.dot_product_attention(*(cp.asnumpy(x) for x in (q, k, v)), scale=0.125)
+    assert_close("output", out, ref, "bfloat16")
+
+
+def test_jax_handler_replays_without_command_buffers():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from cudnn_attn import jax_bridge
+    from cudnn_attn.jax_bridge import cudnn_target
+    from cudnn_attn.jax_bridge.call_site import AttentionCall, CallOptions, registry
+
+    rng = np.random.default_rng(79)
+    q, k, v = (jnp.asarray(cp.asnumpy(x)) for x in _qkv(rng, T=128, S=128))
+    f = jax.jit(lambda q, k, v: jax_bridge.dot_product_attention(q, k, v, scale=0.3, cuda_graph=False))
+    first = np.asarray(f(q, k, v))
+    ref = reference.dot_product_attention(*(np.asarray(x) for x in (q, k, v)), scale=0.3)
+    assert_close("output", first, ref, "bfloat16")
+    for _ in range(6):
+        np.testing.assert_array_equal(np.asarray(f(q, k, v)), first)
+    sites = [key for key, call in registry._calls.items() if call.config.scale == pytest.approx(0.3)]
+    plans = [cudnn_target.pinned_plan(key, 0) for key in sites]
+    counts = [(r.captures, r.replays) for p in plans if p is not None for r in p.replays]
+    print("JAX handler replays (captures, replays):", counts)
+    assert plans and all(p is not None for p in plans)

@@ -1,0 +1,97 @@
+"""Lifetimes on the JAX side (issue #11.8): call-site entries and the GPU handler's plans are held by live
+executables (XLA's instantiate stage and its state deleter) and by recent lowerings, and released when
+neither holds them.  CPU: the reference target runs the same lowering and instantiate path as the GPU."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cudnn_attn import jax_bridge
+from cudnn_attn.jax_bridge import cudnn_target, ffi
+from cudnn_attn.jax_bridge.call_site import Holds, registry
+
+
+def test_holds_release_what_neither_recent_use_nor_a_pin_holds():
+    released = []
+    holds = Holds(lambda: 2, released.append)
+    holds.releasing = True
+    unpin = holds.pin(1)
+    for key in (1, 2, 3):
+        holds.touch(key)
+    assert released == []                    # 1 left the recent two but is pinned
+    unpin()
+    assert released == [1]
+    unpin()                                  # a second release of the same pin does nothing
+    holds.touch(4)
+    assert released == [1, 2]
+    assert holds.counts() == {"recent": 2, "pinned": 0, "pins": 0}
+
+
+def test_holds_release_nothing_until_releasing_is_set():
+    released = []
+    holds = Holds(lambda: 1, released.append)
+    holds.pin(5)()
+    for key in range(4):
+        holds.touch(key)
+    assert released == [] and holds.counts()["recent"] == 1
+
+
+def test_the_reference_target_is_registered_with_executable_state():
+    assert registry.holds.releasing, "jax.ffi.register_ffi_type is available in the tested JAX versions"
+
+
+def _site(rng, scale):
+    q = jnp.asarray(rng.standard_normal((1, 16, 2, 8)), jnp.float16)
+    f = jax.jit(lambda q, k, v: jax_bridge.dot_product_attention(q, k, v, scale=scale))
+    return f, q
+
+
+def _key(scale):
+    return next(k for k, call in registry._calls.items() if call.config.scale == pytest.approx(scale))
+
+
+def test_executables_hold_their_call_sites_and_release_them_when_destroyed(rng, monkeypatch):
+    monkeypatch.setattr(registry.holds, "_recent_size", lambda: 1)
+    scales = [0.0137 + i / 997 for i in range(3)]          # call sites no other test lowers
+    sites = [_site(rng, s) for s in scales]
+    expected = [np.asarray(f(q, q, q)) for f, q in sites]
+    keys = [_key(s) for s in scales]
+    live = ffi.live_states()
+    assert all(registry.holds.pins[k] == 1 for k in keys)
+    assert all(k in registry._calls for k in keys), "a live executable keeps its entry past the recent lowerings"
+
+    del sites[0]                                            # the executable of the oldest site dies
+    jax.clear_caches()
+    gc.collect()
+    assert ffi.live_states() <= live - 1
+    assert keys[0] not in registry._calls, "nothing holds the oldest site: released"
+    for (f, q), want in zip(sites, expected[1:]):            # the live ones still run
+        np.testing.assert_array_equal(np.asarray(f(q, q, q)), want)
+
+    again, q = _site(np.random.default_rng(0), scales[0])    # lowered again: a fresh key, same results
+    np.testing.assert_array_equal(np.asarray(again(q, q, q)), np.asarray(jax.jit(
+        lambda q: jax_bridge.dot_product_attention(q, q, q, scale=scales[0]))(q)))
+    assert _key(scales[0]) not in keys
+
+
+def test_a_run_without_instantiation_stops_releasing(monkeypatch, caplog):
+    """The GPU handler's safety net: a site run by an executable XLA did not instantiate keeps every plan."""
+    monkeypatch.setattr(cudnn_target.plan_holds, "releasing", True)
+    monkeypatch.setattr(registry.holds, "releasing", True)
+    key = 2 ** 41
+    frame = ffi.HostCallFrame(key, 2, 2)
+    launched = []
+    cudnn_target._launches[(key, 0)] = cudnn_target.SiteLaunch(None, lambda a, s: launched.append(a))
+    try:
+        with caplog.at_level(logging.WARNING, logger="cudnn_attn"):
+            cudnn_target._run(ffi.Call(frame.address))
+    finally:
+        del cudnn_target._launches[(key, 0)]
+    assert launched and not cudnn_target.plan_holds.releasing and not registry.holds.releasing
+    assert "without its instantiate stage" in caplog.text
