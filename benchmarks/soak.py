@@ -6,10 +6,11 @@ fp16 and bf16) and four paths: the CuPy path forward and backward (``cudnn_attn.
 ``dot_product_attention_bwd`` on CuPy arrays) and the JAX bridge under ``jit``, forward and ``grad``.
 The graph cache is replaced by a new :class:`cudnn_attn.GraphCache` of ``--cache-size`` graphs (4) - far
 fewer than the ~20 graphs the mix needs - so that it evicts and rebuilds constantly while other threads
-use the same configurations.  Every ``--recompile-every`` JAX calls (200) a configuration drops its jitted
-functions and makes new ones, and JAX's caches are cleared at every phase boundary, so executables are
-compiled and destroyed throughout: the JAX bridge must release what it held for dead executables (the
-plans its FFI handler runs, ``cudnn_target._launches``) as the graph cache's bound says.
+use the same configurations.  With ``--recompile-every N`` (default 0: never) a configuration drops its
+jitted functions every N JAX calls and makes new ones, and JAX's caches are cleared at every phase
+boundary, so executables are compiled and destroyed throughout: the JAX bridge must release what it held
+for dead executables (the plans its FFI handler runs, ``cudnn_target._launches``) as the graph cache's
+bound says.  Memory growth in that mode includes what XLA keeps of the executables it compiled.
 
 Every call's results are compared with those of the same inputs computed single-threaded before the soak:
 exactly (the backward runs with ``deterministic=True``).  Reported: errors (by type, with the first
@@ -346,14 +347,14 @@ def _run_threads(calls: int, threads: int, workloads: list[Workload], tally: Tal
 
 
 def soak(*, calls: int, threads: int, cache_size: int, quick: bool, dry_run: bool, seed: int,
-         phase_calls: int = 1000, recompile_every: int = 200) -> dict:
+         phase_calls: int = 1000, recompile_every: int = 0) -> dict:
     with small_cache(cache_size) as cache:
         return _soak(cache, calls=calls, threads=threads, cache_size=cache_size, quick=quick, dry_run=dry_run,
                      seed=seed, phase_calls=phase_calls, recompile_every=recompile_every)
 
 
 def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool, dry_run: bool, seed: int,
-          phase_calls: int = 1000, recompile_every: int = 200) -> dict:
+          phase_calls: int = 1000, recompile_every: int = 0) -> dict:
     backend = DryRunBackend() if dry_run else Backend()
     rng = np.random.default_rng(seed)
     workloads = [Workload(config, backend, rng, recompile_every) for config in _configs(quick or dry_run)]
@@ -362,7 +363,8 @@ def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool,
 
     def phase(name: str) -> dict:
         backend.synchronize()
-        _clear_jax_caches()
+        if recompile_every:
+            _clear_jax_caches()
         gc.collect()
         row = {"phase": name, "calls": sum(tally.calls.values()), **backend.memory(),
                "live_graphs": cache.live_graphs(), "cached_graphs": len(cache), **_jax_side()}
@@ -421,9 +423,8 @@ rebuilds; single-threaded, 96-120 rebuilds (built, deserialized, backward) moved
 
 
 def _clear_jax_caches() -> None:
-    """JAX's own caches (compiled executables, lowerings, traces: LRUs that JAX bounds itself, thousands of
-    entries each) are cleared at every phase boundary, so that the growth measured is what stays alive once
-    nothing is cached: the executables die, and the JAX bridge must then hold nothing for them."""
+    """With recompilation: JAX's own caches (compiled executables, lowerings, traces) are cleared at every phase
+    boundary, so every executable dies there and the JAX bridge must then hold nothing for it."""
     jax = sys.modules.get("jax")
     if jax is not None:
         jax.clear_caches()
@@ -509,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU: the NumPy reference and JAX on CPU")
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--phase-calls", type=int, default=1000, help="calls between two memory reports")
-    parser.add_argument("--recompile-every", type=int, default=200,
+    parser.add_argument("--recompile-every", type=int, default=0,
                         help="JAX calls of a configuration between two recompilations (0: never)")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="stop issuing calls after this long (the report says how many ran)")

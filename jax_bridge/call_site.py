@@ -100,8 +100,9 @@ class AttentionCall:
 
 class Holds:
     """Which keys are still held: the ``recent()`` most recently :meth:`touch`-ed keys, and every key with a
-    :meth:`pin` not yet released.  ``release(key)`` is called (outside the lock) when neither holds a key,
-    once :attr:`releasing` is set; until then nothing is released.  Thread-safe."""
+    :meth:`pin` not yet released.  ``release(key)`` is called (under the lock, so that no pin can slip in
+    between; it must not call back into this object) when neither holds a key, once :attr:`releasing` is
+    set; until then nothing is released.  Thread-safe."""
 
     def __init__(self, recent: Callable[[], int], release: Callable[[int], None]):
         self._lock = threading.Lock()
@@ -115,13 +116,9 @@ class Holds:
         with self._lock:
             self._recent[key] = None
             self._recent.move_to_end(key)
-            free = []
             while len(self._recent) > max(1, self._recent_size()):
                 oldest, _ = self._recent.popitem(last=False)
-                if self._free(oldest):
-                    free.append(oldest)
-        for key in free:
-            self._release(key)
+                self._release_if_free(oldest)
 
     def pin(self, key: int) -> Callable[[], None]:
         """Hold ``key`` until the returned function is called (once; later calls do nothing)."""
@@ -130,16 +127,14 @@ class Holds:
         done = []
 
         def unpin() -> None:
-            if done:
-                return
-            done.append(True)
             with self._lock:
+                if done:
+                    return
+                done.append(True)
                 self.pins[key] -= 1
                 if self.pins[key] <= 0:
                     del self.pins[key]
-                free = self._free(key)
-            if free:
-                self._release(key)
+                self._release_if_free(key)
 
         return unpin
 
@@ -147,8 +142,12 @@ class Holds:
         with self._lock:
             return {"recent": len(self._recent), "pinned": len(self.pins), "pins": sum(self.pins.values())}
 
-    def _free(self, key: int) -> bool:
-        return self.releasing and key not in self._recent and self.pins.get(key, 0) <= 0
+    def _release_if_free(self, key: int) -> None:
+        """Release ``key`` when nothing holds it.  Under the lock: a pin or touch of another thread can come
+        neither between the decision and the release nor half-way through it (the release hooks take their
+        own locks, never this one)."""
+        if self.releasing and key not in self._recent and self.pins.get(key, 0) <= 0:
+            self._release(key)
 
 
 class CallRegistry:

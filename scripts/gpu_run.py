@@ -189,7 +189,7 @@ def main() -> int:
                 command = ["benchmarks/soak.py", "--out", os.path.join(OUT, "soak.json")]
                 if os.environ.get("SOAK_CALLS"):          # a length between --quick (4k) and the full 100k
                     command += ["--calls", os.environ["SOAK_CALLS"]]
-                command += os.environ.get("SOAK_ARGS", "").split() + ["--max-seconds", str(max(10, limit - 60))]
+                command += ["--max-seconds", str(max(10, limit - 60))] + os.environ.get("SOAK_ARGS", "").split()
             else:
                 command = [f"benchmarks/bench_{phase}.py", "--out", OUT]
             rc, took = run(f"bench_{phase}", [sys.executable, *command, *quick], limit)

@@ -95,3 +95,30 @@ def test_a_run_without_instantiation_stops_releasing(monkeypatch, caplog):
         del cudnn_target._launches[(key, 0)]
     assert launched and not cudnn_target.plan_holds.releasing and not registry.holds.releasing
     assert "without its instantiate stage" in caplog.text
+
+
+def test_a_pin_cannot_slip_between_the_decision_to_release_and_the_release():
+    """The soak's race (H200, run 11): a lowering re-pinned a site while another thread was dropping its plans, and
+    the executable then ran without them.  The release happens under the lock, so the pin waits for it (and
+    instantiation then re-plans what was dropped)."""
+    import threading
+    import time
+
+    events, started = [], threading.Event()
+
+    def release(key):
+        events.append(("release", key))
+        started.set()
+        time.sleep(0.05)
+        events.append(("released", key))
+
+    holds = Holds(lambda: 1, release)
+    holds.releasing = True
+    holds.touch(7)
+    evict = threading.Thread(target=holds.touch, args=(8,))     # 7 leaves the recent one: released
+    evict.start()
+    assert started.wait(5)
+    holds.pin(7)
+    events.append(("pinned", 7))
+    evict.join()
+    assert events == [("release", 7), ("released", 7), ("pinned", 7)]

@@ -38,3 +38,16 @@ def test_dry_run_has_no_errors_and_no_mismatches(tmp_path, capsys):
     assert all(row["live_graphs"] == 0 for row in report["phases"])    # the reference path builds no graph
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith(("PASS", "FAIL"))   # the table comes last
     assert cudnn_attn.graph_cache is cache and cudnn_attn.execution.graph_cache is cache     # put back
+
+
+def test_dry_run_with_recompilation_releases_dead_executables(tmp_path):
+    """Executable churn: jitted functions are remade every few JAX calls and JAX's caches cleared at each phase;
+    no call fails (every live executable finds its call site) and no executable outlives the final clear."""
+    soak = _soak()
+    out = tmp_path / "soak.json"
+    soak.main(["--dry-run", "--calls", "120", "--threads", "3", "--cache-size", "2", "--phase-calls", "40",
+               "--recompile-every", "4", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["errors"] == {} and report["mismatches"] == {}, report["messages"]
+    assert report["jax_recompiles"] > 0
+    assert report["jax_side_at_end"]["live_executable_sites"] == 0
