@@ -322,9 +322,8 @@ class CallPlan:
             self._warm = True
 
     def _launch_on_scratch(self) -> None:
-        with self.scratch() as (pointers, stream, workspace):
+        with self.scratch() as (pointers, stream, workspace):          # waits for the launch on leaving
             self.launch(pointers, stream.ptr, workspace=workspace, scalars=(0,) * len(self.scalar_ids))
-            stream.synchronize()
 
     @contextlib.contextmanager
     def scratch(self) -> Iterator[tuple[list[int], Any, int]]:
