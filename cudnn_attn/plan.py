@@ -35,6 +35,7 @@ import contextlib
 import enum
 import logging
 import threading
+import weakref
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -218,7 +219,9 @@ class CallPlan:
         self._warm = False
         self._warm_lock = threading.Lock()
         self._fast: Any = None                # :meth:`run`'s launch sequence, made by its first call
-        self.replays: list[Any] = []          # the CUDA graphs of each launch sequence (cudnn_attn.replay)
+        # The CUDA graphs of each live launch sequence (cudnn_attn.replay), weakly: a sequence (the direct path's,
+        # or a JAX call site's) owns its graphs, and they go when it goes, even while the plan stays cached.
+        self.replays: weakref.WeakSet[Any] = weakref.WeakSet()
 
     # -- launching ----------------------------------------------------------------------------------
     def launch(self, pointers: list[int], stream: int, workspace: int | None = None,
@@ -283,7 +286,7 @@ class CallPlan:
         lock, bind_stream, workspace_for = context.lock, context.bind_stream, context.workspace
         replays = Replays(raw, bind_stream, context.capture_stream) if replay.ENABLED else None
         if replays is not None:
-            self.replays.append(replays)
+            self.replays.add(replays)
 
         def run(pointers: Sequence[int], stream: int, workspace: int | None = None) -> None:
             with lock:

@@ -91,6 +91,10 @@ class _Context:
         self.workspaces.append((stream, nbytes))
         return 0xAAAA
 
+    def capture_stream(self):
+        assert self.lock.locked()
+        return 0xCA
+
 
 class _Launcher:
     def __init__(self, built, ids, plan_index=None):
@@ -98,6 +102,12 @@ class _Launcher:
 
     def __call__(self, addresses, workspace, handle):
         self.calls.append((dict(zip(self.ids, addresses)), workspace))
+
+    def bound(self, context):                # the raw path: the caller holds the device lock
+        def raw(addresses, workspace):
+            assert context.lock.locked()
+            self.calls.append((dict(zip(self.ids, addresses)), workspace))
+        return raw
 
 
 def _plan(monkeypatch, config, kind, ids):
@@ -178,3 +188,64 @@ def test_create_handle_falls_back_to_the_frontend(monkeypatch):
     calls = _fake_cudnn(monkeypatch, handle_type=type("Refusing", (), {"__init__": refuse}))
     assert runtime.create_handle(0).ordinal == "looked up"
     assert calls == ["raw", ("destroyed", 1234), "create_handle"]      # the raw handle is not leaked
+
+
+def test_the_direct_sequence_launches_then_captures_then_replays(monkeypatch):
+    """``CallPlan.run`` (the CuPy direct path; the JAX handler's ``specialized`` is the same sequence): a first
+    sighting of the addresses launches through cuDNN on the caller's stream, the second captures that launch
+    on the context's private stream and launches the graph, later ones only launch the graph - no handle
+    stream change, no cuDNN call."""
+    from cudnn_attn import replay
+
+    graph_launches = []
+    runtime_calls = types.SimpleNamespace(
+        streamCaptureModeThreadLocal=1, streamBeginCapture=lambda stream, mode: None,
+        streamEndCapture=lambda stream: 0x6, graphInstantiate=lambda graph: 0xE0, graphDestroy=lambda graph: None,
+        graphExecDestroy=lambda executable: None)
+    monkeypatch.setattr(replay, "ENABLED", True)
+    monkeypatch.setattr(replay, "_runtime", lambda: runtime_calls)
+    monkeypatch.setattr(replay, "_graph_launch", lambda executable, stream: graph_launches.append((executable, stream)))
+    monkeypatch.setattr(replay, "_capturing", lambda stream: False)
+    config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16, dtype="float16")
+    plan = _plan(monkeypatch, config, "fwd", (TensorId.Q, TensorId.K, TensorId.V, TensorId.O))
+    pointers = [1, 2, 3, 4]
+    plan.run(pointers, 0x55)
+    assert len(plan.launcher.calls) == 1 and plan.context.streams == [0x55, 0] and graph_launches == []
+    plan.run(pointers, 0x55)                                      # captured on 0xCA, launched on 0x55
+    assert len(plan.launcher.calls) == 2 and plan.context.streams == [0x55, 0, 0xCA]
+    assert graph_launches == [(0xE0, 0x55)]
+    plan.run(pointers, 0x66)                                      # replayed: nothing but the graph launch
+    assert len(plan.launcher.calls) == 2 and plan.context.streams == [0x55, 0, 0xCA]
+    assert graph_launches == [(0xE0, 0x55), (0xE0, 0x66)]
+    (replays,) = plan.replays
+    assert (replays.captures, replays.replays) == (1, 1)
+    plan.run([1, 2, 3, 5], 0x55)                                  # another output: cuDNN again
+    assert len(plan.launcher.calls) == 3 and plan.context.streams[-2:] == [0x55, 0]
+
+
+def test_no_replay_when_switched_off(monkeypatch):
+    from cudnn_attn import replay
+
+    monkeypatch.setattr(replay, "ENABLED", False)
+    config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16, dtype="float16")
+    plan = _plan(monkeypatch, config, "fwd", (TensorId.Q, TensorId.K, TensorId.V, TensorId.O))
+    for _ in range(4):
+        plan.run([1, 2, 3, 4], 0x55)
+    assert len(plan.launcher.calls) == 4 and len(plan.replays) == 0
+
+
+def test_a_dropped_sequence_takes_its_graphs_along(monkeypatch):
+    """Each JAX call site launches through its own sequence of the shared plan; when the site is dropped (its
+    executables died), its graphs go with it although the plan stays cached."""
+    import gc
+
+    from cudnn_attn import replay
+
+    monkeypatch.setattr(replay, "ENABLED", True)
+    config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16, dtype="float16")
+    plan = _plan(monkeypatch, config, "fwd", (TensorId.Q, TensorId.K, TensorId.V, TensorId.O))
+    sites = [plan.specialized((), keep_stream=True) for _ in range(3)]
+    assert len(plan.replays) == 3
+    del sites
+    gc.collect()
+    assert len(plan.replays) == 0
