@@ -188,9 +188,11 @@ DYNAMIC_SHAPES = False
 (:class:`cudnn_attn.graphs.persist.KernelCache`).  Off: on the H200 (cuDNN 9.19) the GPU tests that ran
 dynamic-shape plans next to static ones ended in illegal memory accesses, and a dynamic plan timed 0.63x
 of the static one for the same engine (it cannot be doing the same work); see the closing note of #9."""
-PERSIST_KINDS = (Kind.FORWARD,)
-"""Graphs the persistent store keeps (:mod:`cudnn_attn.plan_store`): forward plans only, the first call of a
-new process; backward plans are rebuilt until a loaded backward is verified on the GPU."""
+PERSIST_KINDS = (Kind.FORWARD, Kind.BACKWARD)
+"""Graphs the persistent store keeps (:mod:`cudnn_attn.plan_store`): forward and backward plans.  A loaded
+backward is verified on the H200 like a loaded forward: bit-identical results to the built graph, through the
+frontend and the fast launch, and for a plan built deviceless (``tests/gpu/test_plan_store_gpu.py``, every
+case; runs 10 and 12 of 2026-11-30)."""
 
 
 class GraphCache:
