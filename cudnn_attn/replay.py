@@ -149,13 +149,16 @@ def _runtime() -> Any:
 
 
 def _graph_launch(executable: int, stream: int) -> None:
+    """``cudaGraphLaunch`` (CuPy's binding); the first call replaces this module function by the binding itself,
+    so that the hot path makes one call, not two (and CuPy is imported only when a graph is launched)."""
     global _graph_launch
     _graph_launch = _runtime().graphLaunch
     _graph_launch(executable, stream)
 
 
 def _capturing(stream: int) -> bool:
-    """Whether ``stream`` is being captured (cuda-python's ``cudaStreamIsCapturing``; an error counts as yes)."""
+    """Whether ``stream`` is being captured (cuda-python's ``cudaStreamIsCapturing``; an error counts as yes).
+    The first call replaces this module function by a closure over the binding and its constants."""
     global _capturing
     from cuda.bindings import runtime
 
