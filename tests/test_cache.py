@@ -250,3 +250,65 @@ def test_live_graphs_counts_what_is_still_alive_anywhere():
     assert cache.live_graphs() == 2
     cache.clear()
     assert cache.live_graphs() == 0
+
+
+# -- one build thread per device -------------------------------------------------------------------------------
+
+def test_the_caches_builder_runs_on_one_thread_per_device():
+    """Whichever thread misses, the cache's builder runs on its device's build thread (one glibc arena for
+    cuDNN's host allocations; module doc); a ``build=`` given to one lookup runs on the caller's thread."""
+    threads = []
+
+    def builder(key):
+        threads.append((key.device, threading.current_thread().name))
+        return f"plan {key.device}"
+
+    cache = GraphCache(maxsize=8, builder=builder)
+    config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16, dtype="float16")
+    workers = [threading.Thread(target=lambda d=d, s=s: cache.entry(cache.key(config.replace(scale=s), "fwd", d)))
+               for d in (0, 1) for s in (0.1, 0.2, 0.3)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    by_device = {d: {name for device, name in threads if device == d} for d in (0, 1)}
+    assert len(threads) == 6 and all(len(names) == 1 for names in by_device.values()), by_device
+    assert by_device[0] != by_device[1] and all(n.startswith("cudnn_attn-build-") for s in by_device.values() for n in s)
+    cache.entry(cache.key(config.replace(scale=0.4), "fwd", 0), lambda key: builder(key))
+    assert threads[-1][1] == threading.current_thread().name
+
+
+def test_build_threads_raise_the_builds_error_and_nest_in_place():
+    from cudnn_attn.cache import BuildThreads
+
+    threads = BuildThreads()
+
+    def fail():
+        raise ValueError("query: bad")
+
+    with pytest.raises(ValueError, match="query: bad"):
+        threads.run(3, fail)
+    outer = threads.run(3, lambda: (threading.current_thread().name,
+                                    threads.run(3, lambda: threading.current_thread().name)))
+    assert outer[0] == outer[1] and outer[0].startswith("cudnn_attn-build-3")
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")
+def test_a_forked_child_builds_on_its_own_threads():
+    """Without the at-fork reset the child would hand its build to the parent's thread, which does not exist in
+    the child, and wait forever (the alarm turns that into a failure)."""
+    import os
+    import signal
+
+    from cudnn_attn.cache import build_threads
+
+    build_threads.run(7, lambda: None)                 # the parent has a build thread for device 7
+    child = os.fork()
+    if child == 0:                                    # the child: its parent's threads do not exist here
+        signal.alarm(20)
+        try:
+            os._exit(0 if build_threads.run(7, lambda: 41) + 1 == 42 else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child ended with status {status:#x}"
