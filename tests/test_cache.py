@@ -293,22 +293,26 @@ def test_build_threads_raise_the_builds_error_and_nest_in_place():
     assert outer[0] == outer[1] and outer[0].startswith("cudnn_attn-build-3")
 
 
-@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")
+_FORK_CHECK = """
+import os, signal
+from cudnn_attn.cache import build_threads
+
+build_threads.run(7, lambda: None)                 # the parent has a build thread for device 7
+child = os.fork()
+if child == 0:                                     # the child: its parent's threads do not exist here
+    signal.alarm(20)
+    os._exit(0 if build_threads.run(7, lambda: 41) == 41 else 1)
+_, status = os.waitpid(child, 0)
+raise SystemExit(0 if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 else f"child status {status:#x}")
+"""
+
+
 def test_a_forked_child_builds_on_its_own_threads():
     """Without the at-fork reset the child would hand its build to the parent's thread, which does not exist in
-    the child, and wait forever (the alarm turns that into a failure)."""
-    import os
-    import signal
+    the child, and wait forever (the alarm turns that into a failure).  In a fresh process: this one runs JAX's
+    threads, which make a fork here unsafe."""
+    import subprocess
+    import sys
 
-    from cudnn_attn.cache import build_threads
-
-    build_threads.run(7, lambda: None)                 # the parent has a build thread for device 7
-    child = os.fork()
-    if child == 0:                                    # the child: its parent's threads do not exist here
-        signal.alarm(20)
-        try:
-            os._exit(0 if build_threads.run(7, lambda: 41) + 1 == 42 else 1)
-        except BaseException:
-            os._exit(2)
-    _, status = os.waitpid(child, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child ended with status {status:#x}"
+    result = subprocess.run([sys.executable, "-c", _FORK_CHECK], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
