@@ -9,10 +9,14 @@ function that returns 0, so their cost is the cost of a ctypes call, as under XL
 
 Stages (ns per call: the best of 7 rounds of ``--calls`` calls; the machine may be shared):
 
-* ``frame read``     - :meth:`ffi.Call.snapshot`: key, buffer addresses, stream, device ordinal;
+* ``frame read``     - :meth:`ffi.Call.snapshot`: key, buffer addresses, stream, device ordinal; and with the
+                       ordinal known (a process with one GPU, ``cudnn_target.only_device``), without its query;
 * ``site lookup``    - finding the launch of the call site on the device;
 * ``launch Python``  - the call site's launch up to (not including) cuDNN: the device lock, the stream
                        check, the pointer array filled in the graph's order;
+* ``launch Python, replayed`` - the same call site when its addresses repeat (:mod:`cudnn_attn.replay`):
+                       the lock, the replay key and lookup, with the capture query and ``cudaGraphLaunch``
+                       replaced by no-ops (their cost on the H200: ``bench_host.py``);
 * ``handler``        - the whole registered handler (metadata check, stage check, all of the above) with
                        cuDNN's ``_execute_with_raw_ptrs`` replaced by a no-op.
 
@@ -43,6 +47,7 @@ class _StubLauncher:
 def _plan(n_operands: int, n_results: int) -> object:
     """A :class:`cudnn_attn.plan.CallPlan`-shaped object whose launch runs the real Python with a no-op cuDNN."""
     import threading
+    import weakref
 
     from cudnn_attn.launch import Launcher
 
@@ -51,12 +56,13 @@ def _plan(n_operands: int, n_results: int) -> object:
     launcher._setup_fast_path(tuple(range(count))[::-1], -1, _StubLauncher.raw_execute)
     context = types.SimpleNamespace(lock=threading.Lock(), handle=types.SimpleNamespace(backend_handle=1),
                                     bind_stream=lambda stream: None, device=0,
-                                    workspace=lambda stream, size: 0)
+                                    workspace=lambda stream, size: 0, capture_stream=lambda: 0)
     from cudnn_attn.plan import CallPlan
 
     plan = CallPlan.__new__(CallPlan)
     plan.context, plan.launcher, plan.workspace_size = context, launcher, 256
     plan._zeroed, plan._scalars, plan._scalar_addresses = (), [], []
+    plan.replays = weakref.WeakSet()
     return plan
 
 
@@ -76,11 +82,21 @@ def main() -> int:
     parser.add_argument("--args", type=int, default=3, help="operands (forward: Q, K, V)")
     parser.add_argument("--rets", type=int, default=2, help="results incl. the workspace (forward: O, workspace)")
     options = parser.parse_args()
+    from cudnn_attn import replay
+
     key = 7
     fake = ffi.HostCallFrame(key, options.args, options.rets)
-    plan = _plan(options.args, options.rets - 1)
-    site = cudnn_target._launches[(key, 0)] = cudnn_target._site_launch(plan, ())
+    replay.ENABLED = False                                  # the first site launches through (stub) cuDNN
+    site = cudnn_target._launches[(key, 0)] = cudnn_target._site_launch(_plan(options.args, options.rets - 1), ())
     launch = site.launch
+    cudnn_target.plan_holds.pin(key)                        # as XLA's instantiate stage does
+    replay.ENABLED = True                                   # the second replays: CUDA calls are no-ops here
+    replay._graph_launch = lambda executable, stream: None
+    replay._capturing = lambda stream: False
+    replay._runtime = lambda: types.SimpleNamespace(
+        streamCaptureModeThreadLocal=1, streamBeginCapture=lambda s, m: None, streamEndCapture=lambda s: 1,
+        graphInstantiate=lambda g: 2, graphDestroy=lambda g: None, graphExecDestroy=lambda e: None)
+    replayed = cudnn_target._site_launch(_plan(options.args, options.rets - 1), ()).launch
     call = ffi.Call(fake.address)
     snapshot = call.snapshot()
     assert snapshot.key == key and snapshot.device == 0, snapshot
@@ -88,8 +104,10 @@ def main() -> int:
     handler_fn = C.CFUNCTYPE(C.c_void_p, C.c_void_p)(handler.address)
     rows = {
         "frame read (Call.snapshot)": best_ns(call.snapshot, options.calls),
+        "frame read, one GPU (snapshot(0))": best_ns(lambda: call.snapshot(0), options.calls),
         "site lookup": best_ns(lambda: cudnn_target._launches.get((key, 0)), options.calls),
         "launch Python (no cuDNN)": best_ns(lambda: launch(list(snapshot.addresses), 0), options.calls),
+        "launch Python, replayed (no CUDA)": best_ns(lambda: replayed(list(snapshot.addresses), 0), options.calls),
         "handler through ctypes (no cuDNN)": best_ns(lambda: handler_fn(fake.address), options.calls),
         "empty ctypes callback": best_ns(
             lambda: _EMPTY(0), options.calls),

@@ -167,7 +167,7 @@ def _run(call: ffi.Call) -> None:
     """The handler: XLA's buffers and stream into the call site's launch (see the module doc)."""
     if stages is not None:
         return _run_timed(call)
-    key, addresses, stream, device = call.snapshot()
+    key, addresses, stream, device = call.snapshot(only_device)
     found = _launches.get((key, device))
     if found is None:
         found = _missing_site(key, device)
@@ -180,7 +180,7 @@ def _run_timed(call: ffi.Call) -> None:
     """:func:`_run` recording its stages (benchmarks): read the call frame, find the call site, launch."""
     now = time.perf_counter_ns
     start = now()
-    key, addresses, stream, device = call.snapshot()
+    key, addresses, stream, device = call.snapshot(only_device)
     read = now()
     found = _launches.get((key, device)) or _missing_site(key, device)
     found_at = now()
@@ -212,6 +212,10 @@ def _missing_site(key: int, device: int | None) -> SiteLaunch:
         f"when it was lowered (planned: {sorted(d for k, d in _launches if k == key)}); nothing is built while "
         f"XLA runs a program. Lower the computation for this device (jax.jit with its sharding).")
 
+
+only_device: int | None = None
+"""The ordinal of the process's only GPU, when it has exactly one (set at the first lowering): the handler then
+skips XLA's device query - no execution can run on another device."""
 
 stages: list[tuple[int, int, int]] | None = None
 """When a list (benchmarks): ``(read the call frame, find the call site, launch)`` nanoseconds of every run."""
@@ -245,13 +249,17 @@ def _lowering_devices(ctx: Any) -> list[int]:
     lowering context names none, e.g. an abstract mesh or the per-shard lowering of a partitioned call)."""
     import jax
 
+    global only_device
+    local = jax.local_devices(backend="gpu")
+    only_device = local[0].local_hardware_id if len(local) == 1 else None
+
     context = ctx.module_context.axis_context
     devices = getattr(context, "device_assignment", None)
     if devices is None:
         mesh_devices = getattr(getattr(context, "mesh", None), "devices", None)
         devices = None if mesh_devices is None else tuple(np.asarray(mesh_devices).flat)
     if not devices:
-        devices = jax.local_devices(backend="gpu")
+        devices = local
     here = jax.process_index()
     return sorted({d.local_hardware_id for d in devices if d.process_index == here and d.platform == "gpu"})
 

@@ -181,3 +181,26 @@ def test_the_single_int64_attribute_is_read_signed(value):
     call = ffi.Call(frame.address)
     assert call.snapshot().key == value and call.addresses_and_key()[0] == value
     assert call.int64_attribute("key") == value and call.attributes() == {"key": value}
+
+
+def test_a_known_device_skips_the_device_query(monkeypatch):
+    """In a process with one GPU the handler passes its ordinal (``cudnn_target.only_device``): the snapshot then
+    asks XLA only for the stream (the host frame's device query would answer 0)."""
+    from cudnn_attn.jax_bridge import cudnn_target
+
+    key = 2 ** 42
+    frame = ffi.HostCallFrame(key, 3, 2)
+    call = ffi.Call(frame.address)
+    asked = call.snapshot()
+    told = call.snapshot(3)
+    assert (told.key, told.addresses, told.stream, told.device) == (asked.key, asked.addresses, asked.stream, 3)
+    plan = _RecordingPlan(64)
+    cudnn_target._launches[(key, 3)] = cudnn_target._site_launch(plan, ())
+    unpin = cudnn_target.plan_holds.pin(key)
+    monkeypatch.setattr(cudnn_target, "only_device", 3)
+    try:
+        cudnn_target._run(call)
+    finally:
+        del cudnn_target._launches[(key, 3)]
+        unpin()
+    assert len(plan.launches) == 1
