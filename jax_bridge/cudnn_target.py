@@ -51,9 +51,9 @@ from cudnn_attn.types import Front
 from cudnn_attn.plan import Fill, graph_inputs, host_scalar_values, zero_rows
 
 from . import ffi
+from .call_site import EAGER_TARGET, TARGET, AttentionCall, Holds, registry
 
 logger = logging.getLogger("cudnn_attn")
-from .call_site import EAGER_TARGET, TARGET, AttentionCall, Holds, registry
 
 
 def _check_expressible(site: AttentionCall) -> None:
