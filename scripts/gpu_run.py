@@ -13,6 +13,8 @@ Phases (default: ``tests train host jax attention``):
 * ``host``, ``jax``, ``attention``, ``fp8``, ``decode``, ``first_call``, ``context_parallel``, ``autotune``
                  - ``benchmarks/bench_<phase>.py``; ``soak`` - ``benchmarks/soak.py`` (``--quick`` unless ``--full``,
                  or ``PHASE:full`` for one phase);
+* ``soak_ab``    - the soak twice, half the phase's time each: ``CUDNN_ATTN_REPLAY=0``, then replay on (which of
+                   them grows device memory); ``SOAK_CALLS`` / ``SOAK_ARGS`` as for ``soak``;
 * ``sanitizer``  - ``benchmarks/probe_bad_values.py`` (out-of-range lengths, offsets, page ids; raw and clamped)
                    under ``compute-sanitizer --tool memcheck`` when the machine has one, else with its guard
                    bytes only (the summary says which).
@@ -183,6 +185,18 @@ def main() -> int:
         elif phase == "sanitizer":
             rc, took, lines = sanitizer(limit)
             summary += lines
+        elif phase == "soak_ab":
+            rc, took = 0, 0.0
+            for label, replay in (("replay_off", "0"), ("replay_on", "1")):
+                part = (limit - took) / (2 if label == "replay_off" else 1)
+                command = [sys.executable, "benchmarks/soak.py", "--out", os.path.join(OUT, f"soak_{label}.json"),
+                           "--max-seconds", str(max(10, part - 60))] + ([] if full else ["--quick"])
+                if os.environ.get("SOAK_CALLS"):
+                    command += ["--calls", os.environ["SOAK_CALLS"]]
+                code, seconds = run(f"soak_{label}", command + os.environ.get("SOAK_ARGS", "").split(), part,
+                                    env={"CUDNN_ATTN_REPLAY": replay})
+                rc, took = rc | code, took + seconds
+                summary.append(f"== soak, CUDNN_ATTN_REPLAY={replay}\n" + tail(f"soak_{label}", 22))
         elif phase in BENCHES:
             quick = [] if full else ["--quick"]
             if phase == "soak":                       # the soak writes one JSON file
