@@ -42,6 +42,7 @@ Writes ``bench_host.json`` into ``--out`` and prints the table last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -118,7 +119,7 @@ def cupy_rows(q, k, v, do, calls, rounds) -> dict:
                 if fn is None:
                     continue
                 fn()                                      # plans (and the bound backward) exist before switching
-                with switch() if switch else _nothing():
+                with switch() if switch else contextlib.nullcontext():
                     rows[(name + suffix, kind)] = host_us(fn, calls=calls, rounds=rounds)
     rows.update(cupy_stages(bound, (q, k, v), (q, k, v, o, do, lse), calls, rounds))
     config = bound.config
@@ -157,14 +158,6 @@ def cupy_rows(q, k, v, do, calls, rounds) -> dict:
         rows[("frontend execute", kind)] = host_us(
             lambda: graph.execute(ordered, workspace, handle=handle, tensor_uids=uids), calls=calls, rounds=rounds)
     return rows
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
 
 
 def cupy_stages(bound, forward_arrays, backward_arrays, calls, rounds) -> dict:
@@ -249,18 +242,16 @@ def jax_rows(q, k, v, do, rounds) -> dict:
             fn = program(attend, mode)
             for _ in range(3):
                 jax.block_until_ready(fn(jq))
-            switch = replay_switched_off() if name.endswith("no replay") else _nothing()
-            switch.__enter__()
             timed = name.startswith("ours-eager")
-            times = ffi.record_handler_times(timed)
-            cudnn_target.stages = [] if timed else None      # (read, find, launch) per run
-            samples = []
-            for _ in range(rounds * 4):
-                start = time.perf_counter()
-                jax.block_until_ready(fn(jq))
-                samples.append((time.perf_counter() - start) / chain * 1e6)
-            ffi.record_handler_times(False)
-            switch.__exit__(None, None, None)
+            with replay_switched_off() if name.endswith("no replay") else contextlib.nullcontext():
+                times = ffi.record_handler_times(timed)
+                cudnn_target.stages = [] if timed else None      # (read, find, launch) per run
+                samples = []
+                for _ in range(rounds * 4):
+                    start = time.perf_counter()
+                    jax.block_until_ready(fn(jq))
+                    samples.append((time.perf_counter() - start) / chain * 1e6)
+                ffi.record_handler_times(False)
             stages, cudnn_target.stages = cudnn_target.stages, None
             tag = " (no replay)" if name.endswith("no replay") else ""
             if stages:

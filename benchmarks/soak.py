@@ -431,14 +431,14 @@ def _clear_jax_caches() -> None:
 
 
 def _jax_side() -> dict:
-    """What the JAX bridge holds: the plans its FFI handler can run (``cudnn_target.held_plans``: held by live
-    executables or recent lowerings), the call-site entries, and the live executables' call sites."""
+    """What the JAX bridge holds (:func:`cudnn_target.held_plans`): the plans its FFI handler can run (held by
+    live executables or recent lowerings), the call-site entries, and the live executables' call sites."""
     target = sys.modules.get("cudnn_attn.jax_bridge.cudnn_target")
     call_site = sys.modules.get("cudnn_attn.jax_bridge.call_site")
-    ffi = sys.modules.get("cudnn_attn.jax_bridge.ffi")
-    return {"pinned_plans": None if target is None else len(target._launches),
+    held = None if target is None else target.held_plans()
+    return {"pinned_plans": None if held is None else held["plans"],
             "call_sites": None if call_site is None else len(call_site.registry),
-            "live_executable_sites": None if ffi is None else ffi.live_states()}
+            "live_executable_sites": None if held is None else held["executables"]}
 
 
 def _trimmed_rss() -> int | None:

@@ -315,28 +315,8 @@ def _thread_query_args() -> _QueryArgs:
     return args
 
 
-def _stream_and_device(functions: _Functions, ctx: int) -> tuple[int, int | None]:
-    """XLA's ``cudaStream_t`` and the device ordinal of the call whose execution context is ``ctx``."""
-    args = _query_args.get(_get_ident()) or _thread_query_args()
-    words = _WORDS
-    stream_word, device_word = args.words
-    words[stream_word + _QW_CTX] = ctx
-    error = functions.stream_get(args.stream_address)
-    if error:
-        _raise(functions, error, "XLA_FFI_Stream_Get")
-    stream = words[stream_word + _QW_OUT]
-    if functions.device_ordinal_get is None:
-        return stream, None
-    words[device_word + _QW_CTX] = ctx
-    error = functions.device_ordinal_get(args.device_address)
-    if error:
-        _raise(functions, error, "XLA_FFI_DeviceOrdinal_Get")
-    return stream, words[device_word + _QW_ORDINAL] & _LOW32
-
-
 def _stream(functions: _Functions, ctx: int) -> int:
-    """XLA's ``cudaStream_t`` of the call whose execution context is ``ctx`` (:func:`_stream_and_device`'s
-    first half)."""
+    """XLA's ``cudaStream_t`` of the call whose execution context is ``ctx``."""
     args = _query_args.get(_get_ident()) or _thread_query_args()
     words, stream_word = _WORDS, args.words[0]
     words[stream_word + _QW_CTX] = ctx
@@ -344,6 +324,20 @@ def _stream(functions: _Functions, ctx: int) -> int:
     if error:
         _raise(functions, error, "XLA_FFI_Stream_Get")
     return words[stream_word + _QW_OUT]
+
+
+def _device(functions: _Functions, ctx: int) -> int | None:
+    """The device ordinal of the call whose execution context is ``ctx`` (``None`` when the runtime predates
+    the query)."""
+    if functions.device_ordinal_get is None:
+        return None
+    args = _query_args.get(_get_ident()) or _thread_query_args()
+    words, device_word = _WORDS, args.words[1]
+    words[device_word + _QW_CTX] = ctx
+    error = functions.device_ordinal_get(args.device_address)
+    if error:
+        _raise(functions, error, "XLA_FFI_DeviceOrdinal_Get")
+    return words[device_word + _QW_ORDINAL] & _LOW32
 
 
 def _raise(functions: _Functions, error: int, what: str) -> None:
@@ -425,11 +419,11 @@ class Call:
 
     def stream(self) -> int:
         """XLA's ``cudaStream_t`` for this call (GPU only)."""
-        return _stream_and_device(self._functions(), _WORDS[(self._frame >> 3) + _FW_CTX])[0]
+        return _stream(self._functions(), _WORDS[(self._frame >> 3) + _FW_CTX])
 
     def device_ordinal(self) -> int | None:
         """The device this call runs on, or ``None`` when the runtime predates the query."""
-        return _stream_and_device(self._functions(), _WORDS[(self._frame >> 3) + _FW_CTX])[1]
+        return _device(self._functions(), _WORDS[(self._frame >> 3) + _FW_CTX])
 
     def snapshot(self, device: int | None = None) -> Snapshot:
         """The key attribute, buffer addresses, stream and device in one pass over the call frame: the hot
@@ -439,10 +433,10 @@ class Call:
         device query (a ctypes call, about a microsecond); ``None`` asks XLA."""
         words, frame = _WORDS, self._frame >> 3
         functions = _function_tables.get(words[frame + _FW_API]) or self._functions()
+        ctx = words[frame + _FW_CTX]
+        stream = _stream(functions, ctx)
         if device is None:
-            stream, device = _stream_and_device(functions, words[frame + _FW_CTX])
-        else:
-            stream = _stream(functions, words[frame + _FW_CTX])
+            device = _device(functions, ctx)
         addresses = _data_addresses(words[frame + _FW_ARGS_SIZE], words[frame + _FW_ARGS_ITEMS])
         addresses += _data_addresses(words[frame + _FW_RETS_SIZE], words[frame + _FW_RETS_ITEMS])
         # tuple.__new__ skips the named tuple's Python-level __new__ (0.3 us of a 4.5 us read on a 2-core CPU)
