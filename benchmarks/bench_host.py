@@ -107,9 +107,15 @@ def cupy_rows(q, k, v, do, calls, rounds) -> dict:
     o, lse = cudnn_attn.dot_product_attention(q, k, v, scale=SCALE, return_residual=True)
     bound = cudnn_attn.bind(q, k, v, scale=SCALE)
     out = cp.empty_like(q)
+    held = [None]
+
+    def rebinding():                # `o = f(q, k, v)` in a loop: the previous result is alive during the call
+        held[0] = cudnn_attn.dot_product_attention(q, k, v, scale=SCALE)
+
     calls_of = {
         "public": (lambda: cudnn_attn.dot_product_attention(q, k, v, scale=SCALE),
                    lambda: cudnn_attn.dot_product_attention_bwd(q, k, v, o, do, lse, scale=SCALE)),
+        "public, o = f()": (rebinding, None),
         "bound": (lambda: bound(q, k, v), lambda: bound.backward(q, k, v, o, do, lse)),
         "bound, out=": (lambda: bound(q, k, v, out=out), None),
     }
@@ -167,6 +173,7 @@ def cupy_stages(bound, forward_arrays, backward_arrays, calls, rounds) -> dict:
     from cudnn_attn import api
 
     rows = {}
+    stream = cp.cuda.get_current_stream().ptr
     for kind, arrays, direct in (("fwd", forward_arrays, bound._forward), ("bwd", backward_arrays, bound._backward)):
         key = next(k for k in api._direct if k[0] == kind)          # the public call's entry (made above)
         static, signature = key[-1], api._direct_signature
@@ -176,8 +183,8 @@ def cupy_stages(bound, forward_arrays, backward_arrays, calls, rounds) -> dict:
                                                               rounds=rounds)
         rows[("  stage: device + stream query", kind)] = host_us(
             lambda: (cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr), calls=calls, rounds=rounds)
-        rows[(f"  stage: allocate {len(direct._layout)} result(s)", kind)] = host_us(
-            lambda: direct._allocate(cp), calls=calls, rounds=rounds)
+        rows[(f"  stage: allocate {len(direct._layout)} result(s), reused", kind)] = host_us(
+            lambda: direct._allocate(cp, stream), calls=calls, rounds=rounds)
         rows[("  stage: cupy.empty per result", kind)] = host_us(
             lambda: [cp.empty(shape, dtype) for shape, dtype, _ in direct._layout], calls=calls, rounds=rounds)
     return rows
@@ -286,8 +293,11 @@ def main() -> int:
             rows.update(fn())
         except Exception as exc:             # one framework missing must not hide the others
             print(f"{name}: {type(exc).__name__}: {exc}", flush=True)
+    from cudnn_attn.result_blocks import result_blocks
+
+    blocks = result_blocks.stats()._asdict()
     with open(os.path.join(args.out, "bench_host.json"), "w") as f:
-        json.dump({"shape": f"bf16 B{B} N{N} T=S={T} H{H}", "calls": calls, "rounds": rounds,
+        json.dump({"shape": f"bf16 B{B} N{N} T=S={T} H{H}", "calls": calls, "rounds": rounds, "result_blocks": blocks,
                    "rows": [{"what": w, "kind": kind, "host_us_idle_gpu": t.idle, "host_us_back_to_back": t.back_to_back}
                             for (w, kind), t in rows.items()]}, f, indent=1)
     print(f"\n== host us per call at a cache hit, bf16 B{B} N{N} T=S={T} H{H} (median; idle GPU = the call alone, "
@@ -299,6 +309,7 @@ def main() -> int:
         verdict = "" if target is None else f"<= {target:g} {'OK' if us <= target else 'MISS'}"
         idle = f"{t.idle:8.1f}" if t.idle is not None else f"{'-':>8s}"
         print(f"{what:44s} {kind:8s} {idle} {t.back_to_back:7.1f}  {verdict}")
+    print(f"result blocks of the direct path: {blocks}")
     return 0
 
 

@@ -54,6 +54,7 @@ from . import execution, runtime, signature
 from .config import AttentionConfig, AttentionOperands
 from .masks import MaskSpec
 from .plan import BWD, FWD
+from .result_blocks import result_blocks
 from .types import AttentionGrads, AttentionOutput, MaskType
 from .validation import check_seed, validate_call, validate_backward
 
@@ -186,7 +187,8 @@ class _Direct:
     Several results (the backward's dq, dk, dv; the training forward's output and logsumexp) are views of
     one allocation from CuPy's pool, 256-byte aligned: one pool allocation costs about as much as one
     ``cupy.empty`` (the pool's lock and free-list search dominate), a view only the array object.  The
-    memory returns to the pool when the last of them is freed.
+    next call on the same stream reuses that block when the caller has dropped every result
+    (:mod:`cudnn_attn.result_blocks`): no allocation, and the same addresses let the launch replay.
 
     It refers to its :class:`~cudnn_attn.plan.CallPlan` weakly, so evicting the plan from the graph
     cache frees it; the next call fetches (or rebuilds) it.
@@ -227,18 +229,17 @@ class _Direct:
                 return self._launch(cupy, plan, arrays, seed, out)
         return self._launch(cupy, plan, arrays, seed, out)
 
-    def _allocate(self, cupy: Any) -> list[Any]:
-        """The results on the current device and stream (see the class doc)."""
-        ndarray = cupy.ndarray                # what cupy.empty returns, without its Python wrapper
-        if len(self._layout) == 1:
-            shape, dtype, _ = self._layout[0]
-            return [ndarray(shape, dtype)]
-        memory = cupy.cuda.alloc(self._nbytes)
-        return [ndarray(shape, dtype, memory + offset if offset else memory) for shape, dtype, offset in self._layout]
+    def _allocate(self, cupy: Any, stream: int) -> list[Any]:
+        """The results on the current device and ``stream``, in the block this signature's last call used
+        when the caller has let go of it (:mod:`cudnn_attn.result_blocks`; see the class doc)."""
+        memory = result_blocks.memory(self, stream, self._nbytes, cupy.cuda.alloc)
+        pointer, ndarray = cupy.cuda.MemoryPointer, cupy.ndarray
+        return [ndarray(shape, dtype, pointer(memory, offset)) for shape, dtype, offset in self._layout]
 
     def _launch(self, cupy: Any, plan: Any, arrays: tuple, seed: int, out: Any) -> list[Any]:
+        stream = cupy.cuda.get_current_stream().ptr
         if out is None:
-            results = self._allocate(cupy)
+            results = self._allocate(cupy, stream)
         else:
             shape, dtype = self._results[0]
             if type(out) is not type(arrays[0]) or out.shape != shape or out.dtype != dtype \
@@ -250,9 +251,9 @@ class _Direct:
         pointers = [x.data.ptr for x in self.order(arrays)]          # Q, K, V at least: a tuple
         pointers += [r.data.ptr for r in results]
         if self.dropout:
-            plan.launch(pointers, cupy.cuda.get_current_stream().ptr, None, (seed, 0))
+            plan.launch(pointers, stream, None, (seed, 0))
         else:
-            plan.run(pointers, cupy.cuda.get_current_stream().ptr)
+            plan.run(pointers, stream)
         return results
 
 

@@ -318,11 +318,11 @@ def test_validation_memo_skips_calls_whose_arrays_prepare_transforms():
 
 def test_direct_results_are_aligned_disjoint_views_of_one_allocation(monkeypatch):
     """The backward's dq, dk, dv (odd byte sizes here) come from one pool allocation at 256-byte-aligned,
-    disjoint offsets; a single result is a new array of its own."""
-    import types
-
+    disjoint offsets; a later call reuses that block once its results are dropped, and not while one of
+    them is alive."""
     from cudnn_attn import api
     from cudnn_attn.plan import ResultSpec
+    from cudnn_attn.result_blocks import ResultBlocks
 
     specs = [ResultSpec(name, None, shape, np.dtype(np.float16), None)
              for name, shape in (("dq", (1, 3, 5, 7)), ("dk", (1, 11, 5, 7)), ("dv", (1, 11, 5, 7)))]
@@ -331,25 +331,41 @@ def test_direct_results_are_aligned_disjoint_views_of_one_allocation(monkeypatch
 
     plan = Plan()
     monkeypatch.setattr(api.execution, "plan_for", lambda *a: plan)
+    monkeypatch.setattr(api, "result_blocks", ResultBlocks())
     direct = api._Direct.__new__(api._Direct)
     direct.config, direct.kind, direct.device, direct.autotune = None, "bwd", 0, None
     direct.plan()
-    allocations, made = [], []
+    allocations = []
 
-    class Memory(int):
-        def __add__(self, offset):
-            return Memory(int(self) + offset)
+    class Memory:                                   # allocations records (address, size): no reference
+        def __init__(self, nbytes):
+            self.ptr, self.nbytes = 0x10000 * (len(allocations) + 1), nbytes
+            allocations.append((self.ptr, nbytes))
+
+    class Pointer:
+        def __init__(self, mem, offset):
+            self.mem, self.ptr = mem, mem.ptr + offset
+
+    class Array:
+        def __init__(self, shape, dtype, data):
+            self.shape, self.dtype, self.data = shape, dtype, data
 
     fake = types.SimpleNamespace(
-        cuda=types.SimpleNamespace(alloc=lambda n: allocations.append(n) or Memory(0x10000)),
-        ndarray=lambda shape, dtype, memory=None: ("new", shape) if memory is None else
-        made.append((shape, dtype, int(memory))) or (shape, int(memory)))
-    direct._allocate(fake)
+        cuda=types.SimpleNamespace(alloc=lambda n: Pointer(Memory(n), 0),
+                                   MemoryPointer=Pointer),
+        ndarray=Array)
+    results = direct._allocate(fake, stream=7)
     sizes = [spec.nbytes for spec in specs]
-    assert len(allocations) == 1 and [m[:2] for m in made] == [(s.shape, s.dtype) for s in specs]
-    starts = [m[2] - 0x10000 for m in made]
+    assert len(allocations) == 1 and [(r.shape, r.dtype) for r in results] == [(s.shape, s.dtype) for s in specs]
+    starts = [r.data.ptr - allocations[0][0] for r in results]
     assert all(start % 256 == 0 for start in starts)
-    assert all(a + n <= b for a, n, b in zip(starts, sizes, starts[1:])) and starts[-1] + sizes[-1] <= allocations[0]
-    plan.results = tuple(specs[:1])
-    direct.plan()
-    assert direct._allocate(fake) == [("new", specs[0].shape)] and len(allocations) == 1
+    assert all(a + n <= b for a, n, b in zip(starts, sizes, starts[1:])) and starts[-1] + sizes[-1] <= allocations[0][1]
+    dv = results[2]
+    del results
+    assert direct._allocate(fake, stream=7)[0].data.ptr == allocations[1][0]    # dv alive: a new block
+    del dv
+    again = direct._allocate(fake, stream=7)                         # the second block, now dropped
+    assert len(allocations) == 2 and again[0].data.ptr == allocations[1][0]
+    del again
+    assert direct._allocate(fake, stream=8)[0].data.ptr == allocations[2][0]    # another stream: its own block
+    assert direct._allocate(fake, stream=7)[0].data.ptr == allocations[1][0] and len(allocations) == 3

@@ -75,6 +75,46 @@ def test_public_calls_replay_and_stay_right():
         assert_close("output", cudnn_attn.dot_product_attention(q, k, v, scale=0.2), ref, "bfloat16")
 
 
+def test_dropped_results_come_back_at_the_same_address_and_replay():
+    """A loop that drops each result gets it back at the same address (cudnn_attn.result_blocks), so the
+    launch replays; each result is poisoned with NaN before it is dropped, so a reused block that the next
+    launch did not rewrite shows.  Results that are still alive are never handed out again."""
+    from cudnn_attn import api
+    from cudnn_attn.result_blocks import result_blocks
+
+    rng = np.random.default_rng(83)
+    q, k, v = _qkv(rng, T=192, S=256, N=4, K=2)
+    kwargs = dict(scale=0.15, mask_type=MaskType.CAUSAL)
+    ref = reference.dot_product_attention(*(cp.asnumpy(x) for x in (q, k, v)), **kwargs)
+    before = result_blocks.stats()
+    addresses = []
+    for _ in range(6):
+        o = cudnn_attn.dot_product_attention(q, k, v, **kwargs)
+        assert_close("output", o, ref, "bfloat16")
+        addresses.append(o.data.ptr)
+        o.fill(np.nan)
+        del o
+    after = result_blocks.stats()
+    assert len(set(addresses[1:])) == 1, addresses            # the first call is the generic path
+    assert after.reused - before.reused >= 4, (before, after)
+    direct = next(d for d in api._direct.values() if d.config.scale == pytest.approx(0.15))
+    replays, captures = _replays(direct)
+    assert captures >= 1 and replays >= 2, (captures, replays)
+    held = [cudnn_attn.dot_product_attention(q, k, v, **kwargs) for _ in range(3)]
+    assert len({x.data.ptr for x in held}) == 3
+    for x in held:
+        assert_close("output", x, ref, "bfloat16")
+    del held, x
+    o, rebound = None, []                                      # o = f(...): two blocks alternate
+    for _ in range(6):
+        if o is not None:
+            o.fill(np.nan)
+        o = cudnn_attn.dot_product_attention(q, k, v, **kwargs)
+        assert_close("output", o, ref, "bfloat16")
+        rebound.append(o.data.ptr)
+    assert len(set(rebound[2:])) == 2 and rebound[2:4] == rebound[4:6], rebound
+
+
 def test_no_replay_into_a_stream_the_user_captures():
     """A call inside the user's own CUDA-graph capture is recorded into it (not replayed from ours): the
     user's graph, launched later, computes the attention of the contents at launch time."""
