@@ -13,7 +13,9 @@ the first call (synchronised):
 Scenarios:
 
 * ``cold``            -- an empty store: the plan is built (NVRTC compiles its kernels);
-* ``warm``            -- a new process over a store that already holds the plan (target <= 50 ms);
+* ``warm``            -- a new process over a store that already holds the plan (target <= 50 ms); the
+  frontend (``import cudnn``) loads in the background during the setup (:mod:`cudnn_attn.preload`);
+  ``warm, preload off`` is the same with ``CUDNN_ATTN_PRELOAD=0`` (the call imports it);
 * ``new length``      -- a known structure at a new sequence length through ``KernelCache``: in the same
   process after two lengths were built (target <= 60 ms), and in a new process over the store;
 * ``deviceless``      -- a store filled by ``python -m cudnn_attn precompile --target sm90`` (on a CPU
@@ -260,6 +262,9 @@ def child(spec: dict) -> dict:
     setup = time.perf_counter()
     arrays = [None] * len(configs) if spec["target"] == "sm90" else [_inputs(c) for c in configs]
     result["setup_s"] = time.perf_counter() - setup
+    from cudnn_attn import preload
+
+    result["cudnn_imported_at_call"] = "cudnn" in sys.modules and not preload.running()
     if spec["path"] == "breakdown":
         result.update(breakdown(configs[0], arrays[0]))
         return result
@@ -322,7 +327,7 @@ def dynamic_runtime() -> dict:
 # The parent: scenarios, each a series of fresh processes
 # ---------------------------------------------------------------------------------------------------
 def _spawn(spec: dict, store: str | None) -> dict:
-    env = dict(os.environ, CUDNN_ATTN_CACHE_DIR=store or "off")
+    env = dict(os.environ, CUDNN_ATTN_CACHE_DIR=store or "off", **spec.get("env", {}))
     out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True,
                          text=True, timeout=900)
     if out.returncode != 0:
@@ -359,7 +364,8 @@ def _series(name: str, path: str, spec_for_run, runs: int, store_for_run, key: s
     row = Row(scenario=name, path=path, median_ms=1e3 * statistics.median(samples),
               samples_ms=[round(1e3 * s, 2) for s in samples], runs=runs,
               origin=facts.get("origin"), plan=facts.get("plan"), launch_path=facts.get("launch_path"),
-              jax_imported=facts.get("jax_imported"), plan_ms=_ms(facts.get("plan_s")))
+              jax_imported=facts.get("jax_imported"), plan_ms=_ms(facts.get("plan_s")),
+              setup_ms=_ms(facts.get("setup_s")), cudnn_imported_at_call=facts.get("cudnn_imported_at_call"))
     if path == "graph":
         row["handle_setup_ms"] = _ms(facts.get("graph_setup_s"))     # before the timed window
     target = TARGETS_MS.get(name)
@@ -380,14 +386,19 @@ def scenarios(args: argparse.Namespace, work: Path) -> list[Row]:
         return str(work / f"empty-{next(counter)}")
 
     length = SHAPE["T"]
-    rows.append(_stage_series("call-path imports", {"path": "imports"}, max(runs, 5), lambda i: None, "imports_ms"))
+    no_preload = {"CUDNN_ATTN_PRELOAD": "0"}          # stages measured whole, not overlapped with the preload
+    rows.append(_stage_series("call-path imports", {"path": "imports", "env": no_preload}, max(runs, 5),
+                              lambda i: None, "imports_ms"))
     for path in paths:
         base = {"path": path, "target": target, "lengths": [length]}
         rows.append(_series("cold", path, lambda i: base, runs, fresh))
         warm = str(work / f"warm-{path}")
         rows.append(_series("warm", path, lambda i: base, runs, _primed(warm, base)))
         if path == "api":
-            rows.append(_stage_series("warm breakdown", {**base, "path": "breakdown"}, runs, lambda i: warm,
+            rows.append(_series("warm, preload off", path, lambda i: {**base, "env": no_preload}, runs,
+                                lambda i: warm))
+            rows.append(_stage_series("warm breakdown", {**base, "path": "breakdown", "env": no_preload}, runs,
+                                      lambda i: warm,
                                       "stages_ms"))
         three = {**base, "lengths": [length, length + 256, length + 512], "kernels": True}
         rows.append(_series("new length (same process)", path, lambda i: three, runs, fresh))
@@ -488,6 +499,9 @@ def table(rows: list[Row], imports: list[tuple[str, float]]) -> str:
             extra += f"  static {r['static_ms']:.3f} ms, dynamic/static {r['ratio']:.3f}"
         if r.get("note"):
             extra += f"  ({r['note']})"
+        if r.get("setup_ms") is not None and r["path"] == "api":
+            extra += (f"  (setup before it {r['setup_ms']:.0f} ms; cudnn "
+                      f"{'imported' if r.get('cudnn_imported_at_call') else 'NOT yet imported'} at the call)")
         if r.get("jax_imported"):
             extra += "  JAX WAS IMPORTED"
         if r.get("error"):

@@ -25,3 +25,7 @@ __all__ = [
     "window",
 ]
 __version__ = "0.1.0"
+
+from . import preload as _preload
+
+_preload.start()        # `import cudnn` on a thread while the caller sets up (cudnn_attn.preload)

@@ -20,6 +20,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OUT/install.log" 2>&1 \
   || { cat "$OUT/install.log"; exit 1; }
+# A user's `pip install` writes bytecode; the wheel above is installed with --no-compile (the machine's
+# README) and PYTHONDONTWRITEBYTECODE may be set, which would make every new process compile the frontend's
+# and our modules again (tens of ms of each first call).  Compile once, as an install does.
+echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}" >> "$OUT/install.log"
+python3 -m compileall -q -j 0 $(ls -d /tmp/site/cudnn 2>/dev/null) cudnn_attn graphs jax_bridge \
+  >> "$OUT/install.log" 2>&1 || echo "compileall failed (see install.log)"
 python3 -c "import cudnn, cudnn_attn; print('cuDNN', cudnn.backend_version(), 'cudnn_attn', cudnn_attn.__version__)"
 nvidia-smi --query-gpu=index,name,clocks.sm,temperature.gpu,memory.used --format=csv,noheader || true
 exec python3 scripts/gpu_run.py "$@"

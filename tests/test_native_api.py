@@ -10,6 +10,7 @@ under ``jit``, ``grad`` and ``vmap`` on CPU.
 from __future__ import annotations
 
 import inspect
+import os
 import subprocess
 import sys
 
@@ -256,7 +257,8 @@ def test_made_functions_reject_unknown_and_missing_arguments(rng):
 
 def test_import_loads_no_framework():
     code = "import sys, cudnn_attn; print(sorted(m for m in ('jax', 'cupy', 'cudnn', 'torch') if m in sys.modules))"
-    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env=dict(os.environ, CUDNN_ATTN_PRELOAD="0")).stdout   # cudnn: tests/test_preload.py
     assert found.strip() == "[]"
     assert {"attention", "AttentionOutput", "AuxRequest", "MaskSpec", "causal", "window", "padding", "segments",
             "alibi"} <= set(cudnn_attn.__all__)
