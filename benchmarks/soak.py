@@ -355,6 +355,8 @@ def soak(*, calls: int, threads: int, cache_size: int, quick: bool, dry_run: boo
 
 def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool, dry_run: bool, seed: int,
           phase_calls: int = 1000, recompile_every: int = 0) -> dict:
+    from cudnn_attn import replay
+
     backend = DryRunBackend() if dry_run else Backend()
     rng = np.random.default_rng(seed)
     workloads = [Workload(config, backend, rng, recompile_every) for config in _configs(quick or dry_run)]
@@ -367,7 +369,8 @@ def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool,
             _clear_jax_caches()
         gc.collect()
         row = {"phase": name, "calls": sum(tally.calls.values()), **backend.memory(),
-               "live_graphs": cache.live_graphs(), "cached_graphs": len(cache), **_jax_side()}
+               "live_graphs": cache.live_graphs(), "cached_graphs": len(cache), **_jax_side(),
+               "replay_graphs": sum(replay.live_graphs().values())}
         row["host_rss_trimmed"] = _trimmed_rss()
         phases.append(row)
         print(_phase_line(row), flush=True)
@@ -458,7 +461,8 @@ def _phase_line(row: dict) -> str:
     memory = "  ".join(f"{k} {row[k] / MIB:.1f}" for k in MEMORY_KEYS if row.get(k) is not None)
     return (f"[{row['phase']}] calls {row['calls']}  {memory} MiB  graphs alive {row['live_graphs']} "
             f"(cached {row['cached_graphs']}, held by the JAX bridge {row['pinned_plans']}; call sites "
-            f"{row['call_sites']}, in live executables {row['live_executable_sites']})")
+            f"{row['call_sites']}, in live executables {row['live_executable_sites']}); replay graphs "
+            f"{row.get('replay_graphs', '-')}")
 
 
 def verdict(report: dict, growth_limit: int = MIB) -> tuple[bool, list[str]]:
@@ -484,11 +488,12 @@ def table(report: dict) -> str:
         lines.append(f"{path:12s} {report['calls_by_path'].get(path, 0):8d} {errors.get(path, 0):7d} "
                      f"{report['mismatches'].get(path, 0):10d}")
     lines.append(f"{'phase':24s} {'calls':>6s} " + " ".join(f"{k:>16s}" for k in MEMORY_KEYS)
-                 + f" {'graphs alive':>12s} {'pinned':>6s}")
+                 + f" {'graphs alive':>12s} {'pinned':>6s} {'replays':>7s}")
     for row in report["phases"]:
         memory = " ".join(f"{row[k] / MIB:16.2f}" if row.get(k) is not None else f"{'-':>16s}" for k in MEMORY_KEYS)
         lines.append(f"{row['phase'][:24]:24s} {row['calls']:6d} {memory} {row['live_graphs']:12d} "
-                     f"{row['pinned_plans'] if row['pinned_plans'] is not None else '-':>6}")
+                     f"{row['pinned_plans'] if row['pinned_plans'] is not None else '-':>6} "
+                     f"{row.get('replay_graphs', '-'):>7}")
     lines.append(f"{'growth MiB (settled->final)':24s} {'':6s} " + " ".join(
         f"{report['growth'][k] / MIB:16.3f}" if k in report["growth"] else f"{'-':>16s}" for k in MEMORY_KEYS))
     cache = report["graph_cache"]

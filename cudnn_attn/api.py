@@ -230,11 +230,17 @@ class _Direct:
         return self._launch(cupy, plan, arrays, seed, out)
 
     def _allocate(self, cupy: Any, stream: int) -> list[Any]:
-        """The results on the current device and ``stream``, in the block this signature's last call used
-        when the caller has let go of it (:mod:`cudnn_attn.result_blocks`; see the class doc)."""
-        memory = result_blocks.memory(self, stream, self._nbytes, cupy.cuda.alloc)
-        pointer, ndarray = cupy.cuda.MemoryPointer, cupy.ndarray
-        return [ndarray(shape, dtype, pointer(memory, offset)) for shape, dtype, offset in self._layout]
+        """The results on the current device and ``stream``: those of an earlier call of this signature that
+        the caller has let go of (:mod:`cudnn_attn.result_blocks`), else new ones (see the class doc)."""
+        return result_blocks.results(self, stream, self._nbytes, lambda: self._new_results(cupy))
+
+    def _new_results(self, cupy: Any) -> list[Any]:
+        ndarray = cupy.ndarray                # what cupy.empty returns, without its Python wrapper
+        if len(self._layout) == 1:
+            shape, dtype, _ = self._layout[0]
+            return [ndarray(shape, dtype)]
+        memory = cupy.cuda.alloc(self._nbytes)
+        return [ndarray(shape, dtype, memory + offset if offset else memory) for shape, dtype, offset in self._layout]
 
     def _launch(self, cupy: Any, plan: Any, arrays: tuple, seed: int, out: Any) -> list[Any]:
         stream = cupy.cuda.get_current_stream().ptr

@@ -284,7 +284,7 @@ class CallPlan:
             return None
         context, size = self.context, self.workspace_size
         lock, bind_stream, workspace_for = context.lock, context.bind_stream, context.workspace
-        replays = Replays(raw, bind_stream, context.capture_stream) if replay.ENABLED else None
+        replays = Replays(raw, bind_stream, context.capture_stream, context.device) if replay.ENABLED else None
         if replays is not None:
             self.replays.add(replays)
 

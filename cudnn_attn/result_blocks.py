@@ -7,10 +7,13 @@ pay for the new address: the allocation itself (the pool's lock and free-list se
 H200's host) and the replayed launch (:mod:`cudnn_attn.replay` keys a CUDA graph by every address, so a new
 output address means the ordinary launch, 5 us more).
 
-:class:`ResultBlocks` keeps the last :data:`PER_KEY` blocks of each direct-path signature and stream.  A call
-reuses one when nothing references it any more: no array, view, DLPack capsule or ``MemoryPointer`` of the
-caller's holds its ``Memory`` object (its reference count is this module's own).  When every kept block is
-still in use, the call takes a new one from the pool, kept in place of the oldest.
+:class:`ResultBlocks` keeps the results of the last :data:`PER_KEY` calls of each direct-path signature and
+stream, the arrays themselves.  A call hands them out again when nothing of the caller's refers to them any
+more: the reference counts of each array, its ``MemoryPointer`` and its ``Memory`` are what they were when
+only the kept block held them (so no array, view, DLPack capsule or ``MemoryPointer`` of the caller's is
+alive), and their shapes are unchanged.  Reusing the array objects also skips making them (an ``ndarray``
+over given memory costs about as much as ``cupy.empty``).  When every kept call's results are still in use,
+the call makes new ones, kept in place of the oldest.
 
 This is exactly CuPy's own rule for a freed block: it is reused in the order of the stream it was
 allocated on (the key includes the stream), so work already queued on that stream that reads the old
@@ -35,28 +38,31 @@ BLOCK_MAX_BYTES = 16 << 20
 BUDGET_BYTES = 64 << 20
 """All kept blocks together (per process)."""
 PER_KEY = 2
-"""Blocks kept per signature and stream: two cover ``o = f(q, k, v)`` in a loop, where the previous result is
+"""Calls' results kept per signature and stream: two cover ``o = f(q, k, v)`` in a loop, where the previous result is
 still bound to ``o`` while the next call runs (the two blocks alternate)."""
 
 
-def _first_free(blocks: list) -> int:
-    """The index of the first of ``blocks`` that nothing but the list refers to, else -1."""
-    for i, block in enumerate(blocks):
-        if sys.getrefcount(block) <= _UNREFERENCED:
-            return i
-    return -1
+def _references(arrays: tuple) -> list[tuple[int, int, int]]:
+    """Reference counts of each array, its ``MemoryPointer`` and its ``Memory`` (as read from this function)."""
+    counts = []
+    for array in arrays:
+        pointer = array.data
+        counts.append((sys.getrefcount(array), sys.getrefcount(pointer), sys.getrefcount(pointer.mem)))
+    return counts
 
 
-def _unreferenced_count() -> int:
-    """What :func:`_first_free` reads for a block only its list holds: measured through the same code shape,
-    so that it holds on any CPython."""
-    blocks = [object()]
-    for i, block in enumerate(blocks):
-        return sys.getrefcount(block)
-    raise AssertionError
+class _Block:
+    """One call's results, kept: free when every count is what it was when only this block held them."""
 
+    __slots__ = ("arrays", "shapes", "counts")
 
-_UNREFERENCED = _unreferenced_count()
+    def __init__(self, arrays: tuple):
+        self.arrays = arrays
+        self.shapes = [a.shape for a in arrays]
+        self.counts = _references(arrays)
+
+    def free(self) -> bool:
+        return _references(self.arrays) == self.counts and [a.shape for a in self.arrays] == self.shapes
 
 
 class BlockStats(NamedTuple):
@@ -76,30 +82,32 @@ class ResultBlocks:
         self._lock = threading.Lock()
         self._reused = self._allocated = 0
 
-    def memory(self, owner: Any, stream: int, nbytes: int, alloc: Callable[[int], Any]) -> Any:
-        """The ``Memory`` of ``nbytes`` for ``owner``'s results on ``stream``: a block kept for them that nothing
-        references any more, else a new one from ``alloc`` (``cupy.cuda.alloc``), kept in place of the oldest.
+    def results(self, owner: Any, stream: int, nbytes: int, make: Callable[[], Any]) -> list:
+        """``owner``'s results on ``stream``: the arrays of a kept call that nothing references any more, else
+        ``make()``'s new ones (taking ``nbytes``), kept in place of the oldest.
 
-        ``owner`` (hashable; one per result layout, e.g. a direct-path signature) must ask for the same
-        ``nbytes`` on every call.  The returned reference is what marks the block as in use: the caller
-        builds its results on it before dropping it.
+        ``owner`` (hashable; one per result layout, e.g. a direct-path signature) must make the same arrays
+        (shapes, dtypes, bytes) on every call.
         """
         if nbytes > self.block_max:
-            return alloc(nbytes).mem
+            return list(make())
         key = (owner, stream)
         with self._lock:                   # taken out: no other thread can hand out the same block meanwhile
             entry = self._blocks.pop(key, None)
             if entry is not None:
                 self._bytes -= len(entry[0]) * entry[1]
         kept = [] if entry is None else entry[0]
-        del entry
-        free = _first_free(kept) if kept else -1
+        free = -1
+        for i, block in enumerate(kept):
+            if block.free():
+                free = i
+                break
         if free >= 0:
-            memory = kept.pop(free)
+            block = kept.pop(free)
         else:
-            memory = alloc(nbytes).mem
+            block = _Block(tuple(make()))
             del kept[self.per_key - 1:]    # the oldest: its caller still uses it, and frees it to the pool
-        kept.insert(0, memory)
+        kept.insert(0, block)
         with self._lock:
             if free >= 0:
                 self._reused += 1
@@ -113,7 +121,7 @@ class ResultBlocks:
             while self._bytes > self.budget:
                 _, (blocks, size) = self._blocks.popitem(last=False)
                 self._bytes -= len(blocks) * size
-        return memory
+        return list(block.arrays)
 
     def clear(self) -> None:
         """Return every kept block (those nothing else references go back to CuPy's pool)."""

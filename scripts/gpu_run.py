@@ -15,6 +15,7 @@ Phases (default: ``tests train host jax attention``):
                  or ``PHASE:full`` for one phase);
 * ``soak_ab``    - the soak twice, half the phase's time each: ``CUDNN_ATTN_REPLAY=0``, then replay on (which of
                    them grows device memory); ``SOAK_CALLS`` / ``SOAK_ARGS`` as for ``soak``;
+* ``graph_memory`` - ``benchmarks/probe_graph_memory.py``: device and host memory per replay graph;
 * ``sanitizer``  - ``benchmarks/probe_bad_values.py`` (out-of-range lengths, offsets, page ids; raw and clamped)
                    under ``compute-sanitizer --tool memcheck`` when the machine has one, else with its guard
                    bytes only (the summary says which).
@@ -182,6 +183,10 @@ def main() -> int:
                                                          f"..{r['losses'][-1]:.5f}" if "error" not in r
                                                          else f"FAILED {r['error']}"))
             rc = 0 if all("error" not in r for r in results) else 1
+        elif phase == "graph_memory":
+            rc, took = run("graph_memory", [sys.executable, "benchmarks/probe_graph_memory.py", "--out",
+                                            os.path.join(OUT, "probe_graph_memory.json")], limit)
+            summary.append("== memory of replay graphs (benchmarks/probe_graph_memory.py)\n" + tail("graph_memory", 3))
         elif phase == "sanitizer":
             rc, took, lines = sanitizer(limit)
             summary += lines

@@ -347,13 +347,15 @@ def test_direct_results_are_aligned_disjoint_views_of_one_allocation(monkeypatch
             self.mem, self.ptr = mem, mem.ptr + offset
 
     class Array:
-        def __init__(self, shape, dtype, data):
-            self.shape, self.dtype, self.data = shape, dtype, data
+        def __init__(self, shape, dtype, data=None):
+            self.shape, self.dtype, self.data = shape, dtype, data if data is not None else Pointer(Memory(0), 0)
 
-    fake = types.SimpleNamespace(
-        cuda=types.SimpleNamespace(alloc=lambda n: Pointer(Memory(n), 0),
-                                   MemoryPointer=Pointer),
-        ndarray=Array)
+    class MemoryPointer(Pointer):
+        def __add__(self, offset):
+            return MemoryPointer(self.mem, self.ptr - self.mem.ptr + offset)
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(alloc=lambda n: MemoryPointer(Memory(n), 0)),
+                                 ndarray=Array)
     results = direct._allocate(fake, stream=7)
     sizes = [spec.nbytes for spec in specs]
     assert len(allocations) == 1 and [(r.shape, r.dtype) for r in results] == [(s.shape, s.dtype) for s in specs]

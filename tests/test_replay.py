@@ -3,6 +3,9 @@ tier checks replayed results against launched ones: tests/gpu/test_api_gpu.py)."
 
 from __future__ import annotations
 
+import collections
+import gc
+
 import pytest
 
 from cudnn_attn import replay
@@ -45,17 +48,19 @@ def fake(monkeypatch):
     monkeypatch.setattr(replay, "_runtime", lambda: runtime)
     monkeypatch.setattr(replay, "_graph_launch", runtime.graphLaunch)
     monkeypatch.setattr(replay, "_capturing", lambda stream: stream in capturing)
+    monkeypatch.setattr(replay, "_live", collections.Counter())
     runtime.capturing = capturing
-    return runtime
+    yield runtime
+    gc.collect()                        # the test's graphs are destroyed against its own count
 
 
-def _replays(fake, launches):
+def _replays(fake, launches, device=0):
     bound = []
 
     def raw(addresses, workspace):
         launches.append((tuple(addresses), workspace, bound[-1] if bound else None))
 
-    return replay.Replays(raw, bound.append, lambda: 99)
+    return replay.Replays(raw, bound.append, lambda: 99, device)
 
 
 def test_first_call_launches_second_captures_third_replays(fake):
@@ -131,3 +136,27 @@ def test_clear_destroys_every_graph(fake):
             replays.launch([address], 0, stream=5)
     replays.clear()
     assert len(replays) == 0 and {("destroy", 101), ("destroy", 102)} <= set(fake.events)
+
+
+def test_the_device_bound_holds_over_all_plans(fake, monkeypatch):
+    """At DEVICE_CAPACITY graphs on a device, a plan with graphs replaces its own least recently used one, a
+    plan without any captures nothing (and launches itself), another device is not affected, and graphs
+    destroyed with their plan free the bound."""
+    monkeypatch.setattr(replay, "DEVICE_CAPACITY", 3)
+    first, second, other = (_replays(fake, [], device) for device in (0, 0, 1))
+
+    def twice(replays, address):
+        return [replays.launch([address], 0, stream=5) for _ in range(2)][-1]
+
+    assert all(twice(first, address) for address in (1, 2, 3))
+    assert replay.live_graphs() == {0: 3}
+    assert not twice(second, 9) and len(second) == 0               # no graph of its own to give up
+    assert twice(first, 4) and len(first) == 3 and ("destroy", 101) in fake.events
+    assert twice(other, 9) and replay.live_graphs() == {0: 3, 1: 1}
+    del first
+    gc.collect()
+    assert replay.live_graphs() == {1: 1}
+    assert second.launch([9], 0, stream=5) and len(second) == 1     # seen before: captured now
+    second.clear()
+    other.disable()
+    assert replay.live_graphs() == {}

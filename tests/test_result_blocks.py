@@ -1,6 +1,7 @@
-"""The direct path's kept result blocks (:mod:`cudnn_attn.result_blocks`), with stand-ins for CuPy's
-``Memory`` / ``MemoryPointer`` / ``ndarray``: a block is reused only when nothing of the caller's refers to
-it, per owner and stream, within its bounds, and never handed to two callers at once."""
+"""The direct path's kept results (:mod:`cudnn_attn.result_blocks`), with stand-ins for CuPy's ``Memory`` /
+``MemoryPointer`` / ``ndarray``: a call's results are handed out again only when nothing of the caller's refers
+to them (array, view, pointer, memory) and their shape is unchanged, per owner and stream, within the bounds,
+and never to two callers at once."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from cudnn_attn.result_blocks import ResultBlocks
 
 
 class Memory:
-    def __init__(self, nbytes):
-        self.nbytes = nbytes
+    pass
 
 
 class Pointer:                      # what CuPy's arrays (and their views) hold
@@ -22,42 +22,59 @@ class Pointer:                      # what CuPy's arrays (and their views) hold
 
 
 class Array:
-    def __init__(self, data):
-        self.data = data
+    def __init__(self, data, shape=(4,), base=None):
+        self.data, self.shape, self.base = data, shape, base
+
+    def view(self):
+        return Array(Pointer(self.data.mem, self.data.offset), self.shape, base=self)
 
 
-def alloc(nbytes):
-    return Pointer(Memory(nbytes))
+def make(count=1):
+    def new():
+        memory = Memory()
+        return [Array(Pointer(memory, 256 * i)) for i in range(count)]
+    return new
 
 
-def test_a_dropped_result_comes_back_at_the_same_block():
+def test_dropped_results_come_back():
     blocks = ResultBlocks()
-    first = blocks.memory("sig", 1, 256, alloc)
-    out = Array(Pointer(first))
-    del first, out
-    assert blocks.memory("sig", 1, 256, alloc) is not None
+    first = blocks.results("sig", 1, 256, make())
+    address = id(first[0])
+    del first
+    assert id(blocks.results("sig", 1, 256, make())[0]) == address
     assert blocks.stats().reused == 1 and blocks.stats().allocated == 1
 
 
-@pytest.mark.parametrize("holder", ["array", "view", "pointer", "container"])
-def test_a_block_the_caller_still_holds_is_not_reused(holder):
+@pytest.mark.parametrize("holder", ["array", "view", "pointer", "memory", "container", "second of three"])
+def test_results_the_caller_still_holds_are_not_handed_out(holder):
     blocks = ResultBlocks()
-    memory = blocks.memory("sig", 1, 256, alloc)
-    out = Array(Pointer(memory))
-    kept = {"array": out, "view": Array(Pointer(memory, 128)), "pointer": out.data, "container": [out]}[holder]
-    del memory, out
-    second = blocks.memory("sig", 1, 256, alloc)
-    assert second is not (kept.mem if holder == "pointer" else (kept[0] if holder == "container" else kept).data.mem)
-    assert blocks.stats() == (0, 2, 2, 512)
+    results = blocks.results("sig", 1, 768, make(3))
+    kept = {"array": results[0], "view": results[0].view(), "pointer": results[0].data,
+            "memory": results[0].data.mem, "container": [results], "second of three": results[1]}[holder]
+    first = [id(a) for a in results]
+    del results
+    again = blocks.results("sig", 1, 768, make(3))
+    assert not set(map(id, again)) & set(first)
+    assert blocks.stats() == (0, 2, 2, 1536)
+    del kept
+
+
+def test_a_reshaped_result_is_not_handed_out():
+    blocks = ResultBlocks()
+    results = blocks.results("sig", 1, 256, make())
+    results[0].shape = (2, 2)                        # cupy allows a.shape = ... in place
+    first = id(results[0])
+    del results
+    assert id(blocks.results("sig", 1, 256, make())[0]) != first
 
 
 def test_a_loop_that_rebinds_its_result_alternates_two_blocks():
-    """``o = f()``: the previous result is alive while the next call runs, so one block cannot be reused;
-    two alternate, each at a fixed address (what the replayed launch needs)."""
+    """``o = f()``: the previous result is alive while the next call runs, so it cannot be handed out; two
+    alternate, each at a fixed address (what the replayed launch needs)."""
     blocks = ResultBlocks()
     o, addresses = None, []
     for _ in range(8):
-        o = Array(Pointer(blocks.memory("sig", 1, 256, alloc)))
+        o = blocks.results("sig", 1, 256, make())[0]
         addresses.append(id(o.data.mem))
     assert addresses[2:] == addresses[:2] * 3 and addresses[0] != addresses[1]
     assert blocks.stats() == (6, 2, 2, 512)
@@ -65,43 +82,40 @@ def test_a_loop_that_rebinds_its_result_alternates_two_blocks():
 
 def test_blocks_are_per_owner_and_stream():
     blocks = ResultBlocks()
-    blocks.memory("a", 1, 256, alloc)
-    blocks.memory("a", 2, 256, alloc)               # "a"'s block on stream 1 is free, but not this stream's
+    blocks.results("a", 1, 256, make())
+    blocks.results("a", 2, 256, make())              # "a"'s results on stream 1 are free, but not this stream's
     assert blocks.stats().allocated == 2
-    blocks.memory("b", 1, 256, alloc)
+    blocks.results("b", 1, 256, make())
     assert blocks.stats().allocated == 3 and blocks.stats().kept == 3
-    blocks.memory("a", 1, 256, alloc)
+    blocks.results("a", 1, 256, make())
     assert blocks.stats().reused == 1
 
 
 def test_bounds():
     blocks = ResultBlocks(budget=1000, block_max=400)
-    blocks.memory("big", 1, 401, alloc)                     # never kept
+    blocks.results("big", 1, 401, make())            # never kept
     assert blocks.stats() == (0, 0, 0, 0)
     for owner in "abc":
-        blocks.memory(owner, 1, 400, alloc)
+        blocks.results(owner, 1, 400, make())
     assert blocks.stats().kept == 2 and blocks.stats().kept_bytes == 800    # "a" dropped: least recent
-    blocks.memory("a", 1, 400, alloc)
+    blocks.results("a", 1, 400, make())
     assert blocks.stats().reused == 0
     blocks.clear()
     assert blocks.stats().kept == 0 and blocks.stats().kept_bytes == 0
 
 
-def test_threads_never_share_a_block():
+def test_threads_never_share_results():
     blocks = ResultBlocks()
-    seen, errors = [], []
+    errors = []
     barrier = threading.Barrier(8)
 
     def worker():
         barrier.wait()
         for _ in range(2000):
-            memory = blocks.memory("sig", 1, 64, alloc)
-            out = Array(Pointer(memory))
-            del memory
+            out = blocks.results("sig", 1, 64, make())[0]
             if getattr(out.data.mem, "owner", None) is not None:
                 errors.append("shared")
             out.data.mem.owner = threading.get_ident()
-            seen.append(id(out.data.mem))
             out.data.mem.owner = None
 
     threads = [threading.Thread(target=worker) for _ in range(8)]
