@@ -16,7 +16,8 @@ passes the same few address sets (the JAX handler without command buffers sees X
   capture): on a private stream of the device in thread-local capture mode, then launched on the
   caller's stream.  The caller holds the device lock, as for every launch.
 * **Not when the caller's stream is being captured** (the user's CUDA graph, or XLA recording a command
-  buffer): the launch is then recorded the ordinary way.
+  buffer): the launch is then recorded the ordinary way.  The legacy default stream (``0``, CuPy's null
+  stream, or ``cudaStreamLegacy``) cannot be captured, so it is not asked (0.6 us a call).
 * **Bounded**: at most :data:`CAPACITY` graphs per plan (least recently used dropped), and at most
   :data:`DEVICE_CAPACITY` per device over all plans: at that bound a plan replaces its own least recently
   used graph, or captures nothing until other plans' graphs are destroyed.  Each executable graph holds
@@ -89,12 +90,12 @@ class Replays:
             if self.captures >= PATIENCE and self.replays < self.captures:
                 self.disable()              # addresses do not repeat within CAPACITY: capturing only costs
                 return False
-            if _capturing(stream):
+            if stream > _LEGACY and _capturing(stream):
                 return False
             graph = self._capture(key, addresses, workspace)
             if graph is None:
                 return False
-        elif _capturing(stream):
+        elif stream > _LEGACY and _capturing(stream):
             return False
         else:
             self._graphs.move_to_end(key)
@@ -161,6 +162,8 @@ class Replays:
     def __del__(self) -> None:
         self.clear()
 
+
+_LEGACY = 1                                                # cudaStreamLegacy; 0 is the same stream
 
 _live: collections.Counter = collections.Counter()          # executable graphs alive, by device
 _live_lock = threading.Lock()                              # never held while anything else runs

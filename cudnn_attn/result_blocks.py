@@ -29,6 +29,7 @@ because a kept block is in use as far as the pool knows.
 from __future__ import annotations
 
 import collections
+import operator
 import sys
 import threading
 from typing import Any, Callable, NamedTuple
@@ -42,27 +43,23 @@ PER_KEY = 2
 still bound to ``o`` while the next call runs (the two blocks alternate)."""
 
 
-def _references(arrays: tuple) -> list[tuple[int, int, int]]:
-    """Reference counts of each array, its ``MemoryPointer`` and its ``Memory`` (as read from this function)."""
-    counts = []
-    for array in arrays:
-        pointer = array.data
-        counts.append((sys.getrefcount(array), sys.getrefcount(pointer), sys.getrefcount(pointer.mem)))
-    return counts
+_shape = operator.attrgetter("shape")
 
 
 class _Block:
-    """One call's results, kept: free when every count is what it was when only this block held them."""
+    """One call's results, kept: free when the reference count of every array, its ``MemoryPointer`` and its
+    ``Memory`` is what it was when only this block held them, and no shape has changed."""
 
-    __slots__ = ("arrays", "shapes", "counts")
+    __slots__ = ("arrays", "shapes", "objects", "counts")
 
     def __init__(self, arrays: tuple):
         self.arrays = arrays
-        self.shapes = [a.shape for a in arrays]
-        self.counts = _references(arrays)
+        self.shapes = list(map(_shape, arrays))
+        self.objects = tuple(x for a in arrays for x in (a, a.data, a.data.mem))
+        self.counts = tuple(map(sys.getrefcount, self.objects))
 
     def free(self) -> bool:
-        return _references(self.arrays) == self.counts and [a.shape for a in self.arrays] == self.shapes
+        return tuple(map(sys.getrefcount, self.objects)) == self.counts and list(map(_shape, self.arrays)) == self.shapes
 
 
 class BlockStats(NamedTuple):
@@ -73,11 +70,18 @@ class BlockStats(NamedTuple):
 
 
 class ResultBlocks:
-    """The kept result blocks of the direct path (see the module doc); thread-safe."""
+    """The kept results of the direct path (see the module doc); thread-safe.
+
+    The reuse path takes no lock: a key's list of kept calls is taken out of the dictionary (one atomic
+    ``dict.pop``), so no other thread can hand out the same results meanwhile, and put back.  Making new
+    results, the byte budget and eviction (oldest key first) run under the lock.  The ``reused`` count is not
+    locked (it may miss a few under threads); ``allocated`` is exact.
+    """
 
     def __init__(self, budget: int = BUDGET_BYTES, block_max: int = BLOCK_MAX_BYTES, per_key: int = PER_KEY):
         self.budget, self.block_max, self.per_key = budget, block_max, per_key
-        self._blocks: collections.OrderedDict[tuple, tuple[list, int]] = collections.OrderedDict()
+        self._blocks: dict[tuple, list[_Block]] = {}
+        self._counted: dict[tuple, tuple[int, int]] = {}     # key -> (blocks counted in _bytes, bytes each)
         self._bytes = 0
         self._lock = threading.Lock()
         self._reused = self._allocated = 0
@@ -92,48 +96,53 @@ class ResultBlocks:
         if nbytes > self.block_max:
             return list(make())
         key = (owner, stream)
-        with self._lock:                   # taken out: no other thread can hand out the same block meanwhile
-            entry = self._blocks.pop(key, None)
-            if entry is not None:
-                self._bytes -= len(entry[0]) * entry[1]
-        kept = [] if entry is None else entry[0]
-        free = -1
-        for i, block in enumerate(kept):
-            if block.free():
-                free = i
-                break
-        if free >= 0:
-            block = kept.pop(free)
-        else:
-            block = _Block(tuple(make()))
-            del kept[self.per_key - 1:]    # the oldest: its caller still uses it, and frees it to the pool
-        kept.insert(0, block)
-        with self._lock:
-            if free >= 0:
-                self._reused += 1
-            else:
-                self._allocated += 1
-            raced = self._blocks.pop(key, None)   # a thread that ran the same key meanwhile: ours replace its
-            if raced is not None:
-                self._bytes -= len(raced[0]) * raced[1]
-            self._blocks[key] = (kept, nbytes)
-            self._bytes += len(kept) * nbytes
-            while self._bytes > self.budget:
-                _, (blocks, size) = self._blocks.popitem(last=False)
-                self._bytes -= len(blocks) * size
+        kept = self._blocks.pop(key, None)
+        if kept is not None:
+            for i, block in enumerate(kept):
+                if block.free():
+                    if i:
+                        kept.insert(0, kept.pop(i))
+                    if self._blocks.setdefault(key, kept) is not kept:
+                        self._store(key, kept, nbytes)          # another thread stored new results meanwhile
+                    self._reused += 1
+                    return list(block.arrays)
+        block = _Block(tuple(make()))
+        self._store(key, [block] + (kept or []), nbytes, made=True)
         return list(block.arrays)
 
+    def _store(self, key: tuple, blocks: list, nbytes: int, made: bool = False) -> None:
+        """Keep ``blocks`` (newest first) for ``key`` with what another thread stored there meanwhile, at most
+        :attr:`per_key` of them; then hold the byte budget."""
+        with self._lock:
+            if made:
+                self._allocated += 1
+            raced = self._blocks.pop(key, None) or []
+            merged = blocks + [b for b in raced if all(b is not mine for mine in blocks)]
+            del merged[self.per_key:]           # the oldest: its caller still uses it, and frees it to the pool
+            counted, _ = self._counted.get(key, (0, nbytes))
+            self._bytes += (len(merged) - counted) * nbytes
+            self._counted[key] = (len(merged), nbytes)
+            self._blocks[key] = merged
+            while self._bytes > self.budget:
+                oldest = next((k for k in self._blocks if k != key), None)
+                if oldest is None:
+                    break
+                del self._blocks[oldest]
+                count, size = self._counted.pop(oldest)
+                self._bytes -= count * size
+
     def clear(self) -> None:
-        """Return every kept block (those nothing else references go back to CuPy's pool)."""
+        """Return every kept call's results (those nothing else references go back to CuPy's pool)."""
         with self._lock:
             self._blocks.clear()
+            self._counted.clear()
             self._bytes = 0
 
     def stats(self) -> BlockStats:
         with self._lock:
-            return BlockStats(self._reused, self._allocated, sum(len(b) for b, _ in self._blocks.values()),
+            return BlockStats(self._reused, self._allocated, sum(len(b) for b in self._blocks.values()),
                               self._bytes)
 
 
 result_blocks = ResultBlocks()
-"""The process's kept result blocks (used by :mod:`cudnn_attn.api`'s direct path and :func:`cudnn_attn.bind`)."""
+"""The process's kept results (used by :mod:`cudnn_attn.api`'s direct path and :func:`cudnn_attn.bind`)."""

@@ -160,3 +160,13 @@ def test_the_device_bound_holds_over_all_plans(fake, monkeypatch):
     second.clear()
     other.disable()
     assert replay.live_graphs() == {}
+
+
+def test_the_legacy_default_stream_is_never_asked_whether_it_is_captured(fake, monkeypatch):
+    """Streams 0 and 1 (cudaStreamLegacy) cannot be captured: no capture-status query for them."""
+    asked = []
+    monkeypatch.setattr(replay, "_capturing", lambda stream: asked.append(stream) or False)
+    replays = _replays(fake, [])
+    for stream in (0, 0, 0, 1, 7, 7, 7):
+        replays.launch([1], 0, stream=stream)
+    assert asked == [7, 7, 7] and replays.replays == 5         # graphs are keyed by addresses, not streams
