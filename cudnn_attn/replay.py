@@ -23,7 +23,10 @@ passes the same few address sets (the JAX handler without command buffers sees X
   used graph, or captures nothing until other plans' graphs are destroyed.  Each executable graph holds
   device and host memory of its own; without the device bound, plans that live long (those a compiled JAX
   program holds) filled up to 64 graphs each, which a 93k-call soak measured as +90 MiB of device and
-  +16 MiB of host memory (run A of 2026-12-01; +4 / +0.3 MiB with replay off).  Address sets that cycle
+  +16 MiB of host memory (run A of 2026-12-01; +4 / +0.3 MiB with replay off).  A graph holds about
+  123 KiB of device and 31 KiB of host memory (``benchmarks/probe_graph_memory.py``), so the default
+  bound of 64 holds at most ~8 MiB of device memory per GPU; the JAX bridge under ``jit`` does not use
+  replay by default (XLA captures the call into its own command buffers).  Address sets that cycle
   through more than a plan's capacity would capture on every call; a plan whose captures reach
   :data:`PATIENCE` without as many replays stops capturing for good.  :func:`live_graphs` counts them.
 * A failed capture turns replay off for the plan (logged), and the call launches the ordinary way.
@@ -45,7 +48,7 @@ logger = logging.getLogger("cudnn_attn")
 
 CAPACITY = 16
 """Graphs kept per plan."""
-DEVICE_CAPACITY = int(os.environ.get("CUDNN_ATTN_REPLAY_GRAPHS", "256"))
+DEVICE_CAPACITY = int(os.environ.get("CUDNN_ATTN_REPLAY_GRAPHS", "64"))
 """Graphs kept per device over all plans (``$CUDNN_ATTN_REPLAY_GRAPHS``, read at import)."""
 PATIENCE = 32
 """Captures after which a plan whose graphs are replayed fewer times than captured stops capturing."""
