@@ -25,8 +25,8 @@ passes the same few address sets (the JAX handler without command buffers sees X
   program holds) filled up to 64 graphs each, which a 93k-call soak measured as +90 MiB of device and
   +16 MiB of host memory (run A of 2026-12-01; +4 / +0.3 MiB with replay off).  A graph holds about
   123 KiB of device and 31 KiB of host memory (``benchmarks/probe_graph_memory.py``), so the default
-  bound of 64 holds at most ~8 MiB of device memory per GPU; the JAX bridge under ``jit`` does not use
-  replay by default (XLA captures the call into its own command buffers).  Address sets that cycle
+  bound of 64 holds at most ~8 MiB of device memory per GPU.  Where XLA records the JAX call into its
+  own command buffers (its default under ``jit``), the handler does not replay at all.  Address sets that cycle
   through more than a plan's capacity would capture on every call; a plan whose captures reach
   :data:`PATIENCE` without as many replays stops capturing for good.  :func:`live_graphs` counts them.
 * A failed capture turns replay off for the plan (logged), and the call launches the ordinary way.
