@@ -370,7 +370,7 @@ def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool,
         gc.collect()
         row = {"phase": name, "calls": sum(tally.calls.values()), **backend.memory(),
                "live_graphs": cache.live_graphs(), "cached_graphs": len(cache), **_jax_side(),
-               "replay_graphs": sum(replay.live_graphs().values())}
+               "replay_graphs": sum(replay.live_graphs().values()), "replay_churn": replay.churn()}
         row["host_rss_trimmed"] = _trimmed_rss()
         phases.append(row)
         print(_phase_line(row), flush=True)
@@ -462,7 +462,7 @@ def _phase_line(row: dict) -> str:
     return (f"[{row['phase']}] calls {row['calls']}  {memory} MiB  graphs alive {row['live_graphs']} "
             f"(cached {row['cached_graphs']}, held by the JAX bridge {row['pinned_plans']}; call sites "
             f"{row['call_sites']}, in live executables {row['live_executable_sites']}); replay graphs "
-            f"{row.get('replay_graphs', '-')}")
+            f"{row.get('replay_graphs', '-')} (made, destroyed so far: {row.get('replay_churn', '-')})")
 
 
 def verdict(report: dict, growth_limit: int = MIB) -> tuple[bool, list[str]]:

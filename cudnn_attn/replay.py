@@ -172,9 +172,20 @@ _live: collections.Counter = collections.Counter()          # executable graphs 
 _live_lock = threading.Lock()                              # never held while anything else runs
 
 
+_made = [0, 0]                                             # graphs instantiated, destroyed (all devices)
+
+
 def _count(device: int, change: int) -> None:
     with _live_lock:
         _live[device] += change
+        _made[change < 0] += abs(change)
+
+
+def churn() -> tuple[int, int]:
+    """``(instantiated, destroyed)``: every replay graph this process made and destroyed (soaks: how many
+    graphs a bound made the plans replace)."""
+    with _live_lock:
+        return _made[0], _made[1]
 
 
 def live_graphs() -> dict[int, int]:

@@ -49,6 +49,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(replay, "_graph_launch", runtime.graphLaunch)
     monkeypatch.setattr(replay, "_capturing", lambda stream: stream in capturing)
     monkeypatch.setattr(replay, "_live", collections.Counter())
+    monkeypatch.setattr(replay, "_made", [0, 0])
     runtime.capturing = capturing
     yield runtime
     gc.collect()                        # the test's graphs are destroyed against its own count
@@ -160,6 +161,7 @@ def test_the_device_bound_holds_over_all_plans(fake, monkeypatch):
     second.clear()
     other.disable()
     assert replay.live_graphs() == {}
+    assert replay.churn() == (6, 6)            # first: 4 (one replaced), second 1, other 1
 
 
 def test_the_legacy_default_stream_is_never_asked_whether_it_is_captured(fake, monkeypatch):
