@@ -28,6 +28,7 @@ import numpy as np
 from . import runtime
 from .cache import PlanChoice, graph_cache
 from .config import AttentionConfig, AttentionOperands
+from .env import flag
 from .plan import BWD, FWD, Fill, graph_inputs, host_scalar_values, zero_rows
 from .types import FP8_BWD_KEYS, FP8_FWD_KEYS, AttentionGrads, AttentionOutput
 
@@ -37,7 +38,7 @@ AUTOTUNE_ENV_VAR = "CUDNN_ATTN_AUTOTUNE"
 def autotune_from_environment(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether ``$CUDNN_ATTN_AUTOTUNE`` turns autotuning on for the whole program (``1``/``true``/``yes``/``on``):
     for a program whose calls cannot pass ``autotune=True`` (a training script, a third-party model)."""
-    return environ.get(AUTOTUNE_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+    return flag(AUTOTUNE_ENV_VAR, default=False, environ=environ)
 
 
 AUTOTUNE_DEFAULT = autotune_from_environment()

@@ -28,8 +28,10 @@ import os
 import sys
 import threading
 
+from .env import flag
+
 ENV_VAR = "CUDNN_ATTN_PRELOAD"
-ENABLED = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+ENABLED = flag(ENV_VAR, default=True)
 
 # What cudnn/__init__.py and the modules it imports at load time take from the standard library (frontend
 # 1.32.0), imported on the caller's thread before the thread starts.

@@ -44,6 +44,8 @@ import os
 import threading
 from typing import Any, Callable, Sequence
 
+from .env import flag
+
 logger = logging.getLogger("cudnn_attn")
 
 CAPACITY = 16
@@ -52,7 +54,7 @@ DEVICE_CAPACITY = int(os.environ.get("CUDNN_ATTN_REPLAY_GRAPHS", "64"))
 """Graphs kept per device over all plans (``$CUDNN_ATTN_REPLAY_GRAPHS``, read at import)."""
 PATIENCE = 32
 """Captures after which a plan whose graphs are replayed fewer times than captured stops capturing."""
-ENABLED = os.environ.get("CUDNN_ATTN_REPLAY", "1").strip().lower() not in ("0", "false", "no", "off")
+ENABLED = flag("CUDNN_ATTN_REPLAY", default=True)
 """Whether plans replay at all (``$CUDNN_ATTN_REPLAY``, read at import)."""
 
 
@@ -167,25 +169,22 @@ class Replays:
 
 
 _LEGACY = 1                                                # cudaStreamLegacy; 0 is the same stream
-
 _live: collections.Counter = collections.Counter()          # executable graphs alive, by device
+_churn = collections.Counter()                             # graphs "made" and "destroyed", all devices
 _live_lock = threading.Lock()                              # never held while anything else runs
-
-
-_made = [0, 0]                                             # graphs instantiated, destroyed (all devices)
 
 
 def _count(device: int, change: int) -> None:
     with _live_lock:
         _live[device] += change
-        _made[change < 0] += abs(change)
+        _churn["made" if change > 0 else "destroyed"] += abs(change)
 
 
 def churn() -> tuple[int, int]:
     """``(instantiated, destroyed)``: every replay graph this process made and destroyed (soaks: how many
     graphs a bound made the plans replace)."""
     with _live_lock:
-        return _made[0], _made[1]
+        return _churn["made"], _churn["destroyed"]
 
 
 def live_graphs() -> dict[int, int]:

@@ -21,14 +21,13 @@ result runs before the new launch overwrites it.  Work on *another* stream that 
 has dropped needs the same synchronisation it needs with CuPy's pool.
 
 Bounded: blocks above :data:`BLOCK_MAX_BYTES` are never kept (their calls are GPU-bound: an allocation is
-noise), and all kept blocks together stay under :data:`BUDGET_BYTES` (least recently used dropped back to
-CuPy's pool).  :meth:`ResultBlocks.clear` returns every kept block; ``cupy``'s ``free_all_blocks`` cannot,
+noise), and all kept blocks together stay under :data:`BUDGET_BYTES` (the signature that made new results
+longest ago is dropped first, back to CuPy's pool).  :meth:`ResultBlocks.clear` returns every kept block; ``cupy``'s ``free_all_blocks`` cannot,
 because a kept block is in use as far as the pool knows.
 """
 
 from __future__ import annotations
 
-import collections
 import operator
 import sys
 import threading
@@ -59,7 +58,8 @@ class _Block:
         self.counts = tuple(map(sys.getrefcount, self.objects))
 
     def free(self) -> bool:
-        return tuple(map(sys.getrefcount, self.objects)) == self.counts and list(map(_shape, self.arrays)) == self.shapes
+        return (tuple(map(sys.getrefcount, self.objects)) == self.counts
+                and list(map(_shape, self.arrays)) == self.shapes)
 
 
 class BlockStats(NamedTuple):

@@ -39,12 +39,12 @@ on the GPU; the reference, which needs ordered segments, refuses them under ``ji
 
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping
 
 import numpy as np
 
 from .config import AttentionConfig, AttentionOperands
+from .env import flag
 
 ENV_VAR = "CUDNN_ATTN_CHECK_VALUES"
 FIELDS = ("q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k", "page_table_v")
@@ -58,7 +58,7 @@ def checking(check_values: bool | None) -> bool:
         ValueError: ``check_values`` is neither a bool nor ``None``.
     """
     if check_values is None:
-        return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+        return flag(ENV_VAR, default=False)
     if not isinstance(check_values, (bool, np.bool_)):
         raise ValueError(f"check_values: must be True, False or None (then ${ENV_VAR} decides), got {check_values!r}")
     return bool(check_values)

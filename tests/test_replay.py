@@ -49,7 +49,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(replay, "_graph_launch", runtime.graphLaunch)
     monkeypatch.setattr(replay, "_capturing", lambda stream: stream in capturing)
     monkeypatch.setattr(replay, "_live", collections.Counter())
-    monkeypatch.setattr(replay, "_made", [0, 0])
+    monkeypatch.setattr(replay, "_churn", collections.Counter())
     runtime.capturing = capturing
     yield runtime
     gc.collect()                        # the test's graphs are destroyed against its own count
