@@ -18,9 +18,12 @@ passes the same few address sets (the JAX handler without command buffers sees X
 * **Not when the caller's stream is being captured** (the user's CUDA graph, or XLA recording a command
   buffer): the launch is then recorded the ordinary way.  The legacy default stream (``0``, CuPy's null
   stream, or ``cudaStreamLegacy``) cannot be captured, so it is not asked (0.6 us a call).
-* **Bounded**: at most :data:`CAPACITY` graphs per plan (least recently used dropped), and at most
-  :data:`DEVICE_CAPACITY` per device over all plans: at that bound a plan replaces its own least recently
-  used graph, or captures nothing until other plans' graphs are destroyed.  Each executable graph holds
+* **Bounded**: at most :data:`CAPACITY` graphs per plan, and at most :data:`DEVICE_CAPACITY` per device over
+  all plans.  At either bound a plan gives its own least recently used graph to the new addresses: the new
+  capture updates that executable graph in place (``cudaGraphExecUpdate``: the plan's kernels are the same,
+  only their arguments differ), so no executable graph is made or destroyed (a fallback instantiates a new one
+  when CUDA refuses the update).  A plan without graphs at the device bound captures nothing until other
+  plans' graphs are destroyed.  Each executable graph holds
   device and host memory of its own; without the device bound, plans that live long (those a compiled JAX
   program holds) filled up to 64 graphs each, which a 93k-call soak measured as +90 MiB of device and
   +16 MiB of host memory (run A of 2026-12-01; +4 / +0.3 MiB with replay off).  A graph holds about
@@ -28,7 +31,8 @@ passes the same few address sets (the JAX handler without command buffers sees X
   bound of 64 holds at most ~8 MiB of device memory per GPU.  Where XLA records the JAX call into its
   own command buffers (its default under ``jit``), the handler does not replay at all.  Address sets that cycle
   through more than a plan's capacity would capture on every call; a plan whose captures reach
-  :data:`PATIENCE` without as many replays stops capturing for good.  :func:`live_graphs` counts them.
+  :data:`PATIENCE` without as many replays stops capturing for good.  :func:`live_graphs` counts the graphs,
+  :func:`churn` how many were made, destroyed and updated in place.
 * A failed capture turns replay off for the plan (logged), and the call launches the ordinary way.
 * ``CUDNN_ATTN_REPLAY=0`` turns it off for the process (read at import).
 
@@ -42,7 +46,7 @@ import collections
 import logging
 import os
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from .env import flag
 
@@ -52,6 +56,9 @@ CAPACITY = 16
 """Graphs kept per plan."""
 DEVICE_CAPACITY = int(os.environ.get("CUDNN_ATTN_REPLAY_GRAPHS", "64"))
 """Graphs kept per device over all plans (``$CUDNN_ATTN_REPLAY_GRAPHS``, read at import)."""
+RECYCLE = True
+"""Whether a plan at its bound updates its least recently used graph in place (``False``: destroys it and
+instantiates a new one; ``benchmarks/probe_graph_memory.py`` compares the two)."""
 PATIENCE = 32
 """Captures after which a plan whose graphs are replayed fewer times than captured stops capturing."""
 ENABLED = flag("CUDNN_ATTN_REPLAY", default=True)
@@ -110,21 +117,26 @@ class Replays:
 
     def _capture(self, key: tuple, addresses: Sequence[int], workspace: int) -> int | None:
         runtime = _runtime()
-        if _live[self.device] >= DEVICE_CAPACITY:
+        recycled = None                     # the plan's least recently used graph, given to these addresses
+        if len(self._graphs) >= CAPACITY or _live[self.device] >= DEVICE_CAPACITY:
             if not self._graphs:
                 return None                 # the device's bound is held by other plans' graphs
-            runtime.graphExecDestroy(self._graphs.popitem(last=False)[1])
-            _count(self.device, -1)
+            recycled = self._graphs.popitem(last=False)[1]
         side = self._capture_stream()
         self._bind_stream(side)
-        graph = None
+        graph = executable = None
         try:
             runtime.streamBeginCapture(side, runtime.streamCaptureModeThreadLocal)
             try:
                 self._raw(addresses, workspace)
             finally:
                 graph = runtime.streamEndCapture(side)
-            executable = runtime.graphInstantiate(graph)
+            if recycled is not None and RECYCLE and _update(recycled, graph):
+                executable, recycled = recycled, None
+                _count(self.device, 0)
+            else:
+                executable = runtime.graphInstantiate(graph)
+                _count(self.device, 1)
         except Exception as error:          # noqa: BLE001 - any CUDA or cuDNN error: launch the ordinary way
             self.disable()
             logger.warning("cudnn_attn: capturing a launch into a CUDA graph failed (%s); this plan launches "
@@ -133,13 +145,12 @@ class Replays:
         finally:
             if graph:
                 runtime.graphDestroy(graph)
-        _count(self.device, 1)
+            if recycled is not None:        # not updated: destroyed (CUDA finishes its launches in flight)
+                runtime.graphExecDestroy(recycled)
+                _count(self.device, -1)
         self._seen.pop(key, None)
         self._graphs[key] = executable
         self.captures += 1
-        if len(self._graphs) > CAPACITY:
-            runtime.graphExecDestroy(self._graphs.popitem(last=False)[1])
-            _count(self.device, -1)
         return executable
 
     def __len__(self) -> int:
@@ -175,16 +186,28 @@ _live_lock = threading.Lock()                              # never held while an
 
 
 def _count(device: int, change: int) -> None:
+    """``change`` graphs made (1) or destroyed (-1) on ``device``; 0: one updated in place."""
     with _live_lock:
         _live[device] += change
-        _churn["made" if change > 0 else "destroyed"] += abs(change)
+        if change > 0:
+            _churn["made"] += change
+        elif change < 0:
+            _churn["destroyed"] -= change
+        else:
+            _churn["updated"] += 1
 
 
-def churn() -> tuple[int, int]:
-    """``(instantiated, destroyed)``: every replay graph this process made and destroyed (soaks: how many
-    graphs a bound made the plans replace)."""
+class Churn(NamedTuple):
+    made: int
+    destroyed: int
+    updated: int
+
+
+def churn() -> Churn:
+    """Replay graphs this process instantiated, destroyed, and updated in place for new addresses (soaks: how
+    the bounds made the plans replace graphs)."""
     with _live_lock:
-        return _churn["made"], _churn["destroyed"]
+        return Churn(_churn["made"], _churn["destroyed"], _churn["updated"])
 
 
 def live_graphs() -> dict[int, int]:
@@ -222,3 +245,22 @@ def _capturing(stream: int) -> bool:
 
     _capturing = capturing
     return capturing(stream)
+
+
+def _update(executable: int, graph: int) -> bool:
+    """``cudaGraphExecUpdate``: ``executable`` (of the same plan) takes ``graph``'s kernel arguments; launches in
+    flight keep the old ones.  ``False`` when CUDA refuses (the thread's last CUDA error is then cleared, so that
+    no later check reads it).  The first call replaces this module function by a closure over the binding."""
+    global _update
+    from cuda.bindings import runtime
+
+    update, last_error, success = runtime.cudaGraphExecUpdate, runtime.cudaGetLastError, runtime.cudaError_t.cudaSuccess
+
+    def updated(executable: int, graph: int) -> bool:
+        if update(executable, graph)[0] == success:
+            return True
+        last_error()
+        return False
+
+    _update = updated
+    return updated(executable, graph)

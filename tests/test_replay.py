@@ -16,6 +16,7 @@ class FakeRuntime:
 
     def __init__(self, fail_capture: bool = False):
         self.events, self.fail_capture, self._next = [], fail_capture, 100
+        self.refuse_update = False
 
     def streamBeginCapture(self, stream, mode):
         self.events.append(("begin", stream, mode))
@@ -40,6 +41,10 @@ class FakeRuntime:
     def graphLaunch(self, executable, stream):
         self.events.append(("launch", executable, stream))
 
+    def update(self, executable, graph):
+        self.events.append(("update", executable, graph))
+        return not self.refuse_update
+
 
 @pytest.fixture
 def fake(monkeypatch):
@@ -48,6 +53,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(replay, "_runtime", lambda: runtime)
     monkeypatch.setattr(replay, "_graph_launch", runtime.graphLaunch)
     monkeypatch.setattr(replay, "_capturing", lambda stream: stream in capturing)
+    monkeypatch.setattr(replay, "_update", runtime.update)
     monkeypatch.setattr(replay, "_live", collections.Counter())
     monkeypatch.setattr(replay, "_churn", collections.Counter())
     runtime.capturing = capturing
@@ -100,14 +106,42 @@ def test_no_replay_or_capture_into_a_stream_being_captured(fake):
     assert not replays.launch([1, 2, 3], 50, stream=5)                 # a graph exists, but the stream records
 
 
-def test_capacity_destroys_the_least_recently_used(fake, monkeypatch):
+def test_at_capacity_the_least_recently_used_graph_is_updated_in_place(fake, monkeypatch):
+    """A plan at CAPACITY gives its least recently used executable graph to the new addresses
+    (cudaGraphExecUpdate): nothing is instantiated or destroyed, and the old addresses no longer replay."""
     monkeypatch.setattr(replay, "CAPACITY", 2)
     launches = []
     replays = _replays(fake, launches)
     for address in (1, 2, 3):
         for _ in range(3):
             replays.launch([address], 0, stream=5)
+    assert len(replays) == 2 and ("update", 101, 7) in fake.events
+    assert [e for e in fake.events if e[0] in ("instantiate", "destroy")] == [("instantiate", 101), ("instantiate", 102)]
+    assert fake.events[-1] == ("launch", 101, 5)                       # address 3 replays the updated graph
+    assert replay.churn() == (2, 0, 1) and replay.live_graphs() == {0: 2}
+    assert not replays.launch([1], 0, stream=5)                        # address 1's graph went to address 3
+
+
+def test_a_refused_update_destroys_the_graph_and_instantiates_a_new_one(fake, monkeypatch):
+    monkeypatch.setattr(replay, "CAPACITY", 2)
+    fake.refuse_update = True
+    replays = _replays(fake, [])
+    for address in (1, 2, 3):
+        for _ in range(3):
+            replays.launch([address], 0, stream=5)
+    assert len(replays) == 2 and ("destroy", 101) in fake.events and ("instantiate", 103) in fake.events
+    assert replay.churn() == (3, 1, 0) and replay.live_graphs() == {0: 2}
+
+
+def test_without_recycling_the_least_recently_used_graph_is_destroyed(fake, monkeypatch):
+    monkeypatch.setattr(replay, "CAPACITY", 2)
+    monkeypatch.setattr(replay, "RECYCLE", False)
+    replays = _replays(fake, [])
+    for address in (1, 2, 3):
+        for _ in range(3):
+            replays.launch([address], 0, stream=5)
     assert len(replays) == 2 and ("destroy", 101) in fake.events
+    assert not any(e[0] == "update" for e in fake.events) and replay.churn() == (3, 1, 0)
 
 
 def test_addresses_cycling_beyond_capacity_stop_capturing(fake, monkeypatch):
@@ -140,8 +174,8 @@ def test_clear_destroys_every_graph(fake):
 
 
 def test_the_device_bound_holds_over_all_plans(fake, monkeypatch):
-    """At DEVICE_CAPACITY graphs on a device, a plan with graphs replaces its own least recently used one, a
-    plan without any captures nothing (and launches itself), another device is not affected, and graphs
+    """At DEVICE_CAPACITY graphs on a device, a plan with graphs gives its own least recently used one to the new
+    addresses, a plan without any captures nothing (and launches itself), another device is not affected, and graphs
     destroyed with their plan free the bound."""
     monkeypatch.setattr(replay, "DEVICE_CAPACITY", 3)
     first, second, other = (_replays(fake, [], device) for device in (0, 0, 1))
@@ -152,7 +186,7 @@ def test_the_device_bound_holds_over_all_plans(fake, monkeypatch):
     assert all(twice(first, address) for address in (1, 2, 3))
     assert replay.live_graphs() == {0: 3}
     assert not twice(second, 9) and len(second) == 0               # no graph of its own to give up
-    assert twice(first, 4) and len(first) == 3 and ("destroy", 101) in fake.events
+    assert twice(first, 4) and len(first) == 3 and ("update", 101, 7) in fake.events
     assert twice(other, 9) and replay.live_graphs() == {0: 3, 1: 1}
     del first
     gc.collect()
@@ -161,7 +195,7 @@ def test_the_device_bound_holds_over_all_plans(fake, monkeypatch):
     second.clear()
     other.disable()
     assert replay.live_graphs() == {}
-    assert replay.churn() == (6, 6)            # first: 4 (one replaced), second 1, other 1
+    assert replay.churn() == (5, 5, 1)         # first: 3 and one updated, second 1, other 1
 
 
 def test_the_legacy_default_stream_is_never_asked_whether_it_is_captured(fake, monkeypatch):
@@ -172,3 +206,12 @@ def test_the_legacy_default_stream_is_never_asked_whether_it_is_captured(fake, m
     for stream in (0, 0, 0, 1, 7, 7, 7):
         replays.launch([1], 0, stream=stream)
     assert asked == [7, 7, 7] and replays.replays == 5         # graphs are keyed by addresses, not streams
+
+
+def test_update_binding_refuses_without_a_driver():
+    """The real ``cudaGraphExecUpdate`` binding takes the integer handles CuPy gives, and a refusal is ``False``,
+    not an exception (here: no driver; on a GPU the tier updates real graphs)."""
+    runtime = pytest.importorskip("cuda.bindings.runtime")
+    if runtime.cudaGetDeviceCount()[0] == runtime.cudaError_t.cudaSuccess:
+        pytest.skip("a CUDA driver is present: handles made up here would be dereferenced")
+    assert replay._update(0x1234, 0x5678) is False

@@ -158,3 +158,44 @@ def test_jax_handler_replays_without_command_buffers():
     counts = [(r.captures, r.replays) for p in plans if p is not None for r in p.replays]
     print("JAX handler replays (captures, replays):", counts)
     assert plans and all(p is not None for p in plans)
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+def test_graphs_updated_in_place_for_new_addresses_write_the_new_results(kind, monkeypatch):
+    """At its bound a plan gives its least recently used graph to new addresses (cudaGraphExecUpdate): with a
+    bound of 2 graphs and 5 result buffers in a cycle, every replay writes into the buffer of its own call,
+    and the others keep what they held (each buffer is poisoned with NaN before its call)."""
+    from cudnn_attn import replay
+
+    monkeypatch.setattr(replay, "CAPACITY", 2)
+    monkeypatch.setattr(replay, "PATIENCE", 10 ** 6)
+    rng = np.random.default_rng(73 if kind == "fwd" else 79)
+    q, k, v = _qkv(rng, T=128, S=192, N=4, K=2)
+    kwargs = dict(scale=0.125, mask_type=MaskType.CAUSAL)
+    host = [cp.asnumpy(x) for x in (q, k, v)]
+    made, destroyed, updated = replay.churn()
+    if kind == "fwd":
+        bound = cudnn_attn.bind(q, k, v, **kwargs)
+        want = reference.dot_product_attention(*host, **kwargs)
+        buffers = [cp.empty_like(q) for _ in range(5)]
+        call = lambda i: bound(q, k, v, out=buffers[i])                                 # noqa: E731
+    else:
+        bound = cudnn_attn.bind(q, k, v, return_residual=True, **kwargs)
+        o, lse = bound(q, k, v)
+        ref_o, ref_lse = reference.dot_product_attention(*host, return_residual=True, **kwargs)
+        grads = [cp.asarray(rng.standard_normal(q.shape).astype(q.dtype)) for _ in range(5)]
+        wants = [reference.dot_product_attention_bwd(*host, ref_o, cp.asnumpy(g), ref_lse, **kwargs).dq
+                 for g in grads]
+        call = lambda i: bound.backward(q, k, v, o, grads[i], lse).dq                  # noqa: E731
+    for sweep in range(4):
+        for i in range(5):
+            if kind == "fwd":
+                buffers[i].fill(np.nan)
+            got = call(i)
+            assert_close(f"{kind} call {i} of sweep {sweep}", got, want if kind == "fwd" else wants[i], "bfloat16")
+            del got
+    if kind == "fwd":
+        for i in range(5):
+            assert_close(f"buffer {i} at the end", buffers[i], want, "bfloat16")
+    now = replay.churn()
+    assert now.updated > updated, (made, destroyed, updated, now)
