@@ -1,13 +1,15 @@
 """What one replayed launch's CUDA graph costs in memory, on the GPU (issue #11.8's soak: replay on grew the
 device by 90 MiB and the host by 16 MiB where replay off grew 4 and 0.3).
 
-    python benchmarks/probe_graph_memory.py [--graphs 200] [--out FILE]
+    python benchmarks/probe_graph_memory.py [--graphs 200] [--churn 20000] [--out FILE]
 
 A bound forward and a bound backward (bf16 B1 N8 T=S=256 H64, causal) launch with ``--graphs`` different
 result buffers, each twice, so :mod:`cudnn_attn.replay` captures one executable graph per buffer (its
 per-plan and per-device bounds raised for the probe).  Device memory in use (``cudaMemGetInfo``, which moves
 in 2 MiB steps) and the host's resident set after ``malloc_trim`` are read before the captures, after them,
-and after the graphs are destroyed.  Not a test; prints one line per kind and writes JSON.
+and after the graphs are destroyed.  Then :func:`churn`: graphs replaced on every call, destroyed and
+instantiated against updated in place (does the driver keep memory under churn?).  Not a test; prints one
+line per measurement and writes JSON.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def _host_mib() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--graphs", type=int, default=200)
+    parser.add_argument("--churn", type=int, default=20000, help="calls of each churn experiment")
     parser.add_argument("--out", default="probe_graph_memory.json")
     args = parser.parse_args()
     replay.CAPACITY = replay.DEVICE_CAPACITY = 10 * args.graphs
@@ -89,8 +92,53 @@ def main() -> None:
               f"({r['host_kib_per_graph']:.1f} KiB/graph); destroyed: back to within "
               f"{r['device_mib'][2] - r['device_mib'][0]:+.0f} / {r['host_mib'][2] - r['host_mib'][0]:+.1f} MiB",
               flush=True)
+    results["churn"] = churn(args.churn, device_mib, inference, training, q, k, v, o, do, lse)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
+
+
+def churn(calls: int, device_mib, inference, training, q, k, v, o, do, lse) -> dict:
+    """Graphs replaced all the time: 16 address sets in a cycle through a plan bound of 8 graphs, so that every
+    call past the first sweeps captures for addresses whose graph was given away.  Once with the replaced graph
+    destroyed and a new one instantiated, once with it updated in place (``replay.RECYCLE``): device and host
+    memory every tenth of ``calls``, and the host time of a call (a capture each)."""
+    import time
+
+    import cupy as cp
+
+    replay.CAPACITY, replay.PATIENCE = 8, 10 ** 9
+    out = {}
+    for kind in ("fwd", "bwd"):
+        if kind == "fwd":
+            direct, buffers = inference._forward, [cp.empty_like(q) for _ in range(16)]
+            call = lambda i: inference(q, k, v, out=buffers[i])                 # noqa: E731
+        else:
+            direct, buffers = training._backward, [do.copy() for _ in range(16)]
+            call = lambda i: training.backward(q, k, v, o, buffers[i], lse)     # noqa: E731
+        plan = direct.plan()
+        for recycle in (False, True):
+            replay.RECYCLE = recycle
+            for r in plan.replays:
+                r.clear()
+                r._seen.clear()
+            made0 = replay.churn()
+            device, host = [device_mib()], [_host_mib()]
+            started = time.perf_counter()
+            for step in range(10):
+                for i in range(calls // 10):
+                    call(i % 16)
+                device.append(device_mib())
+                host.append(_host_mib())
+            seconds = time.perf_counter() - started
+            made = [a - b for a, b in zip(replay.churn(), made0)]
+            label = f"{kind}, {'updated in place' if recycle else 'destroyed + instantiated'}"
+            out[label] = {"calls": calls, "device_mib": device, "host_mib": host, "made_destroyed_updated": made,
+                          "us_per_call": 1e6 * seconds / calls}
+            print(f"churn {label}: {calls} calls, graphs made/destroyed/updated {made}, device MiB "
+                  f"{device[0]:.0f} -> {max(device):.0f} (max) -> {device[-1]:.0f}, host MiB {host[0]:.1f} -> "
+                  f"{host[-1]:.1f}, {1e6 * seconds / calls:.1f} us/call (incl. memory reads)", flush=True)
+    replay.RECYCLE = True
+    return out
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ def main() -> int:
         elif phase == "graph_memory":
             rc, took = run("graph_memory", [sys.executable, "benchmarks/probe_graph_memory.py", "--out",
                                             os.path.join(OUT, "probe_graph_memory.json")], limit)
-            summary.append("== memory of replay graphs (benchmarks/probe_graph_memory.py)\n" + tail("graph_memory", 3))
+            summary.append("== memory of replay graphs (benchmarks/probe_graph_memory.py)\n" + tail("graph_memory", 6))
         elif phase == "sanitizer":
             rc, took, lines = sanitizer(limit)
             summary += lines
