@@ -333,3 +333,27 @@ def test_results_come_back_in_the_callers_framework(framework):
     assert isinstance(forced, cp.ndarray) and cp.array_equal(forced, want)
     grads = cudnn_attn.dot_product_attention_bwd(*args, out, out, lse, scale=0.125)
     assert isinstance(grads.dq, kind) and isinstance(grads, cudnn_attn.AttentionGrads)
+
+
+def _gpu_count() -> int:
+    try:
+        return cp.cuda.runtime.getDeviceCount()
+    except cp.cuda.runtime.CUDARuntimeError:       # no driver (CI collects this module too)
+        return 0
+
+
+@pytest.mark.skipif(_gpu_count() < 2, reason="needs 2 GPUs (the 2-GPU H200 machine)")
+def test_a_key_on_another_gpu_never_takes_a_remembered_signature():
+    """The direct path and a bound call compare the device of every array, not only the query's: a K of the
+    remembered shapes on GPU 1 is refused with a ValueError naming it, before any launch."""
+    rng = np.random.default_rng(83)
+    q, k, v = (cp.asarray(x) for x in _qkv(rng, "bfloat16", T=128, S=128))
+    with cp.cuda.Device(1):
+        k1 = cp.asarray(k.get())
+    for _ in range(2):                                   # the second call takes the direct path
+        cudnn_attn.dot_product_attention(q, k, v, scale=0.125)
+    with pytest.raises(ValueError, match="key"):
+        cudnn_attn.dot_product_attention(q, k1, v, scale=0.125)
+    bound = cudnn_attn.bind(q, k, v, scale=0.125)
+    with pytest.raises(ValueError, match="key: this bound call takes"):
+        bound(q, k1, v)
