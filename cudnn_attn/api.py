@@ -194,8 +194,8 @@ class _Direct:
     cache frees it; the next call fetches (or rebuilds) it.
     """
 
-    __slots__ = ("config", "kind", "device", "autotune", "order", "dropout", "training", "signature", "flat",
-                 "_plan", "_results", "_layout", "_nbytes", "__weakref__")
+    __slots__ = ("config", "kind", "device", "autotune", "order", "dropout", "training", "signature", "typed",
+                 "flat", "_plan", "_results", "_layout", "_nbytes", "__weakref__")
 
     def __init__(self, config: AttentionConfig, kind: str, arrays: tuple, autotune: bool | None,
                  names: Sequence[str]):
@@ -204,7 +204,8 @@ class _Direct:
         self.config, self.kind, self.autotune = config, kind, autotune
         self.device = arrays[0].data.device_id
         self.signature = [(x.shape, x.dtype, x.strides) for x in arrays]
-        self.flat = _flat_signature(arrays)
+        self.typed = [(type(x), x.shape, x.dtype, x.strides, x.data.device_id) for x in arrays]
+        self.flat = sum(self.typed, ())                  # one tuple: what a bound forward compares
         self.dropout = config.has_dropout
         self.training = config.training
         plan = self.plan()
@@ -262,12 +263,6 @@ class _Direct:
         else:
             plan.run(pointers, stream)
         return results
-
-
-def _flat_signature(arrays: tuple) -> tuple:
-    """Type, shape, dtype, strides and device of each of ``arrays``, in one flat tuple: what a bound call compares
-    (one comparison of one tuple; :meth:`BoundAttention.__call__` builds it for Q, K, V in place)."""
-    return tuple(item for x in arrays for item in (type(x), x.shape, x.dtype, x.strides, x.data.device_id))
 
 
 _ALIGNMENT = 256                        # bytes between the results of one allocation (cuDNN asks for 16)
@@ -487,13 +482,12 @@ class BoundAttention:
 
     def _check(self, direct: _Direct, arrays: tuple) -> None:
         """Raise a ValueError naming the first of ``arrays`` that is not a CuPy array of ``direct``'s signature."""
-        ndarray = _NDARRAY or _cupy_ndarray()
-        for x in arrays:
-            if type(x) is not ndarray:
-                break
-        else:
-            if _flat_signature(arrays) == direct.flat:
+        try:
+            if [(type(x), x.shape, x.dtype, x.strides, x.data.device_id) for x in arrays] == direct.typed:
                 return
+        except AttributeError:
+            pass
+        ndarray = _NDARRAY or _cupy_ndarray()
         for name, x, (shape, dtype, strides) in zip(self._BWD_NAMES, arrays, direct.signature):
             if type(x) is not ndarray or (x.shape, x.dtype, x.strides) != (shape, dtype, strides) \
                     or x.data.device_id != direct.device:

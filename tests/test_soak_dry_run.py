@@ -51,3 +51,24 @@ def test_dry_run_with_recompilation_releases_dead_executables(tmp_path):
     assert report["errors"] == {} and report["mismatches"] == {}, report["messages"]
     assert report["jax_recompiles"] > 0
     assert report["jax_side_at_end"]["live_executable_sites"] == 0
+
+
+def test_the_memory_verdict_reads_the_trend_of_the_second_half():
+    """A leak (memory growing with the calls) fails; a high-water mark reached in the first half, and readings
+    that scatter by +-1 MiB around a flat line, pass (seeded scatter)."""
+    import numpy as np
+
+    soak, mib = _soak(), 1 << 20
+    rng = np.random.default_rng(2026)
+    calls = list(range(50_000, 100_001, 1000))
+
+    def verdict(values):
+        rows = [{"calls": c, "host_rss": v} for c, v in zip(calls, values)]
+        report = {"errors": {}, "mismatches": {}, "trend_second_half": soak._trend(rows, ["host_rss"])}
+        return soak.verdict(report)
+
+    flat = 1000 * mib + rng.uniform(-mib, mib, len(calls))
+    assert verdict(flat)[0], verdict(flat)
+    leak = flat + np.linspace(0, 3 * mib, len(calls))              # 3 MiB over the half: a leak
+    ok, failures = verdict(leak)
+    assert not ok and failures[0].startswith("host_rss grew"), failures
