@@ -23,7 +23,8 @@ and made / destroyed / updated in place.
 Device memory is split (``cudaMemGetInfo`` against the two allocators' own counts): the bytes in use in
 CuPy's pool and in XLA's, what each pool reserves (free blocks included), and the rest - the driver's and
 cuDNN's memory outside both pools (executable graphs, modules, handles).  The host is read as the RSS, raw
-and after glibc's ``malloc_trim(0)``.
+and after glibc's ``malloc_trim(0)``, next to the bytes malloc holds for its callers and the blocks CPython's
+allocator holds (:func:`_host_heap`): where an RSS step comes from.
 
 Targets: 0 errors, 0 mismatches, and growth < 1 MiB of :data:`MEMORY_KEYS` (host, memory in use, memory
 outside the pools) over the **second half** of the soak, read as the trend of a least-squares line through
@@ -399,6 +400,7 @@ def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool,
                "live_graphs": cache.live_graphs(), "cached_graphs": len(cache), **_jax_side(),
                "replay_graphs": sum(replay.live_graphs().values()), "replay_churn": replay.churn()}
         row["host_rss_trimmed"] = _trimmed_rss()
+        row.update(_host_heap())
         phases.append(row)
         print(_phase_line(row), flush=True)
         return row
@@ -427,8 +429,8 @@ def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool,
     sampler.join()
     after = phase("final (after gc)")
     stats = cache.stats()
-    measured = [k for k in before if k in MEMORY_KEYS + POOL_KEYS and before[k] is not None
-                and after.get(k) is not None]
+    measured = [k for k in before if k in MEMORY_KEYS + ATTRIBUTION_KEYS + POOL_KEYS + ("python_blocks",)
+                and before[k] is not None and after.get(k) is not None]
     halfway = next(row for row in phases if row["calls"] >= (before["calls"] + after["calls"]) // 2)
     return {
         "backend": backend.name, "threads": threads, "calls": sum(tally.calls.values()), "settling_calls": settle,
@@ -450,6 +452,8 @@ def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool,
 
 
 MEMORY_KEYS = ("host_rss", "host_rss_trimmed", "cupy_pool_used", "jax_in_use", "device_outside_pools")
+ATTRIBUTION_KEYS = ("malloc_in_use",)
+"""Reported beside the RSS: the bytes malloc holds for its callers (:func:`_host_heap`)."""
 """What the growth target applies to: the host, the bytes of CuPy's pool and of XLA's allocator that are in use,
 and device memory outside both pools (the driver's and cuDNN's: executable graphs, modules, handles).  The pools'
 reserves (:data:`POOL_KEYS`) are reported next to them.  ``host_rss_trimmed`` is the RSS right after glibc's ``malloc_trim(0)``:  ``host_rss_trimmed`` is the RSS right after glibc's ``malloc_trim(0)``:
@@ -495,6 +499,28 @@ def _jax_side() -> dict:
             "live_executable_sites": None if held is None else held["executables"]}
 
 
+def _host_heap() -> dict[str, int | None]:
+    """Where the host's memory is: ``malloc_in_use`` - bytes glibc's malloc has handed out and not had back, over
+    all arenas, mmapped blocks included (``mallinfo2``: the native heap of cuDNN, CUDA, XLA and CPython's large
+    objects) - and ``python_blocks``, the blocks CPython's own allocator has handed out (a count).  When both
+    stay flat while the RSS steps up, the step is fragmentation of freed memory, not memory still held."""
+    import ctypes
+    import ctypes.util
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+        info = libc.mallinfo2()
+        in_use = int(info.uordblks + info.hblkhd)
+    except (OSError, AttributeError):        # not glibc, or glibc < 2.33
+        in_use = None
+    return {"malloc_in_use": in_use, "python_blocks": sys.getallocatedblocks()}
+
+
 def _trimmed_rss() -> int | None:
     """The RSS after glibc's ``malloc_trim(0)`` (``None`` where there is no glibc)."""
     import ctypes
@@ -509,8 +535,10 @@ def _trimmed_rss() -> int | None:
 
 
 def _phase_line(row: dict) -> str:
-    memory = "  ".join(f"{k} {row[k] / MIB:.1f}" for k in MEMORY_KEYS + POOL_KEYS if row.get(k) is not None)
-    return (f"[{row['phase']}] calls {row['calls']}  {memory} MiB  graphs alive {row['live_graphs']} "
+    memory = "  ".join(f"{k} {row[k] / MIB:.1f}" for k in MEMORY_KEYS + ATTRIBUTION_KEYS + POOL_KEYS
+                       if row.get(k) is not None)
+    return (f"[{row['phase']}] calls {row['calls']}  {memory} MiB  python blocks {row.get('python_blocks')}  "
+            f"graphs alive {row['live_graphs']} "
             f"(cached {row['cached_graphs']}, held by the JAX bridge {row['pinned_plans']}; call sites "
             f"{row['call_sites']}, in live executables {row['live_executable_sites']}); replay graphs "
             f"{row.get('replay_graphs', '-')} (made, destroyed so far: {row.get('replay_churn', '-')})")
@@ -538,23 +566,28 @@ def table(report: dict) -> str:
     for path in PATHS:
         lines.append(f"{path:12s} {report['calls_by_path'].get(path, 0):8d} {errors.get(path, 0):7d} "
                      f"{report['mismatches'].get(path, 0):10d}")
-    keys = [k for k in MEMORY_KEYS + POOL_KEYS if any(row.get(k) is not None for row in report["phases"])]
+    keys = [k for k in MEMORY_KEYS + ATTRIBUTION_KEYS + POOL_KEYS
+            if any(row.get(k) is not None for row in report["phases"])]
     names = {"host_rss_trimmed": "rss_trimmed", "device_outside_pools": "dev_outside", "cupy_pool_used": "cupy_used",
-             "cupy_pool_held": "cupy_held*", "jax_pool": "jax_pool*", "device_used": "dev_used*"}
+             "malloc_in_use": "malloc_use*", "cupy_pool_held": "cupy_held*", "jax_pool": "jax_pool*",
+             "device_used": "dev_used*"}
     lines.append(f"{'phase (MiB)':24s} {'calls':>6s} " + " ".join(f"{names.get(k, k):>11s}" for k in keys)
-                 + f" {'graphs':>6s} {'pinned':>6s} {'replays':>7s}")
+                 + f" {'py_blocks':>9s} {'graphs':>6s} {'pinned':>6s} {'replays':>7s}")
     for row in report["phases"]:
         memory = " ".join(f"{row[k] / MIB:11.1f}" if row.get(k) is not None else f"{'-':>11s}" for k in keys)
-        lines.append(f"{row['phase'][:24]:24s} {row['calls']:6d} {memory} {row['live_graphs']:6d} "
+        lines.append(f"{row['phase'][:24]:24s} {row['calls']:6d} {memory} {row.get('python_blocks', '-'):>9} "
+                     f"{row['live_graphs']:6d} "
                      f"{row['pinned_plans'] if row['pinned_plans'] is not None else '-':>6} "
                      f"{row.get('replay_graphs', '-'):>7}")
     for label, growth in (("growth settled->final", report["growth"]),
                           (f"growth {report['halfway_calls']}->final", report["growth_second_half"]),
                           ("trend of the second half", report["trend_second_half"])):
         lines.append(f"{label[:31]:31s} " + " ".join(
-            f"{growth[k] / MIB:11.2f}" if k in growth else f"{'-':>11s}" for k in keys))
+            f"{growth[k] / MIB:11.2f}" if k in growth else f"{'-':>11s}" for k in keys)
+            + (f" {growth['python_blocks']:9.0f}" if "python_blocks" in growth else ""))
     if any(k in POOL_KEYS for k in keys):
-        lines.append("* the allocators' reserves and the device total: reported, not held to the target")
+        lines.append("* reported, not held to the target: malloc's bytes in use (where the RSS is), the pools' "
+                     "reserves and the device total")
     churn = report["phases"][-1].get("replay_churn")
     if churn is not None:
         lines.append(f"replay graphs made, destroyed, updated in place: {tuple(churn)}")

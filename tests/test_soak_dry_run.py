@@ -32,7 +32,7 @@ def test_dry_run_has_no_errors_and_no_mismatches(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["errors"] == {} and report["mismatches"] == {}, report["messages"]
     assert report["calls"] == 96 and set(report["calls_by_path"]) == set(soak.PATHS)
-    assert report["growth"].keys() == {"host_rss", "host_rss_trimmed"}
+    assert report["growth"].keys() == {"host_rss", "host_rss_trimmed", "malloc_in_use", "python_blocks"}
     phases = [row["phase"] for row in report["phases"]]        # settled after 9 calls, then 40, 40 and 7
     assert phases == ["warm-up", "settled", "after 49 calls", "after 89 calls", "final (after gc)"], phases
     assert all(row["live_graphs"] == 0 for row in report["phases"])    # the reference path builds no graph
