@@ -48,7 +48,7 @@ import os
 import statistics
 import sys
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -102,8 +102,9 @@ class replay_switched_off:
             r.enabled = True
 
 
-def cupy_rows(q, k, v, do, calls, rounds) -> dict:
-    rows = {}
+def direct_calls(q, k, v, do) -> tuple[dict, Any, Any, Any]:
+    """The eager call kinds the host table times, by row name -> ``(forward, backward or None)``, with the bound
+    call and the forward's ``o, lse`` they use (``probe_host_sequence.py`` runs the same calls in sequence)."""
     o, lse = cudnn_attn.dot_product_attention(q, k, v, scale=SCALE, return_residual=True)
     bound = cudnn_attn.bind(q, k, v, scale=SCALE)
     out = cp.empty_like(q)
@@ -119,6 +120,12 @@ def cupy_rows(q, k, v, do, calls, rounds) -> dict:
         "bound": (lambda: bound(q, k, v), lambda: bound.backward(q, k, v, o, do, lse)),
         "bound, out=": (lambda: bound(q, k, v, out=out), None),
     }
+    return calls_of, bound, o, lse
+
+
+def cupy_rows(q, k, v, do, calls, rounds) -> dict:
+    rows = {}
+    calls_of, bound, o, lse = direct_calls(q, k, v, do)
     for suffix, switch in (("", None), (" (no replay)", replay_switched_off)):
         for name, (forward, backward) in calls_of.items():
             for kind, fn in (("fwd", forward), ("bwd", backward)):

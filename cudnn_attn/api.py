@@ -194,8 +194,8 @@ class _Direct:
     cache frees it; the next call fetches (or rebuilds) it.
     """
 
-    __slots__ = ("config", "kind", "device", "autotune", "order", "dropout", "training", "signature", "typed",
-                 "flat", "_plan", "_results", "_layout", "_nbytes", "__weakref__")
+    __slots__ = ("config", "kind", "device", "autotune", "order", "dropout", "training", "typed", "flat", "_plan",
+                 "_results", "_layout", "_nbytes", "__weakref__")
 
     def __init__(self, config: AttentionConfig, kind: str, arrays: tuple, autotune: bool | None,
                  names: Sequence[str]):
@@ -203,7 +203,6 @@ class _Direct:
 
         self.config, self.kind, self.autotune = config, kind, autotune
         self.device = arrays[0].data.device_id
-        self.signature = [(x.shape, x.dtype, x.strides) for x in arrays]
         self.typed = [(type(x), x.shape, x.dtype, x.strides, x.data.device_id) for x in arrays]
         self.flat = sum(self.typed, ())                  # one tuple: what a bound forward compares
         self.dropout = config.has_dropout
@@ -488,11 +487,11 @@ class BoundAttention:
         except AttributeError:
             pass
         ndarray = _NDARRAY or _cupy_ndarray()
-        for name, x, (shape, dtype, strides) in zip(self._BWD_NAMES, arrays, direct.signature):
-            if type(x) is not ndarray or (x.shape, x.dtype, x.strides) != (shape, dtype, strides) \
-                    or x.data.device_id != direct.device:
+        for name, x, expected in zip(self._BWD_NAMES, arrays, direct.typed):
+            if type(x) is not ndarray or (ndarray, x.shape, x.dtype, x.strides, x.data.device_id) != expected:
+                _, shape, dtype, strides, device = expected
                 raise ValueError(f"{name}: this bound call takes a CuPy array {dtype}{list(shape)} with strides "
-                                 f"{strides} on GPU {direct.device}, got {type(x).__name__}"
+                                 f"{strides} on GPU {device}, got {type(x).__name__}"
                                  + (f" {x.dtype}{list(x.shape)}" if hasattr(x, "shape") else ""))
 
     def __call__(self, query: Any, key: Any, value: Any, *, out: Any = None) -> Any:

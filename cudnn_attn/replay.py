@@ -124,7 +124,7 @@ class Replays:
             recycled = self._graphs.popitem(last=False)[1]
         side = self._capture_stream()
         self._bind_stream(side)
-        graph = executable = None
+        graph = None
         try:
             runtime.streamBeginCapture(side, runtime.streamCaptureModeThreadLocal)
             try:

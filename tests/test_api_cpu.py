@@ -371,3 +371,28 @@ def test_direct_results_are_aligned_disjoint_views_of_one_allocation(monkeypatch
     del again
     assert direct._allocate(fake, stream=8)[0].data.ptr == allocations[2][0]    # another stream: its own block
     assert direct._allocate(fake, stream=7)[0].data.ptr == allocations[1][0] and len(allocations) == 3
+
+
+def test_bound_check_names_the_array_that_differs(monkeypatch):
+    """A bound call's signature check, with a stand-in array type: the bound signature passes, and a different
+    shape, dtype, device or type is a ValueError naming that array (the GPU tier runs it on CuPy arrays)."""
+    from cudnn_attn import api
+
+    class Array:
+        def __init__(self, shape, dtype=np.float16, device=0):
+            self.shape, self.dtype = shape, np.dtype(dtype)
+            self.strides = tuple(int(np.prod(shape[i + 1:])) * self.dtype.itemsize for i in range(len(shape)))
+            self.data = types.SimpleNamespace(device_id=device)
+
+    monkeypatch.setattr(api, "_NDARRAY", Array)
+    arrays = (Array((1, 8, 2, 4)), Array((1, 16, 2, 4)), Array((1, 16, 2, 4)))
+    direct = types.SimpleNamespace(typed=[(Array, x.shape, x.dtype, x.strides, 0) for x in arrays])
+    bound = api.BoundAttention.__new__(api.BoundAttention)
+    bound._check(direct, arrays)
+    for position, bad in ((1, Array((1, 8, 2, 4))), (2, Array((1, 16, 2, 4), np.float32)),
+                          (1, Array((1, 16, 2, 4), device=1)), (0, np.zeros((1, 8, 2, 4), np.float16))):
+        given = list(arrays)
+        given[position] = bad
+        name = ("query", "key", "value")[position]
+        with pytest.raises(ValueError, match=f"^{name}: this bound call takes a CuPy array float16"):
+            bound._check(direct, tuple(given))
