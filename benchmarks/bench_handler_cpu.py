@@ -100,14 +100,14 @@ def main() -> int:
     call = ffi.Call(fake.address)
     snapshot = call.snapshot()
     assert snapshot.key == key and snapshot.device == 0, snapshot
-    handler = ffi.make_handler("bench", cudnn_target._run)
+    handler = ffi.make_handler("bench", cudnn_target._run_eager)
     handler_fn = C.CFUNCTYPE(C.c_void_p, C.c_void_p)(handler.address)
     rows = {
         "frame read (Call.snapshot)": best_ns(call.snapshot, options.calls),
         "frame read, one GPU (snapshot(0))": best_ns(lambda: call.snapshot(0), options.calls),
         "site lookup": best_ns(lambda: cudnn_target._launches.get((key, 0)), options.calls),
-        "launch Python (no cuDNN)": best_ns(lambda: launch(list(snapshot.addresses), 0), options.calls),
-        "launch Python, replayed (no CUDA)": best_ns(lambda: replayed(list(snapshot.addresses), 0), options.calls),
+        "launch Python (no cuDNN)": best_ns(lambda: launch(list(snapshot.addresses), 0, False), options.calls),
+        "launch Python, replayed (no CUDA)": best_ns(lambda: replayed(list(snapshot.addresses), 0, False), options.calls),
         "handler through ctypes (no cuDNN)": best_ns(lambda: handler_fn(fake.address), options.calls),
         "empty ctypes callback": best_ns(
             lambda: _EMPTY(0), options.calls),

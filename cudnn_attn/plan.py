@@ -252,7 +252,8 @@ class CallPlan:
                 context.bind_stream(0)
 
     def specialized(self, scalars: Sequence[Any] = (), keep_stream: bool = False) -> Callable[..., None]:
-        """:meth:`launch` with ``scalars`` and ``keep_stream`` fixed: ``run(pointers, stream, workspace=None)``.
+        """:meth:`launch` with ``scalars`` and ``keep_stream`` fixed: ``run(pointers, stream, workspace=None,
+        capturable=True)`` (``capturable=False``: ``stream`` is never being captured, :class:`~.replay.Replays`).
 
         A plan that zeroes results or passes host scalars runs :meth:`launch` itself; the others run the
         same sequence (device lock, handle stream, workspace, the raw cuDNN call) with every attribute
@@ -262,7 +263,8 @@ class CallPlan:
         if fast is not None:
             return fast
         launch = self.launch
-        return lambda pointers, stream, workspace=None: launch(pointers, stream, workspace, scalars, keep_stream)
+        return lambda pointers, stream, workspace=None, capturable=True: launch(
+            pointers, stream, workspace, scalars, keep_stream)
 
     def run(self, pointers: Sequence[int], stream: int, workspace: int | None = None) -> None:
         """:meth:`launch` of a plan without host scalars, through :meth:`specialized`'s sequence (the CuPy
@@ -288,11 +290,11 @@ class CallPlan:
         if replays is not None:
             self.replays.add(replays)
 
-        def run(pointers: Sequence[int], stream: int, workspace: int | None = None) -> None:
+        def run(pointers: Sequence[int], stream: int, workspace: int | None = None, capturable: bool = True) -> None:
             with lock:
                 if workspace is None:
                     workspace = workspace_for(stream, size) if size else 0
-                if replays is not None and replays.launch(pointers, workspace, stream):
+                if replays is not None and replays.launch(pointers, workspace, stream, capturable):
                     return
                 bind_stream(stream)
                 raw(pointers, workspace)

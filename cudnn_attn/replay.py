@@ -17,7 +17,9 @@ passes the same few address sets (the JAX handler without command buffers sees X
   caller's stream.  The caller holds the device lock, as for every launch.
 * **Not when the caller's stream is being captured** (the user's CUDA graph, or XLA recording a command
   buffer): the launch is then recorded the ordinary way.  The legacy default stream (``0``, CuPy's null
-  stream, or ``cudaStreamLegacy``) cannot be captured, so it is not asked (0.6 us a call).
+  stream, or ``cudaStreamLegacy``) cannot be captured, so it is not asked (0.6 us a call); nor is the stream
+  of a caller that is never recorded (``capturable=False``: the JAX target without the command-buffer
+  trait, which XLA does not record).
 * **Bounded**: at most :data:`CAPACITY` graphs per plan, and at most :data:`DEVICE_CAPACITY` per device over
   all plans.  At either bound a plan gives its own least recently used graph to the new addresses: the new
   capture updates that executable graph in place (``cudaGraphExecUpdate``: the plan's kernels are the same,
@@ -87,8 +89,9 @@ class Replays:
         self.captures = self.replays = 0
         self.enabled = ENABLED
 
-    def launch(self, addresses: Sequence[int], workspace: int, stream: int) -> bool:
-        """Launch by replay when the addresses allow it; ``False`` when the caller must launch itself."""
+    def launch(self, addresses: Sequence[int], workspace: int, stream: int, capturable: bool = True) -> bool:
+        """Launch by replay when the addresses allow it; ``False`` when the caller must launch itself.
+        ``capturable=False``: the caller's stream is never being captured (it is not asked)."""
         if not self.enabled:
             return False
         key = (*addresses, workspace)
@@ -102,12 +105,12 @@ class Replays:
             if self.captures >= PATIENCE and self.replays < self.captures:
                 self.disable()              # addresses do not repeat within CAPACITY: capturing only costs
                 return False
-            if stream > _LEGACY and _capturing(stream):
+            if capturable and stream > _LEGACY and _capturing(stream):
                 return False
             graph = self._capture(key, addresses, workspace)
             if graph is None:
                 return False
-        elif stream > _LEGACY and _capturing(stream):
+        elif capturable and stream > _LEGACY and _capturing(stream):
             return False
         else:
             self._graphs.move_to_end(key)

@@ -64,19 +64,20 @@ def _check_expressible(site: AttentionCall) -> None:
 # -- call sites planned for the handler ----------------------------------------------------------------
 
 class SiteLaunch(NamedTuple):
-    """One call site on one device, as the handler runs it: the plan, and ``launch(addresses, stream)``
-    with everything else fixed (host scalars, the workspace as the last result, the stream kept bound)."""
+    """One call site on one device, as the handler runs it: the plan, and ``launch(addresses, stream,
+    capturable)`` with everything else fixed (host scalars, the workspace as the last result, the stream kept
+    bound); ``capturable`` says whether XLA may be recording the stream (the command-buffer target)."""
 
     plan: Any
-    launch: Callable[[list, int], None]
+    launch: Callable[[list, int, bool], None]
 
 
 def _site_launch(plan: Any, scalars: tuple) -> SiteLaunch:
     launch, uses_workspace = plan.specialized(scalars, keep_stream=True), bool(plan.workspace_size)
 
-    def run(addresses: list, stream: int) -> None:
+    def run(addresses: list, stream: int, capturable: bool) -> None:
         workspace = addresses.pop()                   # XLA's uint8 result, last
-        launch(addresses, stream, workspace if uses_workspace else 0)
+        launch(addresses, stream, workspace if uses_workspace else 0, capturable)
 
     return SiteLaunch(plan, run)
 
@@ -163,29 +164,39 @@ def held_plans() -> dict[str, int]:
     return {"plans": len(_launches), **plan_holds.counts(), "executables": ffi.live_states()}
 
 
-def _run(call: ffi.Call) -> None:
-    """The handler: XLA's buffers and stream into the call site's launch (see the module doc)."""
-    if stages is not None:
-        return _run_timed(call)
-    key, addresses, stream, device = call.snapshot(only_device)
-    found = _launches.get((key, device))
-    if found is None:
-        found = _missing_site(key, device)
-    if key not in _pins and plan_holds.releasing:
-        _not_instantiated(key)
-    found.launch(addresses, stream)
+def _handler(capturable: bool) -> Callable[[ffi.Call], None]:
+    """The handler of one target: XLA's buffers and stream into the call site's launch (see the module doc).
+    ``capturable``: whether XLA may record the target into a command buffer (else the stream is never
+    being captured, and the replay of the launch does not ask, :mod:`cudnn_attn.replay`)."""
+
+    def run(call: ffi.Call) -> None:
+        if stages is not None:
+            return _run_timed(call, capturable)
+        key, addresses, stream, device = call.snapshot(only_device)
+        found = _launches.get((key, device))
+        if found is None:
+            found = _missing_site(key, device)
+        if key not in _pins and plan_holds.releasing:
+            _not_instantiated(key)
+        found.launch(addresses, stream, capturable)
+
+    return run
 
 
-def _run_timed(call: ffi.Call) -> None:
-    """:func:`_run` recording its stages (benchmarks): read the call frame, find the call site, launch."""
+def _run_timed(call: ffi.Call, capturable: bool) -> None:
+    """A handler's run recording its stages (benchmarks): read the call frame, find the call site, launch."""
     now = time.perf_counter_ns
     start = now()
     key, addresses, stream, device = call.snapshot(only_device)
     read = now()
     found = _launches.get((key, device)) or _missing_site(key, device)
     found_at = now()
-    found.launch(addresses, stream)
+    found.launch(addresses, stream, capturable)
     stages.append((read - start, found_at - read, now() - found_at))
+
+
+_run = _handler(capturable=True)            # TARGET: XLA may record it into its command buffers
+_run_eager = _handler(capturable=False)     # EAGER_TARGET: XLA runs it on every execution, never recorded
 
 
 def _not_instantiated(key: int) -> None:
@@ -222,7 +233,7 @@ stages: list[tuple[int, int, int]] | None = None
 
 
 HANDLERS = (ffi.make_handler(TARGET, _run, command_buffer_compatible=True, instantiate=_instantiate),
-            ffi.make_handler(EAGER_TARGET, _run, instantiate=_instantiate))
+            ffi.make_handler(EAGER_TARGET, _run_eager, instantiate=_instantiate))
 
 
 def _release() -> None:

@@ -172,12 +172,6 @@ _FW_API = _CallFrame.api.offset // _W
 _FW_CTX = _CallFrame.ctx.offset // _W
 _FW_STAGE = _CallFrame.stage.offset // _W
 _FW_EXTENSION = _CallFrame.extension_start.offset // _W
-_FW_ARGS_SIZE = (_CallFrame.args.offset + _List.size.offset) // _W
-_FW_ARGS_ITEMS = (_CallFrame.args.offset + _List.items.offset) // _W
-_FW_RETS_SIZE = (_CallFrame.rets.offset + _List.size.offset) // _W
-_FW_RETS_ITEMS = (_CallFrame.rets.offset + _List.items.offset) // _W
-_FW_ATTRS_SIZE = (_CallFrame.attrs.offset + _Attrs.size.offset) // _W
-_FW_ATTRS_VALUES = (_CallFrame.attrs.offset + _Attrs.attrs.offset) // _W
 _BW_DATA = _Buffer.data.offset // _W
 _SW_VALUE = _Scalar.value.offset // _W
 _EW_TYPE = _InternalExtension.type.offset // _W
@@ -185,6 +179,34 @@ _LOW32 = 0xFFFFFFFF
 assert all(f.offset % _W == 0 for f in (_CallFrame.api, _CallFrame.ctx, _CallFrame.stage, _CallFrame.args,
                                          _CallFrame.rets, _CallFrame.attrs, _Buffer.data, _Scalar.value,
                                          _InternalExtension.type)), "XLA FFI struct layout"
+
+# The same memory as bytes, for ``struct`` reads of several fields at once: one ``unpack_from`` of the call
+# frame's hot fields costs what two word reads do.
+_MEMORY = memoryview(_WORDS).cast("B")
+
+
+def _fields_reader(fields: list[tuple[int, str]]) -> Callable[[memoryview, int], tuple]:
+    """``unpack_from`` of the fields at the given ``(byte offset, struct code)`` of a structure, in order."""
+    layout, at = "<", 0
+    for offset, code in fields:
+        layout += f"{offset - at}x{code}" if offset > at else code
+        at = offset + struct.calcsize("<" + code)
+    return struct.Struct(layout).unpack_from
+
+
+# api, ctx, argument count and buffer table, result count and buffer table, attribute count and values
+_read_frame = _fields_reader([
+    (_CallFrame.api.offset, "Q"), (_CallFrame.ctx.offset, "Q"),
+    (_CallFrame.args.offset + _List.size.offset, "q"), (_CallFrame.args.offset + _List.items.offset, "Q"),
+    (_CallFrame.rets.offset + _List.size.offset, "q"), (_CallFrame.rets.offset + _List.items.offset, "Q"),
+    (_CallFrame.attrs.offset + _Attrs.size.offset, "q"), (_CallFrame.attrs.offset + _Attrs.attrs.offset, "Q")])
+_pointer_readers: dict[int, Callable[[memoryview, int], tuple]] = {}
+
+
+def _pointer_reader(count: int) -> Callable[[memoryview, int], tuple]:
+    """``unpack_from`` of ``count`` consecutive pointers."""
+    return _pointer_readers.setdefault(count, struct.Struct(f"<{count}Q").unpack_from)
+
 
 # Byte offsets of the fields the structured (slow-path) readers use.
 _FRAME_API = _CallFrame.api.offset
@@ -347,8 +369,8 @@ def _raise(functions: _Functions, error: int, what: str) -> None:
 
 def _data_addresses(count: int, items: int) -> list[int]:
     """The data addresses of the ``count`` ``XLA_FFI_Buffer*`` listed at ``items``."""
-    words, table = _WORDS, items >> 3
-    return [words[(buffer >> 3) + _BW_DATA] for buffer in words[table:table + count]]
+    words = _WORDS
+    return [words[(b >> 3) + _BW_DATA] for b in (_pointer_readers.get(count) or _pointer_reader(count))(_MEMORY, items)]
 
 
 _new_tuple = tuple.__new__
@@ -381,12 +403,12 @@ class Call:
 
     def arg_addresses(self) -> list[int]:
         """The argument addresses only (much cheaper than :attr:`args` when the shapes are known)."""
-        words, frame = _WORDS, self._frame >> 3
-        return _data_addresses(words[frame + _FW_ARGS_SIZE], words[frame + _FW_ARGS_ITEMS])
+        _, _, count, items, _, _, _, _ = _read_frame(_MEMORY, self._frame)
+        return _data_addresses(count, items)
 
     def ret_addresses(self) -> list[int]:
-        words, frame = _WORDS, self._frame >> 3
-        return _data_addresses(words[frame + _FW_RETS_SIZE], words[frame + _FW_RETS_ITEMS])
+        _, _, _, _, count, items, _, _ = _read_frame(_MEMORY, self._frame)
+        return _data_addresses(count, items)
 
     def attributes(self) -> dict[str, Any]:
         """The scalar attributes of the call site, by name."""
@@ -431,29 +453,32 @@ class Call:
 
         ``device``: the device ordinal when the caller knows it (a process with one GPU), which saves XLA's
         device query (a ctypes call, about a microsecond); ``None`` asks XLA."""
-        words, frame = _WORDS, self._frame >> 3
-        functions = _function_tables.get(words[frame + _FW_API]) or self._functions()
-        ctx = words[frame + _FW_CTX]
+        api, ctx, n_args, args, n_rets, rets, n_attrs, attrs = _read_frame(_MEMORY, self._frame)
+        functions = _function_tables.get(api) or _functions(api)
         stream = _stream(functions, ctx)
         if device is None:
             device = _device(functions, ctx)
-        addresses = _data_addresses(words[frame + _FW_ARGS_SIZE], words[frame + _FW_ARGS_ITEMS])
-        addresses += _data_addresses(words[frame + _FW_RETS_SIZE], words[frame + _FW_RETS_ITEMS])
+        words, memory = _WORDS, _MEMORY
+        addresses = [words[(b >> 3) + _BW_DATA]
+                     for b in (_pointer_readers.get(n_args) or _pointer_reader(n_args))(memory, args)]
+        addresses += [words[(b >> 3) + _BW_DATA]
+                      for b in (_pointer_readers.get(n_rets) or _pointer_reader(n_rets))(memory, rets)]
+        key = self._key(attrs) if n_attrs == 1 else self.int64_attribute("key")
         # tuple.__new__ skips the named tuple's Python-level __new__ (0.3 us of a 4.5 us read on a 2-core CPU)
-        return _new_tuple(Snapshot, (self._key(), addresses, stream, device))
+        return _new_tuple(Snapshot, (key, addresses, stream, device))
 
     def addresses_and_key(self) -> tuple[int, list[int], list[int]]:
         """The platform-independent part of :meth:`snapshot`: ``(key, argument addresses, result addresses)``."""
-        words, frame = _WORDS, self._frame >> 3
-        return (self._key(), _data_addresses(words[frame + _FW_ARGS_SIZE], words[frame + _FW_ARGS_ITEMS]),
-                _data_addresses(words[frame + _FW_RETS_SIZE], words[frame + _FW_RETS_ITEMS]))
+        _, _, _, _, _, _, n_attrs, attrs = _read_frame(_MEMORY, self._frame)
+        return (self._key(attrs) if n_attrs == 1 else self.int64_attribute("key"),
+                self.arg_addresses(), self.ret_addresses())
 
-    def _key(self) -> int:
-        """The single int64 attribute (any other attribute set: :meth:`int64_attribute` ``"key"``)."""
-        words, frame = _WORDS, self._frame >> 3
-        if words[frame + _FW_ATTRS_SIZE] != 1:
-            return self.int64_attribute("key")
-        scalar = words[words[frame + _FW_ATTRS_VALUES] >> 3] >> 3
+    @staticmethod
+    def _key(attrs: int) -> int:
+        """The value of a call site's only attribute, an int64 scalar; ``attrs`` is the frame's table of
+        attribute values (the named lookup, :meth:`int64_attribute`, serves sites with other attributes)."""
+        words = _WORDS
+        scalar = words[attrs >> 3] >> 3
         value = words[scalar + _SW_VALUE]
         if words[scalar] & _LOW32 != _S64:
             raise TypeError("the call site's attribute must be an int64 scalar")

@@ -125,11 +125,12 @@ class _RecordingPlan:
     def __init__(self, workspace_size):
         self.workspace_size, self.launches = workspace_size, []
 
-    def launch(self, pointers, stream, workspace, scalars, keep_stream):
-        self.launches.append((list(pointers), stream, workspace, scalars, keep_stream))
+    def launch(self, pointers, stream, workspace, scalars, keep_stream, capturable=True):
+        self.launches.append((list(pointers), stream, workspace, scalars, keep_stream, capturable))
 
     def specialized(self, scalars=(), keep_stream=False):       # CallPlan.specialized's contract
-        return lambda pointers, stream, workspace=None: self.launch(pointers, stream, workspace, scalars, keep_stream)
+        return lambda pointers, stream, workspace=None, capturable=True: self.launch(
+            pointers, stream, workspace, scalars, keep_stream, capturable)
 
 
 @pytest.mark.parametrize("n_args,n_rets,workspace_size", [(3, 2, 256), (6, 4, 0), (1, 1, 64)])
@@ -152,6 +153,7 @@ def test_gpu_handler_passes_the_frames_buffers_stream_and_workspace_to_the_site_
         cudnn_target.stages = []
         cudnn_target._run(call)
         assert len(cudnn_target.stages) == 1 and all(ns >= 0 for ns in cudnn_target.stages[0])
+        cudnn_target._run_eager(call)               # the target XLA never records into a command buffer
     finally:
         cudnn_target.stages = None
         del cudnn_target._launches[(key, 0)]
@@ -159,7 +161,7 @@ def test_gpu_handler_passes_the_frames_buffers_stream_and_workspace_to_the_site_
     assert cudnn_target.plan_holds.releasing, "the handler saw the pin"
     addresses = [0x1000 * (i + 1) for i in range(n_args + n_rets)]
     expected = (addresses[:-1], 0, addresses[-1] if workspace_size else 0, (1234, 0), True)
-    assert plan.launches == [expected, expected]
+    assert plan.launches == [(*expected, True), (*expected, True), (*expected, False)]
 
 
 def test_gpu_handler_names_an_unplanned_device():

@@ -87,7 +87,7 @@ def test_a_run_without_instantiation_stops_releasing(monkeypatch, caplog):
     key = 2 ** 41
     frame = ffi.HostCallFrame(key, 2, 2)
     launched = []
-    cudnn_target._launches[(key, 0)] = cudnn_target.SiteLaunch(None, lambda a, s: launched.append(a))
+    cudnn_target._launches[(key, 0)] = cudnn_target.SiteLaunch(None, lambda a, s, c: launched.append(a))
     try:
         with caplog.at_level(logging.WARNING, logger="cudnn_attn"):
             cudnn_target._run(ffi.Call(frame.address))

@@ -208,6 +208,18 @@ def test_the_legacy_default_stream_is_never_asked_whether_it_is_captured(fake, m
     assert asked == [7, 7, 7] and replays.replays == 5         # graphs are keyed by addresses, not streams
 
 
+def test_a_caller_that_is_never_recorded_is_not_asked_whether_it_is_captured(fake, monkeypatch):
+    """``capturable=False`` (the JAX target without the command-buffer trait): no capture-status query at all,
+    and the call still captures on its second sight and replays on its third."""
+    asked = []
+    monkeypatch.setattr(replay, "_capturing", lambda stream: asked.append(stream) or True)
+    replays = _replays(fake, [])
+    assert [replays.launch([1], 0, stream=7, capturable=False) for _ in range(3)] == [False, True, True]
+    assert asked == [] and replays.captures == 1 and replays.replays == 1
+    assert not replays.launch([1], 0, stream=7)               # a capturable caller is asked (here: "recording")
+    assert asked == [7]
+
+
 def test_update_binding_refuses_without_a_driver():
     """The real ``cudaGraphExecUpdate`` binding takes the integer handles CuPy gives, and a refusal is ``False``,
     not an exception (here: no driver; on a GPU the tier updates real graphs)."""
