@@ -137,6 +137,7 @@ _STAGES = (
     ("cudnn_attn.plan_store", "default_store", "plan store opened"),
     ("cudnn_attn.plan_store", "PlanStore.load", "plan store lookup (read + checksum)"),
     ("cudnn_attn.graphs.persist", "_load", "deserialize + verify"),
+    ("cudnn_attn.graphs.persist", "_mismatch", "  of which our checks of the loaded plan"),
     ("cudnn_attn.graphs.persist", "build_graph", "build (store miss)"),
     ("cudnn_attn.plan", "CallPlan.__init__", "call plan"),
     ("cudnn_attn.plan", "CallPlan.launch", "launch (host)"),
