@@ -127,7 +127,7 @@ def _api_call(config, arrays) -> dict:
 # attribute path, label).  Each is wall time including what it calls; none of them calls another one
 # listed at the same level, except the "of which" rows (marked with a leading "  ").
 _STAGES = (
-    ("cudnn_attn.api", "_validated.prepare", "validation"),
+    ("cudnn_attn.api", "_validate_on_device", "validation"),
     ("cudnn_attn.runtime", "DeviceContext.__init__", "device context"),
     ("cudnn_attn.runtime", "create_handle", "  of which cuDNN handles"),
     ("cudnn", "create_handle", "  of which cudnn.create_handle"),
