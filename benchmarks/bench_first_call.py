@@ -196,7 +196,9 @@ class _Stopwatch:
                 delattr(owner, name)              # the instance's class method shows through again
             else:
                 setattr(owner, name, raw)
-        return {"stages_ms": {label: round(ms, 2) for label, ms in self.ms.items()}, "stage_calls": self.calls,
+        order = [label for _, _, label in _STAGES]        # the table's order (a nested stage ends first)
+        return {"stages_ms": {label: round(self.ms[label], 2) for label in sorted(self.ms, key=order.index)},
+                "stage_calls": self.calls,
                 "not_found": self.missing}
 
 
