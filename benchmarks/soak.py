@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import faulthandler
 import gc
 import json
 import os
@@ -638,6 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads < 1 or args.phase_calls < 1 or (args.calls is not None and args.calls < 1):
         parser.error("--threads, --calls and --phase-calls must be >= 1")
     calls = args.calls or (4000 if args.quick else 100_000)
+    faulthandler.enable(all_threads=True)     # a crash in native code prints every thread's Python stack
     if args.max_seconds is not None:
         _deadline[0] = time.monotonic() + args.max_seconds
     report = soak(calls=calls, threads=args.threads, cache_size=args.cache_size, quick=args.quick,

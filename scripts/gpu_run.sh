@@ -13,6 +13,7 @@ export OUT="${OUT:-bench_out}"
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false   # JAX shares the GPU with CuPy and torch in one process
 export PYTHONUNBUFFERED=1
+export PYTHONFAULTHANDLER=1              # a native crash in any phase prints every thread's Python stack
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
     > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
