@@ -62,9 +62,10 @@ def test_the_memory_verdict_reads_the_trend_of_the_second_half():
     rng = np.random.default_rng(2026)
     calls = list(range(50_000, 100_001, 1000))
 
-    def verdict(values):
-        rows = [{"calls": c, "host_rss": v} for c, v in zip(calls, values)]
-        report = {"errors": {}, "mismatches": {}, "trend_second_half": soak._trend(rows, ["host_rss"])}
+    def verdict(values, key="host_rss"):
+        rows = [{"calls": c, key: v} for c, v in zip(calls, values)]
+        report = {"errors": {}, "mismatches": {}, "trend_second_half": soak._trend(rows, [key]),
+                  "trend_error_second_half": soak._trend_error(rows, [key])}
         return soak.verdict(report)
 
     flat = 1000 * mib + rng.uniform(-mib, mib, len(calls))
@@ -72,3 +73,15 @@ def test_the_memory_verdict_reads_the_trend_of_the_second_half():
     leak = flat + np.linspace(0, 3 * mib, len(calls))              # 3 MiB over the half: a leak
     ok, failures = verdict(leak)
     assert not ok and failures[0].startswith("host_rss grew"), failures
+
+    # Device readings move in the driver's 2 MiB pages and scatter by +-3 MiB: a line through them tilts by a MiB
+    # with nothing growing (its standard error says so); 8 MiB of growth through the same scatter is a leak.
+    def pages(values):
+        return np.round(values / (2 * mib)) * 2 * mib
+
+    key, zigzag = "device_outside_pools", 600 * mib + 4 * mib * (-1.0) ** np.arange(len(calls))
+    tilted = pages(zigzag + np.linspace(0, 1.2 * mib, len(calls)))
+    assert soak._trend([{"calls": c, key: v} for c, v in zip(calls, tilted)], [key])[key] >= mib, "a tilted line"
+    assert verdict(tilted, key)[0], verdict(tilted, key)
+    ok, failures = verdict(pages(zigzag + np.linspace(0, 8 * mib, len(calls))), key)
+    assert not ok and failures[0].startswith(f"{key} grew"), failures
