@@ -16,10 +16,12 @@ Lowering (once per compiled call site): everything a run needs is decided here
 
 Execution (every run): nothing is created, built or allocated
     The handler reads the call site's key, the device ordinal, XLA's stream and the buffer addresses
-    (:meth:`ffi.Call.snapshot`: one pass over the call frame as 64-bit words), finds the call site's
-    launch by ``(key, device)`` and runs :meth:`CallPlan.launch` (under the device lock: point the handle
-    at the stream only when it changed, zero what the policy zeroes first, launch).  A missing plan - a
-    device the lowering did not plan - is a clear error, never a build.
+    (:meth:`ffi.Call.snapshot`: one ``struct`` read of the call frame's fields, one per buffer table),
+    finds the call site's launch by ``(key, device)`` and runs :meth:`CallPlan.launch` (under the device
+    lock: point the handle at the stream only when it changed, zero what the policy zeroes first, launch;
+    or replay it, :mod:`cudnn_attn.replay`, without asking whether the stream is being captured when the
+    target is the one XLA never records).  A missing plan - a device the lowering did not plan - is a
+    clear error, never a build.
 
 CUDA graphs (XLA command buffers)
     The target is declared command-buffer compatible, so XLA may record the handler's work (memsets

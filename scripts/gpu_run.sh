@@ -10,6 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT="${OUT:-bench_out}"
+if [ -n "$(ls -A "$OUT" 2>/dev/null)" ]; then     # the device machine keeps /tmp between loans
+  echo "warning: $OUT is not empty; files of an earlier run lie beside this run's (start from an empty folder)" >&2
+fi
 mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false   # JAX shares the GPU with CuPy and torch in one process
 export PYTHONUNBUFFERED=1
