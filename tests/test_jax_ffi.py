@@ -206,3 +206,58 @@ def test_a_known_device_skips_the_device_query(monkeypatch):
         del cudnn_target._launches[(key, 3)]
         unpin()
     assert len(plan.launches) == 1
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "pthread_create"), reason="needs POSIX threads")
+def test_gpu_handler_from_foreign_threads_each_with_a_fresh_thread_state():
+    """XLA runs the handler on its own threads, which enter Python through ctypes with a fresh thread state per
+    call.  Here every call is a new POSIX thread whose start routine is the handler itself (its C signature is a
+    thread's), many at once, from several Python threads: every call launches its own call site's plan with the
+    frame's addresses, and none fails."""
+    import threading
+
+    from cudnn_attn.jax_bridge import cudnn_target
+
+    keys = [2 ** 43 + i for i in range(8)]
+    frames = {key: ffi.HostCallFrame(key, 3, 2) for key in keys}
+    plans = {key: _RecordingPlan(64) for key in keys}
+    unpins = []
+    for key in keys:
+        cudnn_target._launches[(key, 0)] = cudnn_target._site_launch(plans[key], ())
+        unpins.append(cudnn_target.plan_holds.pin(key))
+    handlers = [ffi.make_handler("cudnn_attn_test_foreign", cudnn_target._run),
+                ffi.make_handler("cudnn_attn_test_foreign_eager", cudnn_target._run_eager)]
+    libc = ctypes.CDLL(None)
+    libc.pthread_create.argtypes = [ctypes.POINTER(ctypes.c_ulong), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    libc.pthread_join.argtypes = [ctypes.c_ulong, ctypes.POINTER(ctypes.c_void_p)]
+    failures, rounds = [], 25
+
+    def spawn():                       # CDLL releases the GIL around create and join: the handlers run meanwhile
+        for _ in range(rounds):
+            threads = []
+            for i, key in enumerate(keys):
+                thread = ctypes.c_ulong()
+                assert libc.pthread_create(ctypes.byref(thread), None, handlers[i % 2].address,
+                                           frames[key].address) == 0
+                threads.append(thread.value)
+            for thread in threads:
+                error = ctypes.c_void_p()
+                libc.pthread_join(thread, ctypes.byref(error))
+                if error.value:                          # an XLA_FFI_Error*: the handler raised
+                    failures.append(error.value)
+
+    try:
+        spawners = [threading.Thread(target=spawn) for _ in range(4)]
+        for spawner in spawners:
+            spawner.start()
+        for spawner in spawners:
+            spawner.join()
+    finally:
+        for key, unpin in zip(keys, unpins):
+            del cudnn_target._launches[(key, 0)]
+            unpin()
+    assert not failures, f"{len(failures)} handler calls failed"
+    addresses = [0x1000 * (i + 1) for i in range(5)]
+    for i, key in enumerate(keys):
+        expected = (addresses[:-1], 0, addresses[-1], (), True, i % 2 == 0)     # _run: capturable; _run_eager: not
+        assert plans[key].launches == [expected] * (4 * rounds), key
