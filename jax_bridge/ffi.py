@@ -369,8 +369,8 @@ def _raise(functions: _Functions, error: int, what: str) -> None:
 
 def _data_addresses(count: int, items: int) -> list[int]:
     """The data addresses of the ``count`` ``XLA_FFI_Buffer*`` listed at ``items``."""
-    words = _WORDS
-    return [words[(b >> 3) + _BW_DATA] for b in (_pointer_readers.get(count) or _pointer_reader(count))(_MEMORY, items)]
+    words, read = _WORDS, _pointer_readers.get(count) or _pointer_reader(count)
+    return [words[(b >> 3) + _BW_DATA] for b in read(_MEMORY, items)]
 
 
 _new_tuple = tuple.__new__
@@ -469,9 +469,9 @@ class Call:
 
     def addresses_and_key(self) -> tuple[int, list[int], list[int]]:
         """The platform-independent part of :meth:`snapshot`: ``(key, argument addresses, result addresses)``."""
-        _, _, _, _, _, _, n_attrs, attrs = _read_frame(_MEMORY, self._frame)
+        _, _, n_args, args, n_rets, rets, n_attrs, attrs = _read_frame(_MEMORY, self._frame)
         return (self._key(attrs) if n_attrs == 1 else self.int64_attribute("key"),
-                self.arg_addresses(), self.ret_addresses())
+                _data_addresses(n_args, args), _data_addresses(n_rets, rets))
 
     @staticmethod
     def _key(attrs: int) -> int:
