@@ -51,6 +51,7 @@ import argparse
 import collections
 import contextlib
 import faulthandler
+import functools
 import gc
 import json
 import os
@@ -449,7 +450,7 @@ def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool,
     halfway = next(row for row in phases if row["calls"] >= (before["calls"] + after["calls"]) // 2)
     if sum(row["calls"] >= halfway["calls"] for row in phases) < 3:     # too few readings: the whole soak
         halfway = before
-    second_half = [row for row in phases if row["calls"] >= halfway["calls"]]
+    trends, trend_errors = _trends([row for row in phases if row["calls"] >= halfway["calls"]], measured)
     return {
         "backend": backend.name, "threads": threads, "calls": sum(tally.calls.values()), "settling_calls": settle,
         "seconds": round(seconds, 1), "warm_up_seconds": round(warm_up_seconds, 1),
@@ -459,8 +460,7 @@ def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool,
         "messages": tally.messages, "memory_before": before, "memory_after": after,
         "growth": {k: after[k] - before[k] for k in measured}, "halfway_calls": halfway["calls"],
         "growth_second_half": {k: after[k] - halfway[k] for k in measured if halfway.get(k) is not None},
-        "trend_second_half": _trend(second_half, measured),
-        "trend_error_second_half": _trend_error(second_half, measured),
+        "trend_second_half": trends, "trend_error_second_half": trend_errors,
         "phases": phases, "samples": samples,
         "graph_cache": {"maxsize": cache_size, "hits": stats.hits, "misses": stats.misses,
                         "evictions": stats.evictions, "entries": stats.entries, "live_graphs": after["live_graphs"],
@@ -482,31 +482,23 @@ ATTRIBUTION_KEYS = ("malloc_in_use",)
 """Reported beside the RSS: the bytes malloc holds for its callers (:func:`_host_heap`)."""
 
 
-def _trend(rows: list[dict], keys: list[str]) -> dict[str, float]:
+def _trends(rows: list[dict], keys: list[str]) -> tuple[dict[str, float], dict[str, float]]:
     """Growth of each of ``keys`` over ``rows`` as a least-squares line through all of them (slope times the calls
-    spanned): what accumulates with the calls, without the +-1 MiB by which single RSS readings scatter."""
-    return {k: fit[0] for k, fit in _fits(rows, keys).items()}
-
-
-def _trend_error(rows: list[dict], keys: list[str]) -> dict[str, float]:
-    """The standard error of each :func:`_trend` (from the scatter of the readings about the line): a trend within
-    two of them is what the scatter alone makes (0 with fewer than three readings)."""
-    return {k: fit[1] for k, fit in _fits(rows, keys).items()}
-
-
-def _fits(rows: list[dict], keys: list[str]) -> dict[str, tuple[float, float]]:
+    spanned): what accumulates with the calls, without the +-1 MiB by which single RSS readings scatter; and the
+    standard error of each (from the scatter of the readings about the line): a trend within two of them is what
+    the scatter alone makes (0 with fewer than three readings)."""
     calls = np.array([row["calls"] for row in rows], dtype=float)
     if len(rows) < 3 or np.ptp(calls) == 0:
-        return {k: (float(rows[-1][k] - rows[0][k]), 0.0) for k in keys}
-    fits, spread = {}, np.sum((calls - calls.mean()) ** 2)
+        return {k: float(rows[-1][k] - rows[0][k]) for k in keys}, {k: 0.0 for k in keys}
+    trends, errors, spread = {}, {}, np.sum((calls - calls.mean()) ** 2)
     for k in keys:
         if all(row.get(k) is not None for row in rows):
             values = np.array([row[k] for row in rows], dtype=float)
             slope, offset = np.polyfit(calls, values, 1)
             residual = values - (slope * calls + offset)
-            error = np.sqrt(np.sum(residual ** 2) / (len(rows) - 2) / spread)
-            fits[k] = (float(slope * np.ptp(calls)), float(error * np.ptp(calls)))
-    return fits
+            trends[k] = float(slope * np.ptp(calls))
+            errors[k] = float(np.sqrt(np.sum(residual ** 2) / (len(rows) - 2) / spread) * np.ptp(calls))
+    return trends, errors
 
 
 POOL_KEYS = ("cupy_pool_high_water", "jax_pool", "device_used")
@@ -543,16 +535,15 @@ def _host_heap() -> dict[str, int | None]:
     objects) - and ``python_blocks``, the blocks CPython's own allocator has handed out (a count).  When both
     stay flat while the RSS steps up, the step is fragmentation of freed memory, not memory still held."""
     import ctypes
-    import ctypes.util
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in (
             "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallinfo2.restype = MallInfo2
-        info = libc.mallinfo2()
+        mallinfo2 = _libc().mallinfo2
+        mallinfo2.restype = MallInfo2
+        info = mallinfo2()
         in_use = int(info.uordblks + info.hblkhd)
     except (OSError, AttributeError):        # not glibc, or glibc < 2.33
         in_use = None
@@ -561,15 +552,20 @@ def _host_heap() -> dict[str, int | None]:
 
 def _trimmed_rss() -> int | None:
     """The RSS after glibc's ``malloc_trim(0)`` (``None`` where there is no glibc)."""
-    import ctypes
-    import ctypes.util
-
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         return None
     return _rss()
+
+
+@functools.lru_cache(maxsize=None)
+def _libc() -> Any:
+    """The C library (its malloc's statistics and trimming); ``OSError`` where it cannot be loaded."""
+    import ctypes
+    import ctypes.util
+
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
 def _phase_line(row: dict) -> str:

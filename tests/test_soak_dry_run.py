@@ -64,8 +64,8 @@ def test_the_memory_verdict_reads_the_trend_of_the_second_half():
 
     def verdict(values, key="host_rss"):
         rows = [{"calls": c, key: v} for c, v in zip(calls, values)]
-        report = {"errors": {}, "mismatches": {}, "trend_second_half": soak._trend(rows, [key]),
-                  "trend_error_second_half": soak._trend_error(rows, [key])}
+        trends, errors = soak._trends(rows, [key])
+        report = {"errors": {}, "mismatches": {}, "trend_second_half": trends, "trend_error_second_half": errors}
         return soak.verdict(report)
 
     flat = 1000 * mib + rng.uniform(-mib, mib, len(calls))
@@ -81,7 +81,7 @@ def test_the_memory_verdict_reads_the_trend_of_the_second_half():
 
     key, zigzag = "device_outside_pools", 600 * mib + 4 * mib * (-1.0) ** np.arange(len(calls))
     tilted = pages(zigzag + np.linspace(0, 1.2 * mib, len(calls)))
-    assert soak._trend([{"calls": c, key: v} for c, v in zip(calls, tilted)], [key])[key] >= mib, "a tilted line"
+    assert soak._trends([{"calls": c, key: v} for c, v in zip(calls, tilted)], [key])[0][key] >= mib, "a tilted line"
     assert verdict(tilted, key)[0], verdict(tilted, key)
     ok, failures = verdict(pages(zigzag + np.linspace(0, 8 * mib, len(calls))), key)
     assert not ok and failures[0].startswith(f"{key} grew"), failures
