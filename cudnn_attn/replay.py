@@ -46,17 +46,16 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
-from .env import flag
+from .env import count, flag
 
 logger = logging.getLogger("cudnn_attn")
 
 CAPACITY = 16
 """Graphs kept per plan."""
-DEVICE_CAPACITY = int(os.environ.get("CUDNN_ATTN_REPLAY_GRAPHS", "64"))
+DEVICE_CAPACITY = count("CUDNN_ATTN_REPLAY_GRAPHS", default=64)
 """Graphs kept per device over all plans (``$CUDNN_ATTN_REPLAY_GRAPHS``, read at import)."""
 RECYCLE = True
 """Whether a plan at its bound updates its least recently used graph in place (``False``: destroys it and
