@@ -91,8 +91,8 @@ class Replays:
     def launch(self, addresses: Sequence[int], workspace: int, stream: int, capturable: bool = True) -> bool:
         """Launch by replay when the addresses allow it; ``False`` when the caller must launch itself.
         ``capturable=False``: the caller's stream is never being captured (it is not asked)."""
-        if not self.enabled:
-            return False
+        if not self.enabled or (capturable and stream > _LEGACY and _capturing(stream)):
+            return False                    # a stream being recorded gets the plain launch, recorded in turn
         key = (*addresses, workspace)
         graph = self._graphs.get(key)
         if graph is None:
@@ -104,13 +104,9 @@ class Replays:
             if self.captures >= PATIENCE and self.replays < self.captures:
                 self.disable()              # addresses do not repeat within CAPACITY: capturing only costs
                 return False
-            if capturable and stream > _LEGACY and _capturing(stream):
-                return False
             graph = self._capture(key, addresses, workspace)
             if graph is None:
                 return False
-        elif capturable and stream > _LEGACY and _capturing(stream):
-            return False
         else:
             self._graphs.move_to_end(key)
             self.replays += 1
