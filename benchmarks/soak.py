@@ -400,6 +400,7 @@ def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool,
     from cudnn_attn import replay
 
     backend = DryRunBackend() if dry_run else Backend()
+    rebinds = _count_rebinds()
     rng = np.random.default_rng(seed)
     workloads = [Workload(config, backend, rng, recompile_every) for config in _configs(quick or dry_run)]
     tally, samples, stop = Tally(), [], threading.Event()
@@ -414,7 +415,8 @@ def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool,
         row = {"phase": name, "calls": sum(tally.calls.values()), **backend.memory(),
                "cupy_pool_high_water": high_water,
                "live_graphs": cache.live_graphs(), "cached_graphs": len(cache), **_jax_side(),
-               "replay_graphs": sum(replay.live_graphs().values()), "replay_churn": replay.churn()}
+               "replay_graphs": sum(replay.live_graphs().values()), "replay_churn": replay.churn(),
+               "handle_streams": len(rebinds), "handle_rebinds": sum(rebinds.values())}
         row["host_rss_trimmed"] = _trimmed_rss()
         row.update(_host_heap())
         phases.append(row)
@@ -568,6 +570,26 @@ def _libc() -> Any:
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
+def _count_rebinds() -> collections.Counter:
+    """Count, by stream, every time a device's launch handle is pointed at a stream (``cudnnSetStream``):
+    how many distinct streams the handle has known shows whether short-lived streams pass through it."""
+    from cudnn_attn import runtime
+
+    rebinds: collections.Counter = collections.Counter()
+    bind = runtime.DeviceContext.bind_stream
+    if getattr(bind, "counted", None) is not None:
+        return bind.counted
+
+    def counted_bind(self: Any, stream_ptr: int) -> None:
+        if stream_ptr != self._stream:
+            rebinds[stream_ptr] += 1
+        bind(self, stream_ptr)
+
+    counted_bind.counted = rebinds
+    runtime.DeviceContext.bind_stream = counted_bind
+    return rebinds
+
+
 def _phase_line(row: dict) -> str:
     memory = "  ".join(f"{k} {row[k] / MIB:.1f}" for k in MEMORY_KEYS + ATTRIBUTION_KEYS + POOL_KEYS
                        if row.get(k) is not None)
@@ -575,7 +597,9 @@ def _phase_line(row: dict) -> str:
             f"graphs alive {row['live_graphs']} "
             f"(cached {row['cached_graphs']}, held by the JAX bridge {row['pinned_plans']}; call sites "
             f"{row['call_sites']}, in live executables {row['live_executable_sites']}); replay graphs "
-            f"{row.get('replay_graphs', '-')} (made, destroyed so far: {row.get('replay_churn', '-')})")
+            f"{row.get('replay_graphs', '-')} (made, destroyed so far: {row.get('replay_churn', '-')}); the launch "
+            f"handle pointed at {row.get('handle_streams', '-')} distinct streams, {row.get('handle_rebinds', '-')} "
+            f"times")
 
 
 def verdict(report: dict, growth_limit: int = MIB) -> tuple[bool, list[str]]:
