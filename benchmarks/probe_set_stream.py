@@ -11,9 +11,12 @@ is a result (its signal), not the end of the probe:
   stream - the library's sequence for a launch on a short-lived stream.
 * ``dead-direct``: the same through the public API: attention calls on a fresh CuPy stream each time (made,
   used, destroyed), between calls on a long-lived one.
+* ``dead-bound``: bound to a new stream, the stream destroyed while still bound, then bound to a live one.
 * ``dead-threads``: ``dead-direct`` from four threads at once, two on fresh streams, two on long-lived ones.
+* ``race``: see :func:`_case_race` (``--race-seconds``).  ``--wrap "cuda-gdb -batch -ex run -ex bt --args"``
+  prints the native stack of a crash.
 
-    python benchmarks/probe_set_stream.py [--iterations N] [--json PATH]
+    python benchmarks/probe_set_stream.py [--cases A,B] [--iterations N] [--race-seconds S] [--json PATH]
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import sys
 import threading
 import time
 
-CASES = ("live", "dead-reset", "dead-direct", "dead-threads")
+CASES = ("live", "dead-reset", "dead-bound", "dead-direct", "dead-threads", "race")
 
 
 def _case_live(iterations: int) -> None:
@@ -52,6 +55,88 @@ def _case_dead_reset(iterations: int) -> None:
         del short                                   # cudaStreamDestroy
         cudnn.set_stream(handle, live.ptr)
         cudnn.set_stream(handle, 0)
+
+
+def _case_dead_bound(iterations: int) -> None:
+    import cudnn
+    import cupy
+
+    handle = cudnn.create_handle()
+    live = cupy.cuda.Stream(non_blocking=True)
+    for _ in range(iterations):
+        short = cupy.cuda.Stream(non_blocking=True)
+        cudnn.set_stream(handle, short.ptr)
+        del short                                   # destroyed while the handle still points at it
+        cudnn.set_stream(handle, live.ptr)
+
+
+def _case_race(seconds: float) -> None:
+    """``cudnnSetStream`` hammered on a handle of its own across 17 streams and the null stream, while the
+    library builds, evicts and launches graphs (a 2-graph cache, 8 shapes, 3 threads) and XLA runs the JAX
+    bridge (2 threads): the soak's concurrency, with the call it died in made ten thousand times likelier."""
+    import cudnn
+    import cupy
+    import jax
+    import jax.numpy as jnp
+
+    import cudnn_attn
+    from cudnn_attn import jax_bridge as jb
+    from cudnn_attn.cache import GraphCache
+
+    old = cudnn_attn.graph_cache
+    small = GraphCache(2)
+    for module in [m for n, m in list(sys.modules.items()) if n.startswith("cudnn_attn")]:
+        if getattr(module, "graph_cache", None) is old:
+            module.graph_cache = small
+    stop, counts, errors = threading.Event(), {}, []
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(17)]
+
+    def hammer() -> None:
+        handle, n = cudnn.create_handle(), 0
+        pointers = [p for s in streams for p in (s.ptr, 0)]
+        while not stop.is_set():
+            for pointer in pointers:
+                cudnn.set_stream(handle, pointer)
+            n += len(pointers)
+        counts["set_stream"] = n
+
+    def direct(index: int) -> None:
+        rng, n = cupy.random.default_rng(index), 0
+        while not stop.is_set():
+            t = 64 * (1 + (n + index) % 8)
+            q, k, v = (rng.standard_normal((1, t, 4, 64), dtype=cupy.float32).astype(cupy.float16) for _ in range(3))
+            cudnn_attn.dot_product_attention(q, k, v, mask_type=cudnn_attn.MaskType.CAUSAL)
+            n += 1
+        counts[f"direct{index}"] = n
+
+    def bridge(index: int) -> None:
+        t, n = 128 * (index + 1), 0
+        q = jax.random.normal(jax.random.key(index), (2, t, 4, 64), jnp.bfloat16)
+        function = jax.jit(lambda q: jb.dot_product_attention(q, q, q, mask_type=cudnn_attn.MaskType.CAUSAL if index else cudnn_attn.MaskType.NO_MASK))
+        while not stop.is_set():
+            function(q).block_until_ready()
+            n += 1
+        counts[f"jax{index}"] = n
+
+    def guarded(target, *args):
+        try:
+            target(*args)
+        except BaseException as error:  # noqa: BLE001 -- reported by the parent
+            errors.append(error)
+            stop.set()
+
+    workers = [threading.Thread(target=guarded, args=(hammer,))]
+    workers += [threading.Thread(target=guarded, args=(direct, i)) for i in range(3)]
+    workers += [threading.Thread(target=guarded, args=(bridge, i)) for i in range(2)]
+    for worker in workers:
+        worker.start()
+    stop.wait(seconds)
+    stop.set()
+    for worker in workers:
+        worker.join()
+    print("calls:", counts, flush=True)
+    if errors:
+        raise errors[0]
 
 
 def _attention_inputs(seed: int):
@@ -104,8 +189,11 @@ def _run_case(name: str, iterations: int) -> None:
     import faulthandler
 
     faulthandler.enable()
-    {"live": _case_live, "dead-reset": _case_dead_reset, "dead-direct": _case_dead_direct,
-     "dead-threads": _case_dead_threads}[name](iterations)
+    if name == "race":
+        _case_race(float(iterations))
+    else:
+        {"live": _case_live, "dead-reset": _case_dead_reset, "dead-bound": _case_dead_bound,
+         "dead-direct": _case_dead_direct, "dead-threads": _case_dead_threads}[name](iterations)
     import cupy
 
     cupy.cuda.Device().synchronize()
@@ -116,27 +204,32 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=20000)
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--json")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: " + ", ".join(CASES))
+    parser.add_argument("--race-seconds", type=float, default=60.0)
+    parser.add_argument("--wrap", default="", help="a command the child runs under (a debugger), split on spaces")
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)   # the child process
     args = parser.parse_args()
     if args.case:
         _run_case(args.case, args.iterations)
         return 0
     rows = []
-    for name in CASES:
+    for name in args.cases.split(","):
         start = time.perf_counter()
+        amount = args.race_seconds if name == "race" else args.iterations
         try:
-            child = subprocess.run([sys.executable, __file__, "--case", name, "--iterations", str(args.iterations)],
+            child = subprocess.run([*args.wrap.split(), sys.executable, __file__, "--case", name, "--iterations",
+                                    str(int(amount))],
                                    capture_output=True, text=True, timeout=args.timeout)
-            code, tail = child.returncode, (child.stdout + child.stderr)[-3000:]
+            code, tail = child.returncode, (child.stdout + child.stderr)[-6000:]
         except subprocess.TimeoutExpired:
             code, tail = "timeout", ""
         seconds = time.perf_counter() - start
         verdict = ("ok" if code == 0 else f"killed by {signal.Signals(-code).name}" if isinstance(code, int)
                    and code < 0 else f"exit {code}")
         rows.append({"case": name, "iterations": args.iterations, "seconds": round(seconds, 1),
-                     "returncode": code, "verdict": verdict, "tail": tail if code != 0 else ""})
+                     "returncode": code, "verdict": verdict, "tail": tail})
         print(f"{name:14s} {verdict:24s} {seconds:6.1f} s", flush=True)
-        if code != 0:
+        if code != 0 or args.wrap or name == "race":
             print(tail, flush=True)
     if args.json:
         with open(args.json, "w") as file:
