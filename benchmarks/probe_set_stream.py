@@ -13,6 +13,7 @@ is a result (its signal), not the end of the probe:
   used, destroyed), between calls on a long-lived one.
 * ``dead-bound``: bound to a new stream, the stream destroyed while still bound, then bound to a live one.
 * ``dead-threads``: ``dead-direct`` from four threads at once, two on fresh streams, two on long-lived ones.
+* ``fresh-threads``: every bind from a new thread, which has no CUDA context current.
 * ``race``: see :func:`_case_race` (``--race-seconds``).  ``--wrap "cuda-gdb -batch -ex run -ex bt --args"``
   prints the native stack of a crash.
 
@@ -28,7 +29,7 @@ import sys
 import threading
 import time
 
-CASES = ("live", "dead-reset", "dead-bound", "dead-direct", "dead-threads", "race")
+CASES = ("live", "dead-reset", "dead-bound", "dead-direct", "dead-threads", "race", "fresh-threads")
 
 
 def _case_live(iterations: int) -> None:
@@ -68,6 +69,32 @@ def _case_dead_bound(iterations: int) -> None:
         cudnn.set_stream(handle, short.ptr)
         del short                                   # destroyed while the handle still points at it
         cudnn.set_stream(handle, live.ptr)
+
+
+def _case_fresh_threads(iterations: int) -> None:
+    """Each ``cudnnSetStream`` from a new thread, which has no CUDA context current (the soak's workers are
+    new threads every thousand calls; cuda-gdb showed two CUDA_ERROR_INVALID_CONTEXT per new thread)."""
+    import cudnn
+    import cupy
+
+    handle, lock = cudnn.create_handle(), threading.Lock()
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(17)]
+    without_context = []
+
+    def first_call(index: int) -> None:
+        from cuda.bindings import driver
+
+        error, context = driver.cuCtxGetCurrent()
+        without_context.append(int(context) == 0)
+        with lock:
+            cudnn.set_stream(handle, streams[index % len(streams)].ptr)
+            cudnn.set_stream(handle, 0)
+
+    for index in range(iterations):
+        thread = threading.Thread(target=first_call, args=(index,))
+        thread.start()
+        thread.join()
+    print(f"threads {iterations}, of which without a current CUDA context: {sum(without_context)}", flush=True)
 
 
 def _case_race(seconds: float) -> None:
@@ -193,6 +220,7 @@ def _run_case(name: str, iterations: int) -> None:
         _case_race(float(iterations))
     else:
         {"live": _case_live, "dead-reset": _case_dead_reset, "dead-bound": _case_dead_bound,
+         "fresh-threads": _case_fresh_threads,
          "dead-direct": _case_dead_direct, "dead-threads": _case_dead_threads}[name](iterations)
     import cupy
 
@@ -229,7 +257,7 @@ def main() -> int:
         rows.append({"case": name, "iterations": args.iterations, "seconds": round(seconds, 1),
                      "returncode": code, "verdict": verdict, "tail": tail})
         print(f"{name:14s} {verdict:24s} {seconds:6.1f} s", flush=True)
-        if code != 0 or args.wrap or name == "race":
+        if code != 0 or args.wrap or name in ("race", "fresh-threads"):
             print(tail, flush=True)
     if args.json:
         with open(args.json, "w") as file:

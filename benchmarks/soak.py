@@ -416,7 +416,8 @@ def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool,
                "cupy_pool_high_water": high_water,
                "live_graphs": cache.live_graphs(), "cached_graphs": len(cache), **_jax_side(),
                "replay_graphs": sum(replay.live_graphs().values()), "replay_churn": replay.churn(),
-               "handle_streams": len(rebinds), "handle_rebinds": sum(rebinds.values())}
+               "handle_streams": len(rebinds), "handle_rebinds": sum(rebinds.values()),
+               "rebinds_without_context": rebinds["without a current CUDA context"]}
         row["host_rss_trimmed"] = _trimmed_rss()
         row.update(_host_heap())
         phases.append(row)
@@ -580,9 +581,13 @@ def _count_rebinds() -> collections.Counter:
     if getattr(bind, "counted", None) is not None:
         return bind.counted
 
+    from cuda.bindings import driver
+
     def counted_bind(self: Any, stream_ptr: int) -> None:
         if stream_ptr != self._stream:
             rebinds[stream_ptr] += 1
+            if not int(driver.cuCtxGetCurrent()[1]):
+                rebinds["without a current CUDA context"] += 1
         bind(self, stream_ptr)
 
     counted_bind.counted = rebinds
@@ -599,7 +604,7 @@ def _phase_line(row: dict) -> str:
             f"{row['call_sites']}, in live executables {row['live_executable_sites']}); replay graphs "
             f"{row.get('replay_graphs', '-')} (made, destroyed so far: {row.get('replay_churn', '-')}); the launch "
             f"handle pointed at {row.get('handle_streams', '-')} distinct streams, {row.get('handle_rebinds', '-')} "
-            f"times")
+            f"times, {row.get('rebinds_without_context', '-')} of them with no CUDA context current")
 
 
 def verdict(report: dict, growth_limit: int = MIB) -> tuple[bool, list[str]]:
