@@ -238,18 +238,23 @@ class CallPlan:
         """
         context = self.context
         with context.lock:
-            context.bind_stream(stream)
-            if workspace is None:
-                workspace = context.workspace(stream, self.workspace_size) if self.workspace_size else 0
-            if self._zeroed:
-                _memset_zero(pointers, self._zeroed, stream)
-            if self._scalars:
-                for buffer, value in zip(self._scalars, scalars):
-                    buffer[0] = value
-                pointers = pointers + self._scalar_addresses
-            self.launcher(pointers, workspace, context.handle)
-            if stream and not keep_stream:
-                context.bind_stream(0)
+            adopted = context.adopt_thread()           # a thread with no CUDA context (runtime module doc)
+            try:
+                context.bind_stream(stream)
+                if workspace is None:
+                    workspace = context.workspace(stream, self.workspace_size) if self.workspace_size else 0
+                if self._zeroed:
+                    _memset_zero(pointers, self._zeroed, stream)
+                if self._scalars:
+                    for buffer, value in zip(self._scalars, scalars):
+                        buffer[0] = value
+                    pointers = pointers + self._scalar_addresses
+                self.launcher(pointers, workspace, context.handle)
+                if stream and not keep_stream:
+                    context.bind_stream(0)
+            finally:
+                if adopted:
+                    context.release_thread()
 
     def specialized(self, scalars: Sequence[Any] = (), keep_stream: bool = False) -> Callable[..., None]:
         """:meth:`launch` with ``scalars`` and ``keep_stream`` fixed: ``run(pointers, stream, workspace=None,
@@ -286,20 +291,26 @@ class CallPlan:
             return None
         context, size = self.context, self.workspace_size
         lock, bind_stream, workspace_for = context.lock, context.bind_stream, context.workspace
+        adopt_thread, release_thread = context.adopt_thread, context.release_thread
         replays = Replays(raw, bind_stream, context.capture_stream, context.device) if replay.ENABLED else None
         if replays is not None:
             self.replays.add(replays)
 
         def run(pointers: Sequence[int], stream: int, workspace: int | None = None, capturable: bool = True) -> None:
             with lock:
-                if workspace is None:
-                    workspace = workspace_for(stream, size) if size else 0
-                if replays is not None and replays.launch(pointers, workspace, stream, capturable):
-                    return
-                bind_stream(stream)
-                raw(pointers, workspace)
-                if stream and not keep_stream:
-                    bind_stream(0)
+                adopted = adopt_thread()               # a thread with no CUDA context (runtime module doc)
+                try:
+                    if workspace is None:
+                        workspace = workspace_for(stream, size) if size else 0
+                    if replays is not None and replays.launch(pointers, workspace, stream, capturable):
+                        return
+                    bind_stream(stream)
+                    raw(pointers, workspace)
+                    if stream and not keep_stream:
+                        bind_stream(0)
+                finally:
+                    if adopted:
+                        release_thread()
 
         return run
 

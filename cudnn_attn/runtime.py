@@ -19,6 +19,15 @@ Threads
     and deserializes graphs under a lock of its own, so that a build of up to a second never blocks a
     launch.  Plans built on one handle run on another of the same device.
 
+A thread with no CUDA context
+    A new thread has no CUDA context current until something makes one current (the CUDA runtime does so
+    lazily; the driver API does not).  XLA calls the FFI handler on such threads, and there
+    ``cudnnSetStream`` issues driver queries that fail with CUDA_ERROR_INVALID_CONTEXT: the H200 soak
+    counted 14 of 4,591 rebinds without a context, and two soaks died of SIGSEGV inside ``cudnnSetStream``
+    (2026-12-01).  Every use of a handle therefore starts with :meth:`DeviceContext.adopt_thread`, which
+    makes the device's primary context current when no context is, and ends with
+    :meth:`DeviceContext.release_thread`, which unbinds it again, so the caller's thread is left as it was.
+
 Streams a handle may not outlive
     cuDNN keeps the stream a handle points at and queries it (deserializing a plan checks whether it is
     being captured).  Pointing a handle at a stream that is later destroyed corrupts the next use: on
@@ -172,17 +181,38 @@ class DeviceContext:
             self.handle = create_handle(device)
             self._planning_handle = create_handle(device)
             self.environment = Environment.detect()
+            # the device's primary context, current here (cudaSetDevice makes it so)
+            self._get_current, self._set_current = cupy.cuda.driver.ctxGetCurrent, cupy.cuda.driver.ctxSetCurrent
+            self.cuda_context = self._get_current()
         self.handle_address = int(self.handle.backend_handle)
         self._stream = None                       # the stream the handle points at
         self._streams: dict[int, Any] = {}
         self._workspaces: dict[int, Any] = {}
         self._capture: Any = None                 # the private stream launches are captured on (cudnn_attn.replay)
 
+    def adopt_thread(self) -> bool:
+        """Make the device's CUDA context current on this thread when no context is (see the module doc);
+        ``True`` when it did, and the caller then calls :meth:`release_thread` after its cuDNN calls.
+        Thread-local: no lock needed.  Costs one driver query when a context is current."""
+        if self._get_current():
+            return False
+        self._set_current(self.cuda_context)
+        return True
+
+    def release_thread(self) -> None:
+        """Unbind the context :meth:`adopt_thread` made current, leaving the thread as it found it."""
+        self._set_current(0)
+
     @contextlib.contextmanager
     def planning(self):
         """The planning handle (on the default stream), held for one build or deserialization."""
         with self._planning_lock:
-            yield self._planning_handle
+            adopted = self.adopt_thread()
+            try:
+                yield self._planning_handle
+            finally:
+                if adopted:
+                    self.release_thread()
 
     def bind_stream(self, stream_ptr: int) -> None:
         """Point the launch handle at ``stream_ptr``.  Hold :attr:`lock`."""

@@ -81,6 +81,18 @@ class _Context:
         self.lock = threading.Lock()
         self.handle = types.SimpleNamespace(backend_handle=7)
         self.streams, self.workspaces = [], []
+        self.has_cuda_context, self.threads = True, []      # whether this thread has a CUDA context current
+
+    def adopt_thread(self):
+        assert self.lock.locked(), "made current for the launch, under the device lock"
+        self.threads.append("adopt" if not self.has_cuda_context else "had one")
+        adopted, self.has_cuda_context = not self.has_cuda_context, True
+        return adopted
+
+    def release_thread(self):
+        assert self.lock.locked()
+        self.threads.append("release")
+        self.has_cuda_context = False
 
     def bind_stream(self, stream):
         assert self.lock.locked(), "the handle is pointed at a stream under the device lock"
@@ -221,6 +233,57 @@ def test_the_direct_sequence_launches_then_captures_then_replays(monkeypatch):
     assert (replays.captures, replays.replays) == (1, 1)
     plan.run([1, 2, 3, 5], 0x55)                                  # another output: cuDNN again
     assert len(plan.launcher.calls) == 3 and plan.context.streams[-2:] == [0x55, 0]
+
+
+def test_a_launch_on_a_thread_without_a_cuda_context_adopts_the_device_context_and_gives_it_back(monkeypatch):
+    """XLA calls the handler on threads with no CUDA context current, where cudnnSetStream's driver queries fail
+    (two soaks died inside it). Both launch routes make the device's context current first and unbind it
+    afterwards - also when the launch raises - and leave a thread that had a context alone."""
+    from cudnn_attn import replay
+
+    monkeypatch.setattr(replay, "ENABLED", False)
+    config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16, dtype="float16")
+    dropout = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16,
+                              dtype="float16", dropout_rate=0.1, training=True)
+    raw = _plan(monkeypatch, config, "fwd", (TensorId.Q, TensorId.K, TensorId.V, TensorId.O))
+    scalars = _plan(monkeypatch, dropout, "fwd", (TensorId.Q, TensorId.K, TensorId.V, TensorId.O, TensorId.STATS,
+                                                  TensorId.SEED, TensorId.OFFSET))
+    launches = {"raw sequence": lambda: raw.run([1, 2, 3, 4], 0x55),
+                "launch": lambda: scalars.launch([1, 2, 3, 4, 5], 0x55, scalars=(1, 0))}
+    for name, launch in launches.items():
+        context = (raw if name == "raw sequence" else scalars).context
+        context.has_cuda_context = False
+        launch()
+        assert context.threads == ["adopt", "release"] and not context.has_cuda_context, name
+        context.threads.clear()
+        context.has_cuda_context = True
+        launch()
+        assert context.threads == ["had one"] and context.has_cuda_context, name
+    failing = scalars.context
+    failing.threads.clear()
+    failing.has_cuda_context = False
+
+    def refuse(addresses, workspace, handle):
+        raise RuntimeError("cuDNN refused")
+
+    scalars.launcher = refuse
+    with pytest.raises(RuntimeError, match="cuDNN refused"):
+        scalars.launch([1, 2, 3, 4, 5], 0x55, scalars=(1, 0))
+    assert failing.threads == ["adopt", "release"] and not failing.has_cuda_context
+
+
+def test_device_context_makes_its_cuda_context_current_only_where_none_is():
+    """``DeviceContext.adopt_thread`` against the driver's current-context calls (faked: no GPU here)."""
+    current = {"context": 0}
+    context = object.__new__(runtime.DeviceContext)
+    context.cuda_context = 0xC0
+    context._get_current = lambda: current["context"]
+    context._set_current = lambda value: current.update(context=value)
+    assert context.adopt_thread() is True and current["context"] == 0xC0
+    context.release_thread()
+    assert current["context"] == 0
+    current["context"] = 0xD1                       # a thread with a context (another device's, even): untouched
+    assert context.adopt_thread() is False and current["context"] == 0xD1
 
 
 def test_no_replay_when_switched_off(monkeypatch):

@@ -357,3 +357,45 @@ def test_a_key_on_another_gpu_never_takes_a_remembered_signature():
     bound = cudnn_attn.bind(q, k, v, scale=0.125)
     with pytest.raises(ValueError, match="key: this bound call takes"):
         bound(q, k1, v)
+
+
+def test_a_launch_from_a_thread_with_no_cuda_context():
+    """XLA calls the handler on threads that have no CUDA context current, where ``cudnnSetStream``'s driver
+    queries fail (``cudnn_attn.runtime``, "A thread with no CUDA context"; two soaks died inside it).  A
+    launch from a new thread, on a stream of its own, computes what the same plan computes here, and leaves
+    the thread without a context, as it found it."""
+    import threading
+
+    from cudnn_attn.plan import graph_inputs
+
+    rng = np.random.default_rng(43)
+    config = make_config(T=128, S=192, mask_type=MaskType.CAUSAL)
+    gpu = to_gpu(random_operands(config, rng, poison=False))
+    expected = execution.forward(config, gpu).output
+    plan = graph_cache.plan(config, "fwd", 0)
+    inputs, _ = graph_inputs(cp, config, "fwd", execution.named_arrays(config, "fwd", gpu))
+    inputs = {t: cp.ascontiguousarray(x) for t, x in inputs.items()}
+    results = [poisoned(spec.shape, spec.dtype) for spec in plan.results]
+    workspace = cp.empty(max(plan.workspace_size, 1), cp.uint8)
+    stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.get_current_stream().synchronize()
+    pointers = [inputs[t].data.ptr for t in plan.operand_ids] + [r.data.ptr for r in results]
+    seen, errors = {}, []
+
+    def launch_from_a_new_thread():
+        try:
+            seen["before"] = cp.cuda.driver.ctxGetCurrent()
+            plan.run(pointers, stream.ptr, workspace.data.ptr)
+            seen["after"] = cp.cuda.driver.ctxGetCurrent()
+        except Exception as error:      # noqa: BLE001 -- re-raised below, in the test's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=launch_from_a_new_thread)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    stream.synchronize()
+    assert seen == {"before": 0, "after": 0}, f"the new thread's CUDA context before and after the launch: {seen}"
+    output = next(r for spec, r in zip(plan.results, results) if spec.name == "output")
+    assert cp.array_equal(output, expected), "the launch from a thread without a context computed another output"
