@@ -56,7 +56,13 @@ def _plan(n_operands: int, n_results: int) -> object:
     launcher._setup_fast_path(tuple(range(count))[::-1], -1, _StubLauncher.raw_execute)
     context = types.SimpleNamespace(lock=threading.Lock(), handle=types.SimpleNamespace(backend_handle=1),
                                     bind_stream=lambda stream: None, device=0,
-                                    workspace=lambda stream, size: 0, capture_stream=lambda: 0)
+                                    workspace=lambda stream, size: 0, capture_stream=lambda: 0,
+                                    _get_current=lambda: 1, _set_current=lambda value: None, cuda_context=1)
+    from cudnn_attn.runtime import DeviceContext
+
+    # the real checks, with the driver's query answered by a no-op (XLA's threads mostly have a context current)
+    context.adopt_thread = DeviceContext.adopt_thread.__get__(context)
+    context.release_thread = DeviceContext.release_thread.__get__(context)
     from cudnn_attn.plan import CallPlan
 
     plan = CallPlan.__new__(CallPlan)
