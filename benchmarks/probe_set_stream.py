@@ -22,6 +22,7 @@ is a result (its signal), not the end of the probe:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import signal
 import subprocess
@@ -43,7 +44,9 @@ def _case_live(iterations: int) -> None:
         cudnn.set_stream(handle, 0)
 
 
-def _case_dead_reset(iterations: int) -> None:
+def _case_dead(iterations: int, reset: bool) -> None:
+    """A new stream bound, then destroyed - after the handle went back to the null stream (``reset``, the
+    library's sequence) or while still bound - and then a live stream bound."""
     import cudnn
     import cupy
 
@@ -52,23 +55,11 @@ def _case_dead_reset(iterations: int) -> None:
     for _ in range(iterations):
         short = cupy.cuda.Stream(non_blocking=True)
         cudnn.set_stream(handle, short.ptr)
-        cudnn.set_stream(handle, 0)
+        if reset:
+            cudnn.set_stream(handle, 0)
         del short                                   # cudaStreamDestroy
         cudnn.set_stream(handle, live.ptr)
         cudnn.set_stream(handle, 0)
-
-
-def _case_dead_bound(iterations: int) -> None:
-    import cudnn
-    import cupy
-
-    handle = cudnn.create_handle()
-    live = cupy.cuda.Stream(non_blocking=True)
-    for _ in range(iterations):
-        short = cupy.cuda.Stream(non_blocking=True)
-        cudnn.set_stream(handle, short.ptr)
-        del short                                   # destroyed while the handle still points at it
-        cudnn.set_stream(handle, live.ptr)
 
 
 def _case_fresh_threads(iterations: int) -> None:
@@ -219,7 +210,8 @@ def _run_case(name: str, iterations: int) -> None:
     if name == "race":
         _case_race(float(iterations))
     else:
-        {"live": _case_live, "dead-reset": _case_dead_reset, "dead-bound": _case_dead_bound,
+        {"live": _case_live, "dead-reset": functools.partial(_case_dead, reset=True),
+         "dead-bound": functools.partial(_case_dead, reset=False),
          "fresh-threads": _case_fresh_threads,
          "dead-direct": _case_dead_direct, "dead-threads": _case_dead_threads}[name](iterations)
     import cupy
