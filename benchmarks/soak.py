@@ -400,7 +400,7 @@ def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool,
     from cudnn_attn import replay
 
     backend = DryRunBackend() if dry_run else Backend()
-    rebinds = _count_rebinds()
+    rebinds = Rebinds() if dry_run else _count_rebinds()
     rng = np.random.default_rng(seed)
     workloads = [Workload(config, backend, rng, recompile_every) for config in _configs(quick or dry_run)]
     tally, samples, stop = Tally(), [], threading.Event()
@@ -416,8 +416,8 @@ def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool,
                "cupy_pool_high_water": high_water,
                "live_graphs": cache.live_graphs(), "cached_graphs": len(cache), **_jax_side(),
                "replay_graphs": sum(replay.live_graphs().values()), "replay_churn": replay.churn(),
-               "handle_streams": len(rebinds), "handle_rebinds": sum(rebinds.values()),
-               "rebinds_without_context": rebinds["without a current CUDA context"]}
+               "handle_streams": len(rebinds.streams), "handle_rebinds": sum(rebinds.streams.values()),
+               "rebinds_without_context": rebinds.without_context}
         row["host_rss_trimmed"] = _trimmed_rss()
         row.update(_host_heap())
         phases.append(row)
@@ -571,23 +571,34 @@ def _libc() -> Any:
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
-def _count_rebinds() -> collections.Counter:
-    """Count, by stream, every time a device's launch handle is pointed at a stream (``cudnnSetStream``):
-    how many distinct streams the handle has known shows whether short-lived streams pass through it."""
+@dataclass
+class Rebinds:
+    """The launch handle's rebinds (``cudnnSetStream``): a count per stream, and how many were made on a
+    thread with no CUDA context current."""
+
+    streams: collections.Counter = field(default_factory=collections.Counter)
+    without_context: int = 0
+
+
+def _count_rebinds() -> Rebinds:
+    """Count every time a device's launch handle is pointed at a stream: how many distinct streams the handle
+    has known shows whether short-lived streams pass through it, and the calls made with no CUDA context
+    current are the ones cuDNN's driver queries fail on (``cudnn_attn.runtime``).  Patches the process's
+    ``DeviceContext`` (a GPU soak only)."""
+    from cuda.bindings import driver
+
     from cudnn_attn import runtime
 
-    rebinds: collections.Counter = collections.Counter()
     bind = runtime.DeviceContext.bind_stream
     if getattr(bind, "counted", None) is not None:
         return bind.counted
-
-    from cuda.bindings import driver
+    rebinds = Rebinds()
 
     def counted_bind(self: Any, stream_ptr: int) -> None:
         if stream_ptr != self._stream:
-            rebinds[stream_ptr] += 1
+            rebinds.streams[stream_ptr] += 1
             if not int(driver.cuCtxGetCurrent()[1]):
-                rebinds["without a current CUDA context"] += 1
+                rebinds.without_context += 1
         bind(self, stream_ptr)
 
     counted_bind.counted = rebinds
