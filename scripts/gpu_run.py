@@ -16,6 +16,7 @@ Phases (default: ``tests train host jax attention``):
 * ``soak_ab``    - the soak twice, half the phase's time each: ``CUDNN_ATTN_REPLAY=0``, then replay on (which of
                    them grows device memory); ``SOAK_CALLS`` / ``SOAK_ARGS`` as for ``soak``;
 * ``graph_memory`` - ``benchmarks/probe_graph_memory.py``: device and host memory per replay graph;
+* ``rebuild_memory`` - ``benchmarks/probe_rebuild_device.py``: device memory under eviction and rebuild;
 * ``sanitizer``  - ``benchmarks/probe_bad_values.py`` (out-of-range lengths, offsets, page ids; raw and clamped)
                    under ``compute-sanitizer --tool memcheck`` when the machine has one, else with its guard
                    bytes only (the summary says which).
@@ -187,6 +188,12 @@ def main() -> int:
             rc, took = run("graph_memory", [sys.executable, "benchmarks/probe_graph_memory.py", "--out",
                                             os.path.join(OUT, "probe_graph_memory.json")], limit)
             summary.append("== memory of replay graphs (benchmarks/probe_graph_memory.py)\n" + tail("graph_memory", 6))
+        elif phase == "rebuild_memory":
+            rc, took = run("rebuild_memory", [sys.executable, "benchmarks/probe_rebuild_device.py", "--seconds",
+                                              str(max(10, (limit - 40) / 2)), "--out",
+                                              os.path.join(OUT, "probe_rebuild_device.json")], limit)
+            summary.append("== device memory under rebuilds (benchmarks/probe_rebuild_device.py)\n"
+                           + tail("rebuild_memory", 2))
         elif phase == "sanitizer":
             rc, took, lines = sanitizer(limit)
             summary += lines
