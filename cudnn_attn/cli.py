@@ -261,7 +261,10 @@ def _cudnn_version() -> str:
 def _store_line(store_dir: str | None) -> str:
     from . import plan_store
 
-    store = _store(store_dir, required=False)
+    try:
+        store = _store(store_dir, required=False)
+    except UsageError as exc:
+        return f"unusable: {exc}"
     if store is None:
         return f"off ({plan_store.ENV_VAR}=off)"
     info = store.info()
@@ -270,14 +273,34 @@ def _store_line(store_dir: str | None) -> str:
 
 
 def _store(directory: str | None, *, required: bool = True) -> Any:
+    """The plan store of ``--dir`` (else of the environment); a path that exists and is not a folder is a
+    usage error, named as the user gave it."""
     from .plan_store import ENV_VAR, PlanStore
 
-    if directory:
-        return PlanStore(directory)
-    store = PlanStore.from_env()
-    if store is None and required:
-        raise Unavailable(f"the plan store is off ({ENV_VAR}=off): pass --dir DIR or unset {ENV_VAR}")
+    store = PlanStore(directory) if directory else PlanStore.from_env()
+    if store is None:
+        if required:
+            raise Unavailable(f"the plan store is off ({ENV_VAR}=off): pass --dir DIR or unset {ENV_VAR}")
+        return None
+    if store.directory.exists() and not store.directory.is_dir():
+        raise UsageError(f"{_store_origin(directory)} {store.directory}: exists and is not a directory")
     return store
+
+
+def _store_origin(directory: str | None) -> str:
+    from .plan_store import ENV_VAR
+
+    return "--dir" if directory else f"the plan store ({ENV_VAR} or the user cache directory)"
+
+
+def _make_store_directory(store: Any, directory: str | None) -> None:
+    """Create the store's folder, or a usage error naming where its path came from."""
+    try:
+        store.make_directory()
+    except OSError as exc:
+        found = next((p for p in store.directory.parents if p.exists()), None)
+        why = f"{found} is not a directory" if found is not None and not found.is_dir() else exc.strerror or exc
+        raise UsageError(f"{_store_origin(directory)} {store.directory}: cannot create it ({why})") from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -286,6 +309,7 @@ def _store(directory: str | None, *, required: bool = True) -> Any:
 def cmd_info(args: argparse.Namespace) -> int:
     from . import __version__
 
+    spec = _specs(args)[0] if args.shape else None       # a bad call fails before anything is printed
     out = []
     out.append(f"cudnn_attn   {__version__} ({Path(__file__).resolve().parent})")
     out.append(f"Python       {sys.version.split()[0]} ({sys.executable})")
@@ -317,9 +341,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         out.append(f"GPU          none ({why})")
     out.append(f"plan store   {_store_line(args.dir)}")
     print("\n".join(out))
-    if args.shape:
+    if spec is not None:
         print()
-        print(_checklist(_specs(args)[0], args.target))
+        print(_checklist(spec, args.target))
     return EXIT_OK
 
 
@@ -421,7 +445,7 @@ def cmd_precompile(args: argparse.Namespace) -> int:
     specs = _specs(args)
     jobs = [(spec, spec.config(), kind) for spec in specs for kind in spec.kinds]     # every call valid first
     store = _store(args.dir)
-    store.make_directory()
+    _make_store_directory(store, args.dir)
     plan = _deviceless_planner(store) if args.target else _device_planner()
     progress = Progress(len(jobs), "precompile")
     outcomes = []

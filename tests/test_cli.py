@@ -103,6 +103,40 @@ def test_bad_calls_exit_2_naming_the_problem(capsys, store_dir, argv, message):
     assert status == cli.EXIT_USAGE and message in err
 
 
+def test_info_with_a_bad_call_prints_nothing_before_the_error(capsys, store_dir):
+    status, out, err = run(capsys, "info", "--shape", "2,128,128,4")
+    assert status == cli.EXIT_USAGE and out == "" and "--shape" in err
+
+
+@pytest.mark.parametrize("argv", [["cache", "list"], ["cache", "info"], ["cache", "clear"],
+                                  ["precompile", "--shape", "2,128,128,4,4,64", "--target", "sm90"]])
+def test_a_store_path_that_is_a_file_exits_2_naming_it(capsys, tmp_path, argv):
+    path = tmp_path / "a-file"
+    path.write_text("not a store")
+    status, out, err = run(capsys, *argv, "--dir", str(path))
+    assert status == cli.EXIT_USAGE and f"--dir {path}: exists and is not a directory" in err, err
+    assert out == "" and path.read_text() == "not a store"
+
+
+def test_a_store_from_the_environment_that_is_a_file(capsys, monkeypatch, tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("not a store")
+    monkeypatch.setenv("CUDNN_ATTN_CACHE_DIR", str(path))
+    status, _, err = run(capsys, "cache", "list")
+    assert status == cli.EXIT_USAGE and "CUDNN_ATTN_CACHE_DIR" in err and "is not a directory" in err
+    status, out, _ = run(capsys, "info")                       # info reports it and carries on
+    assert status == 0 and "plan store   unusable: " in out and str(path) in out
+
+
+def test_precompile_into_a_folder_that_cannot_be_made_exits_2(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    status, out, err = run(capsys, "precompile", "--shape", "2,128,128,4,4,64", "--target", "sm90",
+                           "--dir", str(blocker / "store"))
+    assert status == cli.EXIT_USAGE and f"cannot create it ({blocker} is not a directory)" in err, err
+    assert out == ""
+
+
 @pytest.mark.parametrize("content, message", [
     ("not json", "cannot read a JSON list"),
     ("[]", "non-empty JSON list"),
