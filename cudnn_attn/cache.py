@@ -247,7 +247,7 @@ class GraphCache:
     """
 
     def __init__(self, maxsize: int = 128, builder: Builder | None = None):
-        if not isinstance(maxsize, int) or maxsize < 1:
+        if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
             raise ValueError(f"maxsize: must be a positive int, got {maxsize!r}")
         self._maxsize = maxsize
         self._builder = builder or build_plan

@@ -18,12 +18,41 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .types import AttentionLayout
 
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+CONFIG_DTYPES = ("float16", "bfloat16", *FP8_DTYPES, "float32", "float64")
+"""What :attr:`AttentionConfig.dtype` may name: cuDNN's input types, and float32/float64 for the NumPy reference
+(the graph builder and the support table refuse those two, naming the rule)."""
+_SIZES = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "qk_dim", "v_dim")
+
+
+@dataclass(frozen=True)
+class RealRule:
+    """The rule of a static real argument, stated once: validation names the caller's argument with it,
+    :class:`AttentionConfig` its own field."""
+
+    text: str                             # "a finite real number"
+    accept: Callable[[float], bool]
+
+    def holds(self, value: Any) -> bool:
+        if type(value) is float:
+            return self.accept(value)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return False
+        try:
+            return self.accept(float(value))
+        except (OverflowError, ValueError):
+            return False
+
+
+SCALE_RULE = RealRule("a finite real number", math.isfinite)
+DROPOUT_RULE = RealRule("a real number in [0, 1)", lambda p: 0.0 <= p < 1.0)
 
 
 class DiagonalAlignment(enum.Enum):
@@ -167,8 +196,25 @@ class AttentionConfig:
     deterministic: bool = False      # backward: deterministic dQ accumulation
 
     def __post_init__(self):
-        """Invariant: packed segments and paged K/V carry per-sequence lengths, so they imply the padding
+        """Invariants.  The fields describe a call that exists (``ValueError`` naming ``config.<field>``
+        otherwise: a configuration made by hand must not reach the support table, a cache or cuDNN as if it
+        were one).  Packed segments and paged K/V carry per-sequence lengths, so they imply the padding
         mask - ``mask.padding`` is then set, and is the one place every layer reads it from."""
+        for name in _SIZES:
+            value = getattr(self, name)
+            if not (type(value) is int or isinstance(value, numbers.Integral) and not isinstance(value, bool)) \
+                    or value < 1:
+                raise ValueError(f"config.{name}: must be a positive int, got {value!r}")
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"config.q_heads: query heads {self.q_heads} must be a multiple of key/value heads "
+                             f"{self.kv_heads} (config.kv_heads)")
+        if self.dtype not in CONFIG_DTYPES:
+            raise ValueError(f"config.dtype: must be one of {', '.join(CONFIG_DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.layout, AttentionLayout):
+            raise ValueError(f"config.layout: must be an AttentionLayout, got {self.layout!r}")
+        for name, rule in (("scale", SCALE_RULE), ("dropout_rate", DROPOUT_RULE)):
+            if not rule.holds(getattr(self, name)):
+                raise ValueError(f"config.{name}: must be {rule.text}, got {getattr(self, name)!r}")
         if (self.packing is not None or self.paging is not None) and not self.mask.padding:
             object.__setattr__(self, "mask", dataclasses.replace(self.mask, padding=True))
 

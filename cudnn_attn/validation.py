@@ -34,8 +34,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from .config import (
-    FP8_DTYPES, AttentionConfig, AttentionOperands, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec,
-    PagingSpec, ScoreModSpec,
+    DROPOUT_RULE, FP8_DTYPES, SCALE_RULE, AttentionConfig, AttentionOperands, BiasSpec, DiagonalAlignment,
+    MaskSpec, PackingSpec, PagingSpec, RealRule, ScoreModSpec,
 )
 from .types import FP8_PARAM_KEYS, AttentionLayout, MaskType
 
@@ -344,15 +344,15 @@ def _prepare_bias(call: _ArgumentCheck, bias: Any, mask: Any, full: tuple[int, i
     return folded, BiasSpec(shape=combined, differentiable=differentiable)
 
 
-def _check_real(call: _ArgumentCheck, name: str, value: Any, rule: str, accept: Callable[[float], bool]) -> float:
+def _check_real(call: _ArgumentCheck, name: str, value: Any, rule: RealRule) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise call.error(name, f"must be {rule}, got {value!r}")
+        raise call.error(name, f"must be {rule.text}, got {value!r}")
     try:
         number = float(value)
     except (OverflowError, ValueError):          # 10**400 does not fit a float
-        raise call.error(name, f"must be {rule}, got {value!r}, which does not fit a float") from None
-    if not accept(number):
-        raise call.error(name, f"must be {rule}, got {value!r}")
+        raise call.error(name, f"must be {rule.text}, got {value!r}, which does not fit a float") from None
+    if not rule.accept(number):
+        raise call.error(name, f"must be {rule.text}, got {value!r}")
     return number
 
 
@@ -436,8 +436,8 @@ def validate_call(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
     padding = mask_type in _PADDING_MASKS or packing is not None or paging is not None
     mask_spec = _mask_spec(call, mask_type, sliding_window_length, diagonal_alignment, padding)
 
-    scale = _check_real(call, "scale", scale, "a finite real number", math.isfinite)
-    dropout_rate = _check_real(call, "dropout_rate", dropout_rate, "a real number in [0, 1)", lambda p: 0.0 <= p < 1.0)
+    scale = _check_real(call, "scale", scale, SCALE_RULE)
+    dropout_rate = _check_real(call, "dropout_rate", dropout_rate, DROPOUT_RULE)
     score_mod_spec = _check_score_mod(call, score_mod, score_mod_args, (q.batch, q.heads, q.length, k.length))
     if sink is not None and (dtype_name(sink) != "float32" or _shape(sink) != (q.heads,)):
         raise call.error("sink", f"must be float32 of shape (N,) = ({q.heads},), got {_describe(sink)}")

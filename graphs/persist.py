@@ -200,7 +200,8 @@ def shape_family(config: Any, rng_dump: bool = False) -> tuple:
     bias = config.bias and dataclasses.replace(
         config.bias, shape=tuple(int(n == 1) for n in config.bias.shape[:2]) + (0, 0))   # broadcast pattern only
     paging = config.paging and dataclasses.replace(config.paging, num_blocks_k=0, num_blocks_v=0, blocks_per_seq=0)
-    shape_free = config.replace(batch=0, q_len=0, kv_len=0, bias=bias, paging=paging)
+    # every member of the family gets the same sizes; 1 (not 0: the configuration of no call is refused)
+    shape_free = config.replace(batch=1, q_len=1, kv_len=1, bias=bias, paging=paging)
     return shape_free, config.q_len == 1, config.q_len <= config.kv_len, rng_dump
 
 

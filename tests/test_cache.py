@@ -194,7 +194,7 @@ def test_build_is_logged_with_its_duration(caplog):
     assert " s (plan eng2_k24=7" in built[0].getMessage() and "B=2" in built[0].getMessage()
 
 
-@pytest.mark.parametrize("maxsize", [0, -1, 2.5, None])
+@pytest.mark.parametrize("maxsize", [0, -1, 2.5, None, True])
 def test_maxsize_must_be_positive_int(maxsize):
     with pytest.raises(ValueError, match="maxsize"):
         GraphCache(maxsize=maxsize)

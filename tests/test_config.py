@@ -39,3 +39,31 @@ def test_the_hash_is_computed_once_and_stays_in_the_process():
     copy = pickle.loads(pickle.dumps(config))
     assert "_hash" not in copy.__dict__          # str hashes differ between processes: recomputed there
     assert copy == config and hash(copy) == first
+
+
+@pytest.mark.parametrize("changes, argument", [
+    (dict(batch=0), "config.batch"), (dict(q_len=-1), "config.q_len"), (dict(qk_dim=64.0), "config.qk_dim"),
+    (dict(kv_heads=True), "config.kv_heads"), (dict(q_heads=3), "config.q_heads"),
+    (dict(dtype="int8"), "config.dtype"), (dict(layout="BTNH"), "config.layout"),
+    (dict(scale=float("nan")), "config.scale"), (dict(scale="0.1"), "config.scale"),
+    (dict(dropout_rate=1.0), "config.dropout_rate"), (dict(dropout_rate=-0.1), "config.dropout_rate"),
+])
+def test_a_configuration_of_no_possible_call_is_refused_naming_the_field(changes, argument):
+    with pytest.raises(ValueError, match=argument):
+        BASE.replace(**changes)
+
+
+def test_the_support_query_never_sees_a_configuration_of_no_possible_call():
+    """A hand-made configuration with a zero batch used to be reported runnable (``[]``)."""
+    from cudnn_attn import support
+
+    with pytest.raises(ValueError, match="config.batch"):
+        support.not_supported_reasons(BASE.replace(batch=0), support.Environment.sm90(91900))
+    assert support.not_supported_reasons(BASE, support.Environment.sm90(91900)) == []
+
+
+def test_numpy_integers_and_reals_are_accepted():
+    import numpy as np
+
+    config = BASE.replace(batch=np.int64(3), scale=np.float32(0.5))
+    assert config.batch == 3 and config.scale == 0.5

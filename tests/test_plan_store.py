@@ -74,6 +74,7 @@ def _changed(value):
 
 
 NESTED = {
+    "q_heads": [8], "kv_heads": [2],                  # query heads stay a multiple of key/value heads
     "mask": [MaskSpec(right_bound=0), MaskSpec(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT),
              MaskSpec(left_bound=16, right_bound=0), MaskSpec(padding=True), MaskSpec(right_bound=0, alibi=True)],
     "bias": [BiasSpec((1, 4, 128, 128), True), BiasSpec((1, 4, 128, 128), False), BiasSpec((2, 1, 128, 128), True)],
