@@ -13,7 +13,8 @@ problem (one kernel launch, nested ``vmap`` folds level by level).  By operand:
 * the packed logsumexp ``(B*M, N, T)``: its rows are the *present* segments of the whole batch,
   left-aligned, so rows are regrouped per instance by each instance's segment count;
 * FP8 amax results are statistics of the whole folded batch (as in JAX's cuDNN attention): they are
-  returned unbatched.
+  returned unbatched;
+* an empty mapped axis (size 0) gives empty results of the instance's shapes, and nothing is called.
 
 Operands that are per-head or per-call rather than per-example - a batched attention sink, batched
 ``score_mod`` arguments, batched FP8 scale factors (the kernel takes one scale per tensor; JAX's own
@@ -35,7 +36,7 @@ from cudnn_attn.support import check_everywhere
 from cudnn_attn.types import FP8_PARAM_KEYS
 
 from .call_site import CallOptions
-from .signature import BWD, FP8_BWD_AMAX, FP8_FWD_AMAX, operand_names, result_names
+from .signature import BWD, FP8_BWD_AMAX, FP8_FWD_AMAX, operand_names, result_names, result_shapes
 
 _BATCH_LEADING = ("query", "output", "grad_output", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets",
                   "page_table_k", "page_table_v")
@@ -52,6 +53,9 @@ def batch(primitive: Any, args: list[Any], dims: list[int | None], *, config: At
     batched = {n for n, d in zip(names, dims) if d is not None}
 
     check_everywhere(config, kind=kind)                    # e.g. a paged backward: the support table's verdict
+    if size == 0:           # vmap over an empty axis: empty results of the instance's shapes; nothing runs
+        shapes = result_shapes(config, kind).values()
+        return [jnp.zeros((0, *shape), dtype) for shape, dtype in shapes], [0] * len(shapes)
     per_call = (batched & set(_PER_CALL + FP8_PARAM_KEYS)) or any(n.startswith("score_mod_arg_") for n in batched)
     if per_call or (kind == BWD and config.sink):          # the sink gradient sums over the batch
         return _one_by_one(primitive, config, options, operands, batched, size)

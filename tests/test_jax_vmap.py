@@ -232,3 +232,19 @@ def test_vmap_over_fp8_scales_runs_one_kernel_per_scale_group(batched):
             np.testing.assert_array_equal(np.asarray(g[i], np.float32), np.asarray(w, np.float32),
                                           err_msg=f"{name} of instance {i} (seed 12, batched {batched})")
     assert float(jnp.abs(got[0][0].astype(jnp.float32) - got[0][1].astype(jnp.float32)).max()) > 0
+
+
+@pytest.mark.parametrize("in_axes", [(0, 0, 0), (0, None, None)], ids=["all", "query-only"])
+def test_vmap_over_an_empty_axis_gives_empty_results_and_runs_nothing(in_axes):
+    """As ``vmap`` of any function: the results have the mapped size 0 in front; no kernel is called."""
+    rng = np.random.default_rng(2)
+    q, k, v = qkv(rng, B=2, T=8, S=12, N=4, K=2, H=8)
+    args = [x[None][:0] if axis == 0 else x for x, axis in zip((q, k, v), in_axes)]
+    fn = lambda q, k, v: attention(q, k, v, mask_type=MaskType.CAUSAL, return_residual=True)  # noqa: E731
+    out, lse = jax.jit(jax.vmap(fn, in_axes=in_axes))(*args)
+    assert out.shape == (0, 2, 8, 4, 8) and out.dtype == q.dtype
+    assert lse.shape == (0, 2, 4, 8) and lse.dtype == jnp.float32
+    assert not _primitives(jax.vmap(fn, in_axes=in_axes), *args)
+    loss = lambda q, k, v: attention(q, k, v).astype(jnp.float32).sum()  # noqa: E731
+    grads = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=in_axes)(*args)
+    assert [g.shape for g in grads] == [(0,) + q.shape, (0,) + k.shape, (0,) + v.shape]
