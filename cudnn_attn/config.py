@@ -28,7 +28,7 @@ from .types import AttentionLayout
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 CONFIG_DTYPES = ("float16", "bfloat16", *FP8_DTYPES, "float32", "float64")
 """What :attr:`AttentionConfig.dtype` may name: cuDNN's input types, and float32/float64 for the NumPy reference
-(the graph builder and the support table refuse those two, naming the rule)."""
+(the support table's "input dtype" row reports those two on the cuDNN fronts; the graph builder refuses them)."""
 _SIZES = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "qk_dim", "v_dim")
 
 

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import AttentionConfig, DiagonalAlignment
+from .config import FP8_DTYPES, AttentionConfig, DiagonalAlignment
 from .errors import UnsupportedConfigurationError
 from .types import AttentionLayout, Front, Kind
 
@@ -187,6 +187,9 @@ Check = Callable[[AttentionConfig, Environment], "str | None"]
 
 
 KINDS = tuple(Kind)
+CUDNN_DTYPES = ("float16", "bfloat16", *FP8_DTYPES)
+"""The Q/K/V types of cuDNN's attention graphs (an :class:`AttentionConfig` may also name float32/float64,
+which only the NumPy reference runs)."""
 CUDNN_FRONTS = (Front.CUPY, Front.JAX)
 EVERY_FRONT = tuple(Front)
 
@@ -416,6 +419,12 @@ def _jax_int64_offsets(c: AttentionConfig, env: Environment) -> str | None:
     return None
 
 
+def _cudnn_dtype(c: AttentionConfig, env: Environment) -> str | None:
+    if c.dtype in CUDNN_DTYPES:
+        return None
+    return f"{c.dtype} (cuDNN takes {', '.join(CUDNN_DTYPES)}; {c.dtype} runs in the NumPy reference only)"
+
+
 def _sm103_cudnn(c: AttentionConfig, env: Environment) -> str | None:
     if env.compute_capability == (10, 3) and env.cudnn_version is not None and env.cudnn_version < 91100:
         return f"sm103 needs cuDNN >= 9.11.0, found {format_version(env.cudnn_version)}"
@@ -425,6 +434,7 @@ def _sm103_cudnn(c: AttentionConfig, env: Environment) -> str | None:
 RESTRICTIONS: tuple[Restriction, ...] = (
     # Enforced by cuDNN: each sm90 refusal was seen in a deviceless cuDNN 9.19 build; the sm100 rows are
     # read from the frontend's support surface (sdpa_support_surface.h), not executed.
+    Restriction("input dtype", _cudnn_dtype, CUDNN),
     Restriction("head dim", _head_dim_multiple, CUDNN),
     Restriction("head dim", _head_dim_backward_sm90, CUDNN),
     Restriction("head dim", _head_dim_backward_sm100, CUDNN),

@@ -254,6 +254,9 @@ CASES = [
      BASE.replace(score_mod=scaled(((1, 1, 1, 1), "float32"),))),
     ("sm103-old-cudnn", BASE, env(91000, (10, 3)), "GPU: sm103 needs cuDNN >= 9.11.0, found 9.10.0", LIBRARY,
      env(91100, (10, 3))),
+    ("float32", BASE.replace(dtype="float32"), SM90, "input dtype: float32 (cuDNN takes float16, bfloat16", CUDNN,
+     BASE),
+    ("float64", BASE.replace(dtype="float64"), SM90, "float64 runs in the NumPy reference only", CUDNN, BASE),
 ]
 
 
@@ -328,6 +331,7 @@ def test_the_reference_front_refuses_only_what_no_front_runs():
     assert not_supported_reasons(unsupported_on_gpus, SM90)
     assert not_supported_reasons(unsupported_on_gpus, front="reference") == []
     assert not_supported_reasons(unsupported_on_gpus, Environment(None, None), front="reference") == []
+    assert not_supported_reasons(BASE.replace(dtype="float64"), front="reference") == []   # its exact mode
     paged = BASE.replace(training=True, **PAGED)
     everywhere = ["paged K/V cache: no backward (cuDNN's sdpa_backward takes no page tables)"]
     assert not_supported_reasons(paged, front="reference") == everywhere
