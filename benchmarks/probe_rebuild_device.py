@@ -24,23 +24,22 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from soak import small_cache  # noqa: E402
+from soak import _trends, small_cache  # noqa: E402
 
 MIB = 1 << 20
 
 
 def trend(calls: list[int], mib: list[float], per: float = 10_000, batch: int = 10) -> tuple[float, float]:
-    """Slope (MiB per ``per`` rebuilds) and its standard error, through batch means of ``batch`` readings."""
+    """Slope (MiB per ``per`` lookups) and its standard error: the soak's least-squares line through batch means
+    of ``batch`` readings (neighbouring readings are correlated)."""
     n = len(mib) // batch
     if n < 3:
         return float("nan"), float("nan")
-    x = np.array([np.mean(calls[i * batch:(i + 1) * batch]) for i in range(n)])
-    y = np.array([np.mean(mib[i * batch:(i + 1) * batch]) for i in range(n)])
-    a = np.vstack([x, np.ones(n)]).T
-    (slope, intercept), *_ = np.linalg.lstsq(a, y, rcond=None)
-    residual = y - (slope * x + intercept)
-    error = np.sqrt(residual @ residual / (n - 2) / ((x - x.mean()) ** 2).sum())
-    return float(slope * per), float(error * per)
+    rows = [{"calls": float(np.mean(calls[i * batch:(i + 1) * batch])),
+             "mib": float(np.mean(mib[i * batch:(i + 1) * batch]))} for i in range(n)]
+    span = rows[-1]["calls"] - rows[0]["calls"]
+    trends, errors = _trends(rows, ["mib"])                 # growth and its error over the span
+    return trends["mib"] * per / span, errors["mib"] * per / span
 
 
 def main() -> int:

@@ -25,8 +25,11 @@ from typing import Any, Callable
 
 from .types import AttentionLayout
 
+IO_DTYPES = ("float16", "bfloat16")
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
-CONFIG_DTYPES = ("float16", "bfloat16", *FP8_DTYPES, "float32", "float64")
+CUDNN_DTYPES = (*IO_DTYPES, *FP8_DTYPES)
+"""The Q/K/V types of cuDNN's attention graphs."""
+CONFIG_DTYPES = (*CUDNN_DTYPES, "float32", "float64")
 """What :attr:`AttentionConfig.dtype` may name: cuDNN's input types, and float32/float64 for the NumPy reference
 (the support table's "input dtype" row reports those two on the cuDNN fronts; the graph builder refuses them)."""
 _SIZES = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "qk_dim", "v_dim")
@@ -40,15 +43,19 @@ class RealRule:
     text: str                             # "a finite real number"
     accept: Callable[[float], bool]
 
-    def holds(self, value: Any) -> bool:
-        if type(value) is float:
-            return self.accept(value)
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            return False
-        try:
-            return self.accept(float(value))
-        except (OverflowError, ValueError):
-            return False
+    def check(self, value: Any) -> float:
+        """``value`` as a float, or a ``ValueError`` saying what the rule is (the caller adds the name)."""
+        number = value
+        if type(value) is not float:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"must be {self.text}, got {value!r}")
+            try:
+                number = float(value)
+            except (OverflowError, ValueError):          # 10**400 does not fit a float
+                raise ValueError(f"must be {self.text}, got {value!r}, which does not fit a float") from None
+        if not self.accept(number):
+            raise ValueError(f"must be {self.text}, got {value!r}")
+        return number
 
 
 SCALE_RULE = RealRule("a finite real number", math.isfinite)
@@ -213,8 +220,10 @@ class AttentionConfig:
         if not isinstance(self.layout, AttentionLayout):
             raise ValueError(f"config.layout: must be an AttentionLayout, got {self.layout!r}")
         for name, rule in (("scale", SCALE_RULE), ("dropout_rate", DROPOUT_RULE)):
-            if not rule.holds(getattr(self, name)):
-                raise ValueError(f"config.{name}: must be {rule.text}, got {getattr(self, name)!r}")
+            try:
+                rule.check(getattr(self, name))
+            except ValueError as exc:
+                raise ValueError(f"config.{name}: {exc}") from None
         if (self.packing is not None or self.paging is not None) and not self.mask.padding:
             object.__setattr__(self, "mask", dataclasses.replace(self.mask, padding=True))
 

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import FP8_DTYPES, AttentionConfig, DiagonalAlignment
+from .config import CUDNN_DTYPES, AttentionConfig, DiagonalAlignment
 from .errors import UnsupportedConfigurationError
 from .types import AttentionLayout, Front, Kind
 
@@ -187,9 +187,6 @@ Check = Callable[[AttentionConfig, Environment], "str | None"]
 
 
 KINDS = tuple(Kind)
-CUDNN_DTYPES = ("float16", "bfloat16", *FP8_DTYPES)
-"""The Q/K/V types of cuDNN's attention graphs (an :class:`AttentionConfig` may also name float32/float64,
-which only the NumPy reference runs)."""
 CUDNN_FRONTS = (Front.CUPY, Front.JAX)
 EVERY_FRONT = tuple(Front)
 
