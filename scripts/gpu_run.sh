@@ -28,6 +28,11 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OU
 # README) and PYTHONDONTWRITEBYTECODE may be set, which would make every new process compile the frontend's
 # and our modules again (tens of ms of each first call).  Compile once, as an install does.
 echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}" >> "$OUT/install.log"
+# The same for the machine's own packages that `import cudnn_attn` and a first call import: where they were
+# installed without bytecode, compile them (logged before and after: scripts/pyc_check.py).
+python3 scripts/pyc_check.py --compile numpy ml_dtypes cupy cupy_backends > "$OUT/pyc_check.log" 2>&1 \
+  || echo "pyc_check failed (see pyc_check.log)"
+cat "$OUT/pyc_check.log"
 python3 -m compileall -q -j 0 $(ls -d /tmp/site/cudnn 2>/dev/null) cudnn_attn graphs jax_bridge \
   >> "$OUT/install.log" 2>&1 || echo "compileall failed (see install.log)"
 python3 -c "import cudnn, cudnn_attn; print('cuDNN', cudnn.backend_version(), 'cudnn_attn', cudnn_attn.__version__)"
