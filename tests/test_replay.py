@@ -227,3 +227,27 @@ def test_update_binding_refuses_without_a_driver():
     if runtime.cudaGetDeviceCount()[0] == runtime.cudaError_t.cudaSuccess:
         pytest.skip("a CUDA driver is present: handles made up here would be dereferenced")
     assert replay._update(0x1234, 0x5678) is False
+
+
+
+def test_capture_query_answers_by_cudas_status_and_counts_an_error_as_capturing():
+    """The query closure over a runtime binding (here faked; the GPU tier stays out of a real capture:
+    tests/gpu/test_replay_gpu.py): the status against CUDA's "none", and a failed query is "capturing" (no
+    replay), not an exception."""
+    class Runtime:
+        streamCaptureStatusNone = 0
+
+        def __init__(self, status):
+            self.status, self.asked = status, []
+
+        def streamIsCapturing(self, stream):
+            self.asked.append(stream)
+            if isinstance(self.status, Exception):
+                raise self.status
+            return self.status
+
+    for status, expected in ((0, False), (1, True), (2, True), (RuntimeError("cudaErrorInvalidResourceHandle"), True)):
+        runtime = Runtime(status)
+        capturing = replay._capture_query(runtime)
+        assert capturing(0x77) is expected and capturing(0x78) is expected, status
+        assert runtime.asked == [0x77, 0x78]
