@@ -1,49 +1,25 @@
-"""Whether the packages a first call imports have their bytecode, and what ``import numpy`` costs.
+"""Whether the packages a first call imports have their bytecode, and what importing each costs.
 
     python3 scripts/pyc_check.py [--compile] PACKAGE ...
 
-A package installed by ``pip install`` carries its ``.pyc`` files; one installed with ``--no-compile`` on a
-machine with ``PYTHONDONTWRITEBYTECODE=1`` (the GPU machine sets it) compiles every module it imports in every
-new process, which makes ``import numpy`` several times slower there and inflates ``bench_first_call``'s
-import row with time that no user install pays.  This prints, for each package: how many of its modules have
-up-to-date bytecode where the interpreter looks for it, whether its folder is writable, and the median time of
-``import PACKAGE`` in fresh processes.  ``--compile`` then compiles the packages that lack it (where the folder
-is writable, as an install would have) and measures again.  One line per package; nothing is changed without
-``--compile``.
+A package installed with ``pip install --no-compile`` and imported by an interpreter that writes no bytecode
+(the GPU machine sets ``PYTHONDONTWRITEBYTECODE=1``) compiles every module it imports in every new process:
+``bench_first_call``'s import row then measures the machine's install, not the library.  This prints, for each
+package, what ``python -m cudnn_attn info`` checks (:func:`cudnn_attn.cli.bytecode_status`) and the median time
+of ``import PACKAGE`` in fresh processes; ``--compile`` then compiles the packages that lack bytecode, where
+their folder is writable, as an install would have, and measures again.  Nothing changes without ``--compile``.
 """
 
 from __future__ import annotations
 
 import argparse
 import compileall
-import importlib.util
-import os
 import statistics
 import subprocess
 import sys
 import time
 
-
-def _folder(package: str) -> str | None:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return list(spec.submodule_search_locations)[0]
-
-
-def _bytecode(folder: str) -> tuple[int, int]:
-    """(modules, modules whose bytecode is present and not older than the source)."""
-    total = fresh = 0
-    for root, _, files in os.walk(folder):
-        for name in files:
-            if not name.endswith(".py"):
-                continue
-            source = os.path.join(root, name)
-            total += 1
-            cached = importlib.util.cache_from_source(source)
-            if os.path.exists(cached) and os.path.getmtime(cached) >= os.path.getmtime(source):
-                fresh += 1
-    return total, fresh
+from cudnn_attn.cli import bytecode_status
 
 
 def _import_ms(package: str, runs: int = 3) -> float:
@@ -57,16 +33,15 @@ def _import_ms(package: str, runs: int = 3) -> float:
     return statistics.median(samples)
 
 
-def report(package: str) -> tuple[str, int, int, bool]:
-    folder = _folder(package)
-    if folder is None:
+def report(package: str):
+    status = bytecode_status(package)
+    if status is None:
         print(f"{package}: not found")
-        return package, 0, 0, False
-    total, fresh = _bytecode(folder)
-    writable = os.access(folder, os.W_OK)
-    print(f"{package}: {fresh}/{total} modules with bytecode, folder {'writable' if writable else 'read-only'} "
-          f"({folder}); import {_import_ms(package):.1f} ms (median of 3 fresh processes)", flush=True)
-    return folder, total, fresh, writable
+    else:
+        print(f"{package}: {status.modules - status.missing}/{status.modules} modules with bytecode, "
+              f"{'written at import' if status.written else 'none written at import'} ({status.folder}); "
+              f"import {_import_ms(package):.1f} ms (median of 3 fresh processes)", flush=True)
+    return status
 
 
 def main() -> int:
@@ -74,15 +49,15 @@ def main() -> int:
     parser.add_argument("--compile", action="store_true", help="compile the packages that lack bytecode, then measure")
     parser.add_argument("packages", nargs="+")
     args = parser.parse_args()
-    print(f"PYTHONDONTWRITEBYTECODE={os.environ.get('PYTHONDONTWRITEBYTECODE', 'unset')}, "
+    print(f"PYTHONDONTWRITEBYTECODE={'set' if sys.dont_write_bytecode else 'unset'}, "
           f"pycache prefix {sys.pycache_prefix}")
     compiled = []
     for package in args.packages:
-        folder, total, fresh, writable = report(package)
-        if args.compile and total and fresh < total and writable:
+        status = report(package)
+        if args.compile and status is not None and status.missing:
             start = time.perf_counter()
-            compileall.compile_dir(folder, quiet=1, workers=0)
-            compiled.append(package)
+            if compileall.compile_dir(status.folder, quiet=1, workers=0):
+                compiled.append(package)
             print(f"  compiled {package} in {time.perf_counter() - start:.1f} s")
     for package in compiled:
         print("after compiling: ", end="")

@@ -64,7 +64,7 @@ def test_info_reports_versions_and_the_plan_store(capsys, store_dir):
     PlanStore(store_dir).save(PlanKey(CONFIG, "fwd", "heuristic", ENV), b"x" * 100, {"plan_name": "eng2_k24=7"})
     status, out, _ = run(capsys, "info")
     assert status == 0
-    for label in ("cudnn_attn", "Python", "JAX", "CuPy", "cuDNN", "frontend", "driver", "GPU", "plan store"):
+    for label in ("cudnn_attn", "Python", "JAX", "CuPy", "cuDNN", "frontend", "driver", "GPU", "plan store", "bytecode"):
         assert any(line.startswith(label) for line in out.splitlines()), label
     assert f"{store_dir} (1 entries" in out
 
@@ -299,3 +299,38 @@ def test_no_driver_is_reported_not_raised(monkeypatch, bindings):
         monkeypatch.setitem(sys.modules, "cuda.bindings", None)     # import fails: CuPy answers instead
     _, gpus, why = cli._driver()
     assert gpus == [] and why
+
+
+@pytest.fixture
+def package(tmp_path, monkeypatch):
+    """A package of three modules on sys.path, without bytecode."""
+    folder = tmp_path / "site" / "slowpkg"
+    (folder / "sub").mkdir(parents=True)
+    for name in ("__init__.py", "a.py", "sub/__init__.py"):
+        (folder / name).write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return folder
+
+
+def test_info_names_a_package_every_process_compiles_again(package, monkeypatch):
+    """Missing bytecode that this interpreter will not write is reported with the command that writes it;
+    once compiled (or when the interpreter writes it itself), the line says ok."""
+    import compileall
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    assert cli.bytecode_status("slowpkg") == cli.Bytecode("slowpkg", str(package), 3, 3, False)
+    lines = cli._bytecode_lines(("slowpkg", "no_such_package_here"))
+    assert "slowpkg: 3 of 3 modules have none" in lines[0] and "PYTHONDONTWRITEBYTECODE" in lines[0]
+    assert lines[-1].endswith(f"python -m compileall -q {package}")
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    assert cli._bytecode_lines(("slowpkg",)) == ["bytecode     ok (slowpkg)"]    # written at the first import
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    assert compileall.compile_dir(str(package), quiet=1)
+    assert cli.bytecode_status("slowpkg").missing == 0
+    assert cli._bytecode_lines(("slowpkg",)) == ["bytecode     ok (slowpkg)"]
+
+    source = package / "a.py"                                   # edited after compiling: stale, compiled again
+    os.utime(source, (source.stat().st_atime, source.stat().st_mtime + 10))
+    assert cli.bytecode_status("slowpkg").missing == 1
