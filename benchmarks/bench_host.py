@@ -24,7 +24,8 @@ inference mode and backward.  Rows, from the whole public call down to the floor
 * ``jax handler``     - our XLA FFI handler alone (entry to return, recorded by ``ffi.record_handler_times``)
                         in a jitted chain with ``cuda_graph=False``, so that XLA runs it every time, and its
                         stages (``cudnn_target.stages``): reading the call frame, finding the call site, the
-                        launch (``benchmarks/bench_handler_cpu.py`` times the same Python without a GPU);
+                        launch (``benchmarks/bench_handler_cpu.py`` times the same Python without a GPU); in
+                        the fwd+bwd program the forward (``fwd, training``) and the backward apart;
 * ``jax jit call``    - wall time per call of a jitted chain of 16 calls, XLA's command buffers on (default)
                         and off, and ``jax.nn.dot_product_attention(implementation="cudnn")`` for comparison.
 
@@ -268,17 +269,30 @@ def jax_rows(q, k, v, do, rounds) -> dict:
                 ffi.record_handler_times(False)
             stages, cudnn_target.stages = cudnn_target.stages, None
             tag = " (no replay)" if name.endswith("no replay") else ""
-            if stages:
-                for i, stage in enumerate(("read the call frame", "find the call site", "launch")):
-                    rows[(f"  handler stage{tag}: {stage}", mode)] = measured(
-                        statistics.median(s[i] for s in stages) / 1e3)
             rows[(f"jax jit call ({name})", mode)] = measured(statistics.median(samples))
-            if times:
-                for target in sorted({t for t, _ in times}):
-                    kind = "fwd" if mode == "fwd" else "fwd+bwd"
-                    rows[(f"jax handler [{target}]{tag}", kind)] = measured(statistics.median(
-                        ns / 1e3 for t, ns in times if t == target))
+            rows.update(handler_rows(times, stages or [], mode, tag))
     del jnp
+    return rows
+
+
+def handler_rows(times: list[tuple[str, int]], stages: list, mode: str, tag: str) -> dict:
+    """The handler's time per call and its stages, by the kind of plan it ran: in a fwd+bwd program the forward
+    (training: O and the logsumexp) and the backward apart (``times`` and ``stages`` record the same runs, in
+    order; a mixture only if they do not pair up)."""
+    rows = {}
+    paired = len(times) == len(stages)
+    for kind in (("fwd",) if mode == "fwd" else ("fwd", "bwd")) if paired else (mode,):
+        label = kind if mode == "fwd" or not paired else ("bwd" if kind == "bwd" else "fwd, training")
+        mine = [i for i, s in enumerate(stages) if s.kind == kind] if paired else range(len(stages))
+        for field, stage in (("read", "read the call frame"), ("find", "find the call site"), ("launch", "launch")):
+            if mine:
+                rows[(f"  handler stage{tag}: {stage}", label)] = measured(
+                    statistics.median(getattr(stages[i], field) for i in mine) / 1e3)
+        for target in sorted({t for t, _ in times}):
+            ns = [times[i][1] for i in mine if times[i][0] == target] if paired else \
+                [n for t, n in times if t == target]
+            if ns:
+                rows[(f"jax handler [{target}]{tag}", label)] = measured(statistics.median(ns) / 1e3)
     return rows
 
 
@@ -312,7 +326,7 @@ def main() -> int:
     print(f"{'what':44s} {'kind':8s} {'idle GPU':>8s} {'b2b':>7s}  target")
     for (what, kind), t in rows.items():
         us = t.idle if t.idle is not None else t.back_to_back
-        target = TARGETS.get((what.split(" [")[0], kind.split("+")[0]))
+        target = TARGETS.get((what.split(" [")[0], kind.split("+")[0].split(",")[0]))
         verdict = "" if target is None else f"<= {target:g} {'OK' if us <= target else 'MISS'}"
         idle = f"{t.idle:8.1f}" if t.idle is not None else f"{'-':>8s}"
         print(f"{what:44s} {kind:8s} {idle} {t.back_to_back:7.1f}  {verdict}")

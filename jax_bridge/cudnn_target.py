@@ -194,7 +194,7 @@ def _run_timed(call: ffi.Call, capturable: bool) -> None:
     found = _launches.get((key, device)) or _missing_site(key, device)
     found_at = now()
     found.launch(addresses, stream, capturable)
-    stages.append((read - start, found_at - read, now() - found_at))
+    stages.append(HandlerStages(read - start, found_at - read, now() - found_at, found.plan.kind))
 
 
 _run = _handler(capturable=True)            # TARGET: XLA may record it into its command buffers
@@ -230,8 +230,21 @@ only_device: int | None = None
 """The ordinal of the process's only GPU, when it has exactly one (set at the first lowering): the handler then
 skips XLA's device query - no execution can run on another device."""
 
-stages: list[tuple[int, int, int]] | None = None
-"""When a list (benchmarks): ``(read the call frame, find the call site, launch)`` nanoseconds of every run."""
+class HandlerStages(NamedTuple):
+    """One handler run's stages in nanoseconds (benchmarks), and the kind of its call site's plan."""
+
+    read: int             # the call frame: key, addresses, stream, device
+    find: int             # the call site's launch
+    launch: int           # the launch itself (replayed, or the cuDNN call)
+    kind: str             # "fwd" or "bwd"
+
+    @property
+    def total(self) -> int:
+        return self.read + self.find + self.launch
+
+
+stages: list[HandlerStages] | None = None
+"""When a list (benchmarks): the :class:`HandlerStages` of every run."""
 
 
 HANDLERS = (ffi.make_handler(TARGET, _run, command_buffer_compatible=True, instantiate=_instantiate),

@@ -124,6 +124,7 @@ class _RecordingPlan:
 
     def __init__(self, workspace_size):
         self.workspace_size, self.launches = workspace_size, []
+        self.kind = "bwd"
 
     def launch(self, pointers, stream, workspace, scalars, keep_stream, capturable=True):
         self.launches.append((list(pointers), stream, workspace, scalars, keep_stream, capturable))
@@ -152,7 +153,8 @@ def test_gpu_handler_passes_the_frames_buffers_stream_and_workspace_to_the_site_
         assert ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(handler.address)(frame.address) is None
         cudnn_target.stages = []
         cudnn_target._run(call)
-        assert len(cudnn_target.stages) == 1 and all(ns >= 0 for ns in cudnn_target.stages[0])
+        [recorded] = cudnn_target.stages
+        assert recorded.kind == "bwd" and min(recorded[:3]) >= 0 and recorded.total == sum(recorded[:3])
         cudnn_target._run_eager(call)               # the target XLA never records into a command buffer
     finally:
         cudnn_target.stages = None
