@@ -19,6 +19,13 @@ Safety:
 * **Exit.**  The thread is not a daemon: a process that exits right after ``import cudnn_attn`` waits for
   the import to end rather than unloading libraries under it.
 
+What it buys (``benchmarks/bench_first_call.py``, H200, two runs): the first call from a plan in the store
+took 55.6 / 68.5 ms with it against 76.9 / 87.0 ms without, and ``import cudnn_attn`` 5-24 ms longer.  The
+import holds the GIL for most of its length (the caller's thread was stalled for 34 of its 37 ms on a 2-core
+CPU), so it overlaps only what the caller does outside the GIL: import + setup + first call came to 747 / 840 ms
+with it and 766 / 825 ms without, no difference beyond the noise.  It moves the cost out of the first call; it
+does not remove it.
+
 ``CUDNN_ATTN_PRELOAD=0`` turns it off (read at import).
 """
 
