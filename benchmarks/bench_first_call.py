@@ -371,7 +371,7 @@ def _series(name: str, path: str, spec_for_run, runs: int, store_for_run, key: s
               samples_ms=[round(1e3 * s, 2) for s in samples], runs=runs,
               origin=facts.get("origin"), plan=facts.get("plan"), launch_path=facts.get("launch_path"),
               jax_imported=facts.get("jax_imported"), plan_ms=_ms(facts.get("plan_s")),
-              setup_ms=_ms(facts.get("setup_s")), cudnn_imported_at_call=facts.get("cudnn_imported_at_call"))
+              cudnn_imported_at_call=facts.get("cudnn_imported_at_call"))
     if path == "graph":
         row["handle_setup_ms"] = _ms(facts.get("graph_setup_s"))     # before the timed window
     if totals:                    # what the process waits for: import, the caller's setup, the call(s)
