@@ -1,4 +1,4 @@
-"""Importing the cuDNN frontend in the background, while the caller sets up its arrays.
+"""Importing the cuDNN frontend and loading cuDNN's engine libraries in the background, while the caller sets up.
 
 ``import cudnn`` (the frontend's Python package, its compiled module and ``libcudnn``) costs 44-50 ms on
 the H200's host.  ``import cudnn_attn`` leaves it out (its own import stays well under 250 ms), so the
@@ -26,7 +26,18 @@ CPU), so it overlaps only what the caller does outside the GIL: import + setup +
 with it and 766 / 825 ms without, no difference beyond the noise.  It moves the cost out of the first call; it
 does not remove it.
 
-``CUDNN_ATTN_PRELOAD=0`` turns it off (read at import).
+**cuDNN's engine libraries.**  ``import cudnn`` loads only ``libcudnn.so.9``, a dispatcher.  The libraries an
+attention plan runs from (``libcudnn_graph``, ``_heuristic``, ``_engines_precompiled``,
+``_engines_runtime_compiled``: 340 MB of code) load at the first handle or plan, and on the first call from the
+plan store that was most of the "deserialize" stage (25.9-34.5 ms of a 50-69 ms call on the H200, sixth session of
+2026-12-01).  On a 2-core CPU, deserializing a stored plan took 46-61 ms without them loaded and 13-18 ms with
+them (deviceless, the rest being the device-properties object).  So after the import the thread loads them too
+(:func:`load_engine_libraries`), through libc's ``dlopen`` called by ``ctypes``, which releases the GIL: unlike
+the import, this part overlaps the caller's setup.  cuDNN's own later ``dlopen`` of the same sonames finds them
+loaded.  It is done only where an NVIDIA driver is present (``/dev/nvidiactl``): elsewhere nothing could run
+on them.  ``CUDNN_ATTN_PRELOAD_ENGINES=0`` leaves the libraries to cuDNN (the frontend is still imported).
+
+``CUDNN_ATTN_PRELOAD=0`` turns both off (read at import).
 """
 
 from __future__ import annotations
@@ -34,11 +45,23 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 from .env import flag
 
 ENV_VAR = "CUDNN_ATTN_PRELOAD"
 ENABLED = flag(ENV_VAR, default=True)
+ENGINES_ENV_VAR = "CUDNN_ATTN_PRELOAD_ENGINES"
+ENGINES_ENABLED = flag(ENGINES_ENV_VAR, default=True)
+
+# The libraries an SDPA plan loads (next to libcudnn.so.*, same suffix), in dependency order: measured with the
+# process's memory map around a deserialization (cuDNN 9.19; ops, cnn and adv are not used).
+ENGINE_LIBRARIES = ("libcudnn_graph", "libcudnn_heuristic", "libcudnn_engines_precompiled",
+                    "libcudnn_engines_runtime_compiled")
+_DRIVER_DEVICE = "/dev/nvidiactl"
+
+engines_loaded: tuple[str, ...] = ()     # paths the thread loaded, in order
+engines_seconds: float | None = None     # how long loading them took (None: not attempted)
 
 # What cudnn/__init__.py and the modules it imports at load time take from the standard library (frontend
 # 1.32.0), imported on the caller's thread before the thread starts.
@@ -72,10 +95,61 @@ def start() -> bool:
 
 
 def _import() -> None:
+    global engines_loaded, engines_seconds
     try:
         import cudnn  # noqa: F401
     except BaseException:            # the caller's own import raises it again, with its traceback
+        return
+    if ENGINES_ENABLED and os.path.exists(_DRIVER_DEVICE):
+        start = time.perf_counter()
+        engines_loaded = load_engine_libraries()
+        engines_seconds = time.perf_counter() - start
+
+
+def cudnn_library_path(maps: str = "/proc/self/maps") -> str | None:
+    """The file of the ``libcudnn.so.*`` this process has loaded (``None``: none, or no ``/proc``)."""
+    try:
+        with open(maps) as lines:
+            for line in lines:
+                fields = line.rstrip("\n").split(maxsplit=5)
+                if len(fields) == 6 and os.path.basename(fields[5]).startswith("libcudnn.so."):
+                    return fields[5]
+    except OSError:
         pass
+    return None
+
+
+def _dlopen():
+    """libc's ``dlopen`` as a ``ctypes`` function (called without the GIL), or ``None``."""
+    import ctypes
+
+    for library in (None, "libdl.so.2"):
+        try:
+            function = ctypes.CDLL(library).dlopen
+        except (OSError, AttributeError):
+            continue
+        function.restype, function.argtypes = ctypes.c_void_p, (ctypes.c_char_p, ctypes.c_int)
+        return function
+    return None
+
+
+def load_engine_libraries(library: str | None = None) -> tuple[str, ...]:
+    """``dlopen`` (lazy binding, local symbols, the GIL released) the :data:`ENGINE_LIBRARIES` next to
+    ``library`` (default :func:`cudnn_library_path`), with its suffix (``.so.9``, or ``.so.9.19.0`` for a
+    system install).  Returns the paths that loaded; a missing or failing one is skipped (cuDNN reports it
+    itself when it needs it).  The handles are never closed: cuDNN keeps the libraries for the process."""
+    library = library or cudnn_library_path()
+    dlopen = _dlopen() if library is not None else None
+    if dlopen is None:
+        return ()
+    folder, name = os.path.split(library)
+    suffix = name[len("libcudnn"):]
+    loaded = []
+    for stem in ENGINE_LIBRARIES:
+        path = os.path.join(folder, stem + suffix)
+        if os.path.exists(path) and dlopen(os.fsencode(path), os.RTLD_LAZY | os.RTLD_LOCAL):
+            loaded.append(path)
+    return tuple(loaded)
 
 
 def wait() -> None:

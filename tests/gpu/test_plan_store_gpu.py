@@ -181,3 +181,48 @@ def test_dynamic_shape_plans_from_the_kernel_cache_agree_with_static_ones(handle
         arrays = _buffers(static, rng)
         got, want = _run(dynamic, arrays, handle, fast=True), _run(static, arrays, handle, fast=True)
         assert_close(f"dynamic-shape output T=S={length}", got[TensorId.O], want[TensorId.O], config.dtype)
+
+
+PRELOADED_CHILD = """
+import os, sys, json
+import cudnn_attn
+from cudnn_attn import preload, selftest
+preload.wait()
+rows = selftest.run(seed=int(sys.argv[1]), only=["bf16 BNTH causal"])
+mapped = {}
+for line in open("/proc/self/maps"):
+    fields = line.rstrip("\\n").split(maxsplit=5)
+    if len(fields) == 6 and os.path.basename(fields[5]).startswith("libcudnn"):
+        mapped.setdefault(os.path.basename(fields[5]).split(".so")[0], set()).add(fields[5])
+plans = sorted({row.plan for row in cudnn_attn.graph_cache.entries()})
+print(json.dumps({"loaded": [os.path.basename(p).split(".so")[0] for p in preload.engines_loaded],
+                  "files": {stem: sorted(paths) for stem, paths in mapped.items()},
+                  "rows": [(r.status, r.detail) for r in rows], "plans": plans}))
+"""
+
+
+def test_a_new_process_with_preloaded_engine_libraries_computes_from_the_store(tmp_path):
+    # The import's thread loads cuDNN's engine libraries by path; cuDNN must then use those (one file per
+    # library in the process) and compute what the reference does, from built plans and from stored ones.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from cudnn_attn.preload import ENGINE_LIBRARIES
+
+    env = dict(os.environ, CUDNN_ATTN_CACHE_DIR=str(tmp_path), CUDNN_ATTN_PRELOAD="1")
+    env.pop("CUDNN_ATTN_PRELOAD_ENGINES", None)
+    reports = []
+    for seed in (5, 6):             # the first process builds and stores the plans, the second loads them
+        out = subprocess.run([sys.executable, "-c", PRELOADED_CHILD, str(seed)], capture_output=True, text=True,
+                             timeout=300, env=env)
+        assert out.returncode == 0, f"seed {seed}: {out.stderr[-2000:]}"
+        reports.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    for seed, report in zip((5, 6), reports):
+        assert report["loaded"] == list(ENGINE_LIBRARIES), report
+        assert all(len(paths) == 1 for paths in report["files"].values()), report["files"]
+        assert set(ENGINE_LIBRARIES) <= set(report["files"]), report["files"]
+        assert report["rows"] == [["ok", ""]], f"seed {seed}: {report['rows']}"
+    assert reports[0]["plans"] and not any("(loaded)" in p for p in reports[0]["plans"]), reports[0]["plans"]
+    assert reports[1]["plans"] and all("(loaded)" in p for p in reports[1]["plans"]), reports[1]["plans"]
