@@ -192,7 +192,7 @@ def cupy_stages(bound, forward_arrays, backward_arrays, calls, rounds) -> dict:
         rows[("  stage: device + stream query", kind)] = host_us(
             lambda: (cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr), calls=calls, rounds=rounds)
         rows[(f"  stage: allocate {len(direct._layout)} result(s), reused", kind)] = host_us(
-            lambda: direct._allocate(cp, stream), calls=calls, rounds=rounds)
+            lambda: direct._allocate(stream), calls=calls, rounds=rounds)
         rows[("  stage: cupy.empty per result", kind)] = host_us(
             lambda: [cp.empty(shape, dtype) for shape, dtype, _ in direct._layout], calls=calls, rounds=rounds)
     return rows

@@ -229,12 +229,13 @@ class _Direct:
                 return self._launch(cupy, arrays, seed, out)
         return self._launch(cupy, arrays, seed, out)
 
-    def _allocate(self, cupy: Any, stream: int) -> list[Any]:
+    def _allocate(self, stream: int) -> list[Any]:
         """The results on the current device and ``stream``: those of an earlier call of this signature that
         the caller has let go of (:mod:`cudnn_attn.result_blocks`), else new ones (see the class doc)."""
-        return result_blocks.results(self, stream, self._nbytes, lambda: self._new_results(cupy))
+        return result_blocks.results(self, stream, self._nbytes, self._new_results)
 
-    def _new_results(self, cupy: Any) -> list[Any]:
+    def _new_results(self) -> list[Any]:
+        cupy = _CUPY or _cupy()
         ndarray = cupy.ndarray                # what cupy.empty returns, without its Python wrapper
         if len(self._layout) == 1:
             shape, dtype, _ = self._layout[0]
@@ -246,7 +247,7 @@ class _Direct:
         plan = self._plan() or self.plan()
         stream = cupy.cuda.get_current_stream().ptr
         if out is None:
-            results = self._allocate(cupy, stream)
+            results = self._allocate(stream)
         else:
             shape, dtype = self._results[0]
             if type(out) is not type(arrays[0]) or out.shape != shape or out.dtype != dtype \

@@ -356,7 +356,8 @@ def test_direct_results_are_aligned_disjoint_views_of_one_allocation(monkeypatch
 
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(alloc=lambda n: MemoryPointer(Memory(n), 0)),
                                  ndarray=Array)
-    results = direct._allocate(fake, stream=7)
+    monkeypatch.setattr(api, "_CUPY", fake)
+    results = direct._allocate(stream=7)
     sizes = [spec.nbytes for spec in specs]
     assert len(allocations) == 1 and [(r.shape, r.dtype) for r in results] == [(s.shape, s.dtype) for s in specs]
     starts = [r.data.ptr - allocations[0][0] for r in results]
@@ -364,13 +365,13 @@ def test_direct_results_are_aligned_disjoint_views_of_one_allocation(monkeypatch
     assert all(a + n <= b for a, n, b in zip(starts, sizes, starts[1:])) and starts[-1] + sizes[-1] <= allocations[0][1]
     dv = results[2]
     del results
-    assert direct._allocate(fake, stream=7)[0].data.ptr == allocations[1][0]    # dv alive: a new block
+    assert direct._allocate(stream=7)[0].data.ptr == allocations[1][0]    # dv alive: a new block
     del dv
-    again = direct._allocate(fake, stream=7)                         # the second block, now dropped
+    again = direct._allocate(stream=7)                         # the second block, now dropped
     assert len(allocations) == 2 and again[0].data.ptr == allocations[1][0]
     del again
-    assert direct._allocate(fake, stream=8)[0].data.ptr == allocations[2][0]    # another stream: its own block
-    assert direct._allocate(fake, stream=7)[0].data.ptr == allocations[1][0] and len(allocations) == 3
+    assert direct._allocate(stream=8)[0].data.ptr == allocations[2][0]    # another stream: its own block
+    assert direct._allocate(stream=7)[0].data.ptr == allocations[1][0] and len(allocations) == 3
 
 
 def test_bound_check_names_the_array_that_differs(monkeypatch):
