@@ -15,7 +15,9 @@ Scenarios:
 * ``cold``            -- an empty store: the plan is built (NVRTC compiles its kernels);
 * ``warm``            -- a new process over a store that already holds the plan (target <= 50 ms); the
   frontend (``import cudnn``) loads in the background during the setup (:mod:`cudnn_attn.preload`);
-  ``warm, preload off`` is the same with ``CUDNN_ATTN_PRELOAD=0`` (the call imports it);
+  ``warm, engines not preloaded`` leaves cuDNN's engine libraries to the call (``CUDNN_ATTN_PRELOAD_ENGINES=0``),
+  ``warm, preload off`` does neither in the background (``CUDNN_ATTN_PRELOAD=0``: the call imports it); the
+  breakdown rows time the call's stages with the preload off and on;
 * ``new length``      -- a known structure at a new sequence length through ``KernelCache``: in the same
   process after two lengths were built (target <= 60 ms), and in a new process over the store;
 * ``deviceless``      -- a store filled by ``python -m cudnn_attn precompile --target sm90`` (on a CPU
@@ -267,7 +269,8 @@ def child(spec: dict) -> dict:
     result["setup_s"] = time.perf_counter() - setup
     from cudnn_attn import preload
 
-    result["cudnn_imported_at_call"] = "cudnn" in sys.modules and not preload.running()
+    result["cudnn_imported_at_call"] = "cudnn" in sys.modules and not preload.running()    # the thread's work done
+    result["engines_s"] = preload.engines_seconds if not preload.running() else None
     if spec["path"] == "breakdown":
         result.update(breakdown(configs[0], arrays[0]))
         return result
@@ -371,7 +374,7 @@ def _series(name: str, path: str, spec_for_run, runs: int, store_for_run, key: s
               samples_ms=[round(1e3 * s, 2) for s in samples], runs=runs,
               origin=facts.get("origin"), plan=facts.get("plan"), launch_path=facts.get("launch_path"),
               jax_imported=facts.get("jax_imported"), plan_ms=_ms(facts.get("plan_s")),
-              cudnn_imported_at_call=facts.get("cudnn_imported_at_call"))
+              cudnn_imported_at_call=facts.get("cudnn_imported_at_call"), engines_ms=_ms(facts.get("engines_s")))
     if path == "graph":
         row["handle_setup_ms"] = _ms(facts.get("graph_setup_s"))     # before the timed window
     if totals:                    # what the process waits for: import, the caller's setup, the call(s)
@@ -389,7 +392,8 @@ def scenarios(args: argparse.Namespace, work: Path) -> list[Row]:
     target = "sm90" if args.dry_run else "gpu"
     paths = ["graph"] if args.dry_run else ["api", "graph"]
     no_preload = {"CUDNN_ATTN_PRELOAD": "0"}          # stages measured whole, not overlapped with the preload
-    with_preload = {"CUDNN_ATTN_PRELOAD": "1"}
+    with_preload = {"CUDNN_ATTN_PRELOAD": "1", "CUDNN_ATTN_PRELOAD_ENGINES": "1"}
+    frontend_only = {"CUDNN_ATTN_PRELOAD": "1", "CUDNN_ATTN_PRELOAD_ENGINES": "0"}
     rows = [_series("import", "import", lambda i: {"path": "import", "env": with_preload}, max(runs, 5),
                     lambda i: None, key="import_s"),
             _series("import, preload off", "import", lambda i: {"path": "import", "env": no_preload}, max(runs, 5),
@@ -406,13 +410,16 @@ def scenarios(args: argparse.Namespace, work: Path) -> list[Row]:
         base = {"path": path, "target": target, "lengths": [length]}
         rows.append(_series("cold", path, lambda i: base, runs, fresh))
         warm = str(work / f"warm-{path}")
-        rows.append(_series("warm", path, lambda i: base, runs, _primed(warm, base)))
+        rows.append(_series("warm", path, lambda i: {**base, "env": with_preload}, runs, _primed(warm, base)))
         if path == "api":
+            rows.append(_series("warm, engines not preloaded", path, lambda i: {**base, "env": frontend_only}, runs,
+                                lambda i: warm))
             rows.append(_series("warm, preload off", path, lambda i: {**base, "env": no_preload}, runs,
                                 lambda i: warm))
             rows.append(_stage_series("warm breakdown", {**base, "path": "breakdown", "env": no_preload}, runs,
-                                      lambda i: warm,
-                                      "stages_ms"))
+                                      lambda i: warm, "stages_ms"))
+            rows.append(_stage_series("warm breakdown, preloaded", {**base, "path": "breakdown", "env": with_preload},
+                                      runs, lambda i: warm, "stages_ms"))
         three = {**base, "lengths": [length, length + 256, length + 512], "kernels": True}
         rows.append(_series("new length (same process)", path, lambda i: three, runs, fresh))
         known = str(work / f"known-{path}")
@@ -514,8 +521,8 @@ def table(rows: list[Row], imports: list[tuple[str, float]]) -> str:
             extra += f"  ({r['note']})"
         if r.get("to_result_ms") is not None and r["path"] == "api":
             extra += f"  (setup {r['setup_ms']:.0f} ms; import to result {r['to_result_ms']:.0f} ms"
-            extra += (f"; cudnn "
-                      f"{'imported' if r.get('cudnn_imported_at_call') else 'NOT yet imported'} at the call)")
+            extra += f"; preload {'done' if r.get('cudnn_imported_at_call') else 'NOT done'} at the call"
+            extra += f"; engine libraries loaded in {r['engines_ms']:.1f} ms)" if r.get("engines_ms") else ")"
         if r.get("jax_imported"):
             extra += "  JAX WAS IMPORTED"
         if r.get("error"):
