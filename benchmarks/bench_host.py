@@ -27,7 +27,10 @@ inference mode and backward.  Rows, from the whole public call down to the floor
                         launch (``benchmarks/bench_handler_cpu.py`` times the same Python without a GPU); in
                         the fwd+bwd program the forward (``fwd, training``) and the backward apart;
 * ``jax jit call``    - wall time per call of a jitted chain of 16 calls, XLA's command buffers on (default)
-                        and off, and ``jax.nn.dot_product_attention(implementation="cudnn")`` for comparison.
+                        and off, and ``jax.nn.dot_product_attention(implementation="cudnn")`` for comparison;
+* ``(one call, GPU idle)`` - the handler in a program of one call (fwd, or fwd then bwd), each run after the GPU
+                        drained: its idle-GPU column compares with the CuPy rows' (in the chains every launch
+                        goes into a busy stream, where even ``cudaGraphLaunch`` takes twice as long).
 
 Host time, two ways, host clock, median of ``rounds``:
 
@@ -69,7 +72,7 @@ TARGETS = {("public", "fwd"): 15.0, ("public", "bwd"): 20.0, ("bound", "fwd"): 8
 
 class Timing(NamedTuple):
     idle: float | None          # us per call with the GPU idle before it (None: not measured that way)
-    back_to_back: float         # us per call in a loop without synchronisation
+    back_to_back: float | None  # us per call in a loop without synchronisation (None: not measured that way)
 
 
 def host_us(fn, *, calls: int, rounds: int) -> Timing:
@@ -85,9 +88,9 @@ def host_us(fn, *, calls: int, rounds: int) -> Timing:
     return Timing(statistics.median(per_call) / 1e3, back_to_back)
 
 
-def measured(us: float) -> Timing:
-    """A time measured elsewhere (the handler's own clock, a jitted chain)."""
-    return Timing(None, us)
+def measured(us: float, idle: bool = False) -> Timing:
+    """A time measured elsewhere (the handler's own clock, a jitted chain): back to back, or with the GPU idle."""
+    return Timing(us, None) if idle else Timing(None, us)
 
 
 class replay_switched_off:
@@ -233,14 +236,14 @@ def jax_rows(q, k, v, do, rounds) -> dict:
     rows = {}
     chain = 16
 
-    def program(attend, mode):
+    def program(attend, mode, length):
         def step(q):
             if mode == "fwd":
                 return attend(q, jk, jv)
             return jax.vjp(lambda q: attend(q, jk, jv), q)[1](jdo)[0]
 
         def run(q):
-            for _ in range(chain):
+            for _ in range(length):
                 q = step(q)
             return q
         return jax.jit(run)
@@ -252,9 +255,13 @@ def jax_rows(q, k, v, do, rounds) -> dict:
         "ours-eager, no replay": eager,
         "jax.nn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=SCALE, implementation="cudnn"),
     }
+    # The chains launch back to back into a busy stream (as a model does); "one call, GPU idle" runs a program of
+    # a single call (fwd, or fwd then bwd) after the GPU has drained: the handler as the CuPy rows' idle column.
+    impls["ours-eager, one call, GPU idle"] = eager
     for mode in ("fwd", "fwd+bwd"):
         for name, attend in impls.items():
-            fn = program(attend, mode)
+            length = 1 if name.endswith("GPU idle") else chain
+            fn = program(attend, mode, length)
             for _ in range(3):
                 jax.block_until_ready(fn(jq))
             timed = name.startswith("ours-eager")
@@ -262,20 +269,20 @@ def jax_rows(q, k, v, do, rounds) -> dict:
                 times = ffi.record_handler_times(timed)
                 cudnn_target.stages = [] if timed else None      # (read, find, launch) per run
                 samples = []
-                for _ in range(rounds * 4):
+                for _ in range(rounds * 4 * (chain // length)):
                     start = time.perf_counter()
                     jax.block_until_ready(fn(jq))
-                    samples.append((time.perf_counter() - start) / chain * 1e6)
+                    samples.append((time.perf_counter() - start) / length * 1e6)
                 ffi.record_handler_times(False)
             stages, cudnn_target.stages = cudnn_target.stages, None
-            tag = " (no replay)" if name.endswith("no replay") else ""
+            tag = {"ours-eager, no replay": " (no replay)", "ours-eager, one call, GPU idle": " (one call, GPU idle)"}
             rows[(f"jax jit call ({name})", mode)] = measured(statistics.median(samples))
-            rows.update(handler_rows(times, stages or [], mode, tag))
+            rows.update(handler_rows(times, stages or [], mode, tag.get(name, ""), idle=length == 1))
     del jnp
     return rows
 
 
-def handler_rows(times: list[tuple[str, int]], stages: list, mode: str, tag: str) -> dict:
+def handler_rows(times: list[tuple[str, int]], stages: list, mode: str, tag: str, idle: bool = False) -> dict:
     """The handler's time per call and its stages, by the kind of plan it ran: in a fwd+bwd program the forward
     (training: O and the logsumexp) and the backward apart (``times`` and ``stages`` record the same runs, in
     order; a mixture only if they do not pair up)."""
@@ -287,12 +294,12 @@ def handler_rows(times: list[tuple[str, int]], stages: list, mode: str, tag: str
         for field, stage in (("read", "read the call frame"), ("find", "find the call site"), ("launch", "launch")):
             if mine:
                 rows[(f"  handler stage{tag}: {stage}", label)] = measured(
-                    statistics.median(getattr(stages[i], field) for i in mine) / 1e3)
+                    statistics.median(getattr(stages[i], field) for i in mine) / 1e3, idle)
         for target in sorted({t for t, _ in times}):
             ns = [times[i][1] for i in mine if times[i][0] == target] if paired else \
                 [n for t, n in times if t == target]
             if ns:
-                rows[(f"jax handler [{target}]{tag}", label)] = measured(statistics.median(ns) / 1e3)
+                rows[(f"jax handler [{target}]{tag}", label)] = measured(statistics.median(ns) / 1e3, idle)
     return rows
 
 
@@ -329,7 +336,8 @@ def main() -> int:
         target = TARGETS.get((what.split(" [")[0], kind.split("+")[0].split(",")[0]))
         verdict = "" if target is None else f"<= {target:g} {'OK' if us <= target else 'MISS'}"
         idle = f"{t.idle:8.1f}" if t.idle is not None else f"{'-':>8s}"
-        print(f"{what:44s} {kind:8s} {idle} {t.back_to_back:7.1f}  {verdict}")
+        b2b = f"{t.back_to_back:7.1f}" if t.back_to_back is not None else f"{'-':>7s}"
+        print(f"{what:44s} {kind:8s} {idle} {b2b}  {verdict}")
     print(f"result blocks of the direct path: {blocks}")
     return 0
 
