@@ -18,7 +18,11 @@ Stages (ns per call: the best of 7 rounds of ``--calls`` calls; the machine may 
                        the lock, the replay key and lookup, with the capture query and ``cudaGraphLaunch``
                        replaced by no-ops (their cost on the H200: ``bench_host.py``);
 * ``handler``        - the whole registered handler (metadata check, stage check, all of the above) with
-                       cuDNN's ``_execute_with_raw_ptrs`` replaced by a no-op.
+                       cuDNN's ``_execute_with_raw_ptrs`` replaced by a no-op;
+* ``from a foreign thread`` - the same handler, and an empty callback, called in a C loop on a thread Python did
+                       not start, as XLA's execution threads call it (``foreign_thread.py``; needs a C compiler):
+                       each call with a fresh Python thread state (``ffi.keep_thread_states`` off, what ctypes
+                       does by itself), and with the thread's state kept (the default, :mod:`.ffi`).
 
 On the GPU, ``benchmarks/bench_host.py`` records the same stages inside XLA (``cudnn_target.stages``) next
 to the total; the difference between this file's ``handler`` and that total is XLA's entry into Python
@@ -118,13 +122,39 @@ def main() -> int:
         "empty ctypes callback": best_ns(
             lambda: _EMPTY(0), options.calls),
     }
+    rows.update(foreign_thread_rows(handler.address, fake.address, options.calls))
     print(f"== handler Python per call, {options.args} args + {options.rets} results (best of 7 rounds, ns)")
     for name, ns in rows.items():
-        print(f"{name:40s} {ns:8.0f}")
+        print(f"{name:46s} {ns:8.0f}")
     return 0
 
 
 _EMPTY = C.CFUNCTYPE(C.c_void_p, C.c_void_p)(lambda frame: None)
+
+
+def foreign_thread_rows(handler: int, frame: int, calls: int, rounds: int = 7) -> dict:
+    """The handler and an empty handler entered from new POSIX threads, thread states fresh per call and kept
+    (each round a new thread: its first call is never kept, so it is not timed)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("foreign_thread", Path(__file__).with_name("foreign_thread.py"))
+    caller = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(caller)
+    empty = ffi.make_handler("bench_empty", lambda call: None)
+    rows = {}
+    try:
+        for keep in (False, True):
+            ffi.keep_thread_states = keep
+            state = "state kept" if keep else "fresh state"
+            for name, address in (("handler", handler), ("empty handler", empty.address)):
+                best = min(caller.call_from_new_thread(address, frame, calls).ns_per_call for _ in range(rounds))
+                rows[f"foreign thread, {state}: {name}"] = best
+    except caller.Unavailable as exc:
+        print(f"(no foreign-thread rows: {exc})")
+    finally:
+        ffi.keep_thread_states = True
+    return rows
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -28,6 +28,9 @@ inference mode and backward.  Rows, from the whole public call down to the floor
                         the fwd+bwd program the forward (``fwd, training``) and the backward apart;
 * ``jax jit call``    - wall time per call of a jitted chain of 16 calls, XLA's command buffers on (default)
                         and off, and ``jax.nn.dot_product_attention(implementation="cudnn")`` for comparison;
+* ``(thread states not kept)`` - the eager chain with ``ffi.keep_thread_states`` off, run before every other JAX
+                        row: each handler call on XLA's threads makes and deletes a Python thread state, as
+                        ctypes does by itself (the default keeps it; :mod:`cudnn_attn.jax_bridge.ffi`);
 * ``(one call, GPU idle)`` - the handler in a program of one call (fwd, or fwd then bwd), each run after the GPU
                         drained: its idle-GPU column compares with the CuPy rows' (in the chains every launch
                         goes into a busy stream, where even ``cudaGraphLaunch`` takes twice as long).
@@ -258,26 +261,33 @@ def jax_rows(q, k, v, do, rounds) -> dict:
     # The chains launch back to back into a busy stream (as a model does); "one call, GPU idle" runs a program of
     # a single call (fwd, or fwd then bwd) after the GPU has drained: the handler as the CuPy rows' idle column.
     impls["ours-eager, one call, GPU idle"] = eager
-    for mode in ("fwd", "fwd+bwd"):
-        for name, attend in impls.items():
-            length = 1 if name.endswith("GPU idle") else chain
-            fn = program(attend, mode, length)
-            for _ in range(3):
+    # XLA calls the handler on its own threads; keeping their Python thread states (jax_bridge.ffi) is measured
+    # against making one per call, before any other row has let a thread keep its state.
+    runs = [(mode, "ours-eager, thread states not kept", eager) for mode in ("fwd", "fwd+bwd")]
+    runs += [(mode, name, attend) for mode in ("fwd", "fwd+bwd") for name, attend in impls.items()]
+    for mode, name, attend in runs:
+        ffi.keep_thread_states = "not kept" not in name
+        length = 1 if name.endswith("GPU idle") else chain
+        fn = program(attend, mode, length)
+        for _ in range(3):
+            jax.block_until_ready(fn(jq))
+        timed = name.startswith("ours-eager")
+        with replay_switched_off() if name.endswith("no replay") else contextlib.nullcontext():
+            times = ffi.record_handler_times(timed)
+            cudnn_target.stages = [] if timed else None      # (read, find, launch) per run
+            samples = []
+            for _ in range(rounds * 4 * (chain // length)):
+                start = time.perf_counter()
                 jax.block_until_ready(fn(jq))
-            timed = name.startswith("ours-eager")
-            with replay_switched_off() if name.endswith("no replay") else contextlib.nullcontext():
-                times = ffi.record_handler_times(timed)
-                cudnn_target.stages = [] if timed else None      # (read, find, launch) per run
-                samples = []
-                for _ in range(rounds * 4 * (chain // length)):
-                    start = time.perf_counter()
-                    jax.block_until_ready(fn(jq))
-                    samples.append((time.perf_counter() - start) / length * 1e6)
-                ffi.record_handler_times(False)
-            stages, cudnn_target.stages = cudnn_target.stages, None
-            tag = {"ours-eager, no replay": " (no replay)", "ours-eager, one call, GPU idle": " (one call, GPU idle)"}
-            rows[(f"jax jit call ({name})", mode)] = measured(statistics.median(samples))
-            rows.update(handler_rows(times, stages or [], mode, tag.get(name, ""), idle=length == 1))
+                samples.append((time.perf_counter() - start) / length * 1e6)
+            ffi.record_handler_times(False)
+        stages, cudnn_target.stages = cudnn_target.stages, None
+        tag = {"ours-eager, no replay": " (no replay)", "ours-eager, one call, GPU idle": " (one call, GPU idle)",
+               "ours-eager, thread states not kept": " (thread states not kept)"}
+        rows[(f"jax jit call ({name})", mode)] = measured(statistics.median(samples))
+        rows.update(handler_rows(times, stages or [], mode, tag.get(name, ""), idle=length == 1))
+    ffi.keep_thread_states = True
+    rows[("  XLA threads that kept their thread state", "-")] = measured(float(ffi.kept_thread_states()))
     del jnp
     return rows
 

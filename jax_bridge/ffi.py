@@ -50,6 +50,8 @@ from typing import Any, Callable, NamedTuple
 import ml_dtypes
 import numpy as np
 
+from cudnn_attn import env
+
 # -- the C structures (field order and types as in c_api.h) -------------------------------------------
 
 
@@ -322,11 +324,63 @@ _QW_OUT = _ContextArgs.out.offset // _W
 _QW_ORDINAL = _DeviceOrdinalArgs.device_ordinal.offset // _W
 assert _DeviceOrdinalArgs.ctx.offset == _ContextArgs.ctx.offset and _DeviceOrdinalArgs.device_ordinal.offset % _W == 0
 
-# By OS thread id, not threading.local: XLA's threads enter Python through ctypes with a fresh thread state
-# per call, so thread-local data would be rebuilt on every call (measured on the H200 with the code before
-# issue #8: the per-thread cuDNN handles of those threads were recreated 24 times in 8 training steps).
+# By OS thread id, not threading.local: a thread beyond :data:`KEPT_THREADS_MAX`, and any thread on its first
+# call, enters with a fresh thread state (see below), whose thread-local data starts empty.
 _query_args: dict[int, _QueryArgs] = {}
 _get_ident = threading.get_ident
+
+
+# -- XLA's threads keep their Python thread state ----------------------------------------------------------
+#
+# ctypes enters a callback through ``PyGILState_Ensure``.  On a thread Python did not start - XLA's execution
+# threads - there is no thread state, so every call makes one and deletes it on return (allocating and
+# freeing its frame stack each time): 7.4 us per entry against 0.2 us with a state kept, on the 2-core CPU
+# runner (``benchmarks/bench_handler_cpu.py``, the foreign-thread rows), more than the handler's own Python.
+# So on a thread's second call the handler takes one more ``PyGILState_Ensure`` reference, never given back:
+# the thread's state then lives as long as the thread (or the interpreter), and ctypes' later entries only
+# take the GIL.  The first call never keeps (a thread that runs one callback and exits leaves nothing
+# behind); at most ``KEPT_THREADS_MAX`` threads keep one (XLA's pools are small and live with the backend; a
+# kept thread that exits leaves its state to the interpreter's finalization).  A thread Python started keeps
+# its own state anyway and is only marked.  ``CUDNN_ATTN_KEEP_THREAD_STATES=0`` turns keeping off.
+
+KEPT_THREADS_MAX = 64
+
+
+class _ThreadMark(threading.local):
+    kept = False          # True on a thread state that outlives the call (kept, or a Python thread's own)
+
+
+_mark = _ThreadMark()
+_seen: set[int] = set()                # native ids of threads that made a call (a first call is never kept)
+_SEEN_MAX = 4096
+_kept_states: list[int] = []           # native ids of the threads whose state was kept
+_keep_lock = threading.Lock()
+
+
+def _keep_thread_state() -> None:
+    """A handler entered on a thread state without the mark: keep it when the thread has called before."""
+    _mark.kept = True                     # persists if this state does (a Python thread's, or one kept below)
+    ident = threading.get_native_id()     # (the kernel's thread ids are not reused soon, unlike pthread_t's)
+    with _keep_lock:
+        if ident not in _seen:
+            if len(_seen) >= _SEEN_MAX:       # bounded: a thread forgotten here is kept one call later
+                _seen.clear()
+            _seen.add(ident)
+            return
+        if len(_kept_states) >= KEPT_THREADS_MAX:
+            return
+        _kept_states.append(ident)
+    C.pythonapi.PyGILState_Ensure()      # GIL held: PyGILState_LOCKED, one more reference to this state
+
+
+def kept_thread_states() -> int:
+    """How many threads (XLA's, mostly) have kept their Python thread state (see above)."""
+    return len(_kept_states)
+
+
+keep_thread_states: bool = env.flag("CUDNN_ATTN_KEEP_THREAD_STATES", True)
+"""Whether handlers keep the thread states of the threads that call them (see above): read at import, switchable
+for benchmarks (a state once kept stays kept)."""
 
 
 def _thread_query_args() -> _QueryArgs:
@@ -654,6 +708,8 @@ def make_handler(name: str, fn: Callable[[Call], None], *, command_buffer_compat
     def handler(frame: int) -> int | None:
         start = time.perf_counter_ns() if _timings is not None else 0
         try:
+            if keep_thread_states and not _mark.kept:
+                _keep_thread_state()
             extension = _WORDS[(frame >> 3) + _FW_EXTENSION]
             if extension and _WORDS[(extension >> 3) + _EW_TYPE] & _LOW32 == _EXTENSION_METADATA:
                 metadata = _MetadataExtension.from_address(extension).metadata.contents

@@ -263,3 +263,97 @@ def test_gpu_handler_from_foreign_threads_each_with_a_fresh_thread_state():
     for i, key in enumerate(keys):
         expected = (addresses[:-1], 0, addresses[-1], (), True, i % 2 == 0)     # _run: capturable; _run_eager: not
         assert plans[key].launches == [expected] * (4 * rounds), key
+
+
+# -- XLA's threads keep their Python thread state -----------------------------------------------------------
+
+def _foreign_thread():
+    """benchmarks/foreign_thread.py: a compiled caller that calls a function pointer from a new POSIX thread."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "foreign_thread.py"
+    spec = importlib.util.spec_from_file_location("foreign_thread", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        module._library()
+    except module.Unavailable as exc:
+        pytest.skip(str(exc))
+    return module
+
+
+def _counting_handler(counts: list):
+    """A handler recording, per execution, how many executions this thread state has seen (a threading.local
+    count: 1 on every call of a state made for the call, 1, 2, 3, ... on a state that lives on)."""
+    import threading
+
+    local = threading.local()
+
+    def count(call: ffi.Call) -> None:
+        local.n = getattr(local, "n", 0) + 1
+        counts.append(local.n)
+
+    return ffi.make_handler("cudnn_attn_test_thread_state", count)
+
+
+def test_foreign_thread_keeps_its_state_from_its_second_call():
+    """XLA calls a handler from threads Python did not start: from the second call on, the thread's Python state
+    is kept (the first call's is not: a thread calling once leaves nothing), so later calls reuse it."""
+    caller, counts = _foreign_thread(), []
+    handler, frame = _counting_handler(counts), ffi.HostCallFrame(1, 1, 1)
+    before = ffi.kept_thread_states()
+    run = caller.call_from_new_thread(handler.address, frame.address, 10)
+    assert run.nonzero == 0
+    assert counts == [1] + list(range(1, 10)), counts
+    assert ffi.kept_thread_states() == before + 1
+
+    counts.clear()
+    assert caller.call_from_new_thread(handler.address, frame.address, 1).nonzero == 0
+    assert counts == [1] and ffi.kept_thread_states() == before + 1      # one call: not kept
+
+
+def test_foreign_thread_states_not_kept_when_off_or_at_the_cap(monkeypatch):
+    """CUDNN_ATTN_KEEP_THREAD_STATES=0 (the module flag) and the cap: every call gets a state of its own, as
+    ctypes does by itself."""
+    caller, counts = _foreign_thread(), []
+    handler, frame = _counting_handler(counts), ffi.HostCallFrame(1, 1, 1)
+    before = ffi.kept_thread_states()
+    monkeypatch.setattr(ffi, "keep_thread_states", False)
+    caller.call_from_new_thread(handler.address, frame.address, 5)
+    monkeypatch.setattr(ffi, "keep_thread_states", True)
+    monkeypatch.setattr(ffi, "KEPT_THREADS_MAX", before)
+    caller.call_from_new_thread(handler.address, frame.address, 5)
+    assert counts == [1] * 10 and ffi.kept_thread_states() == before
+
+
+def test_python_thread_is_marked_not_kept():
+    """A thread Python started keeps its own state: the handler only marks it (no reference taken, no slot used)."""
+    import threading
+
+    counts = []
+    handler = _counting_handler(counts)
+    frame = ffi.HostCallFrame(1, 1, 1)
+    entry = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(handler.address)
+    before = ffi.kept_thread_states()
+
+    def calls():
+        for _ in range(5):
+            entry(frame.address)
+
+    thread = threading.Thread(target=calls)
+    thread.start()
+    thread.join()
+    assert counts == [1, 2, 3, 4, 5] and ffi.kept_thread_states() == before
+
+
+def test_keep_thread_states_read_from_the_environment():
+    import os
+    import subprocess
+    import sys
+
+    code = "from cudnn_attn.jax_bridge import ffi; print(ffi.keep_thread_states)"
+    for value, expected in (("0", "False"), ("off", "False"), ("", "True")):
+        env = dict(os.environ, CUDNN_ATTN_KEEP_THREAD_STATES=value, CUDNN_ATTN_PRELOAD="0")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected, (value, out.stdout, out.stderr)

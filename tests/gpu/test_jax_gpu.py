@@ -255,6 +255,24 @@ def test_the_handler_backward_equals_the_public_backward():
                              "bfloat16", scale=0.125)
 
 
+def test_xla_threads_keep_their_thread_state_and_results_stay_exact(rng):
+    """XLA runs the eager target's handler on its own threads (not Python's): after a few executions those threads
+    have kept their Python thread state (:mod:`cudnn_attn.jax_bridge.ffi`), and every execution, on a fresh or a
+    kept state, gives the reference's result.  Fresh inputs for each execution (a stale pointer would show)."""
+    from cudnn_attn.jax_bridge import ffi
+
+    assert ffi.keep_thread_states
+    before = ffi.kept_thread_states()
+    (q, k, v), kwargs = _case("causal", rng)
+    step = jax.jit(lambda q, k, v: jb.dot_product_attention(q, k, v, cuda_graph=False, **kwargs))
+    for i in range(12):
+        q = rng.standard_normal(q.shape).astype(q.dtype)
+        got = np.asarray(step(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))).astype(np.float32)
+        want = reference.dot_product_attention(q, k, v, **kwargs)
+        assert_close(f"execution {i}", got, np.asarray(want).astype(np.float32), "bfloat16")
+    assert ffi.kept_thread_states() > before, "XLA's threads did not keep a thread state (or the handler ran on Python's)"
+
+
 def test_unsupported_configuration_fails_when_lowered():
     """The support check runs when the call is lowered for the GPU, before any graph is built."""
     q = jax.ShapeDtypeStruct((1, 128, 2, 264), jnp.bfloat16)          # head dim 264 > 256 on sm90
