@@ -287,7 +287,9 @@ def jax_rows(q, k, v, do, rounds) -> dict:
         rows[(f"jax jit call ({name})", mode)] = measured(statistics.median(samples))
         rows.update(handler_rows(times, stages or [], mode, tag.get(name, ""), idle=length == 1))
     ffi.keep_thread_states = True
-    rows[("  XLA threads that kept their thread state", "-")] = measured(float(ffi.kept_thread_states()))
+    states = ffi.thread_states()
+    rows[("  handler entries on a fresh thread state", "-")] = measured(float(states.fresh_entries))
+    rows[("  XLA threads that kept their thread state", "-")] = measured(float(states.kept))
     del jnp
     return rows
 

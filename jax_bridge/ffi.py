@@ -332,16 +332,19 @@ _get_ident = threading.get_ident
 
 # -- XLA's threads keep their Python thread state ----------------------------------------------------------
 #
-# ctypes enters a callback through ``PyGILState_Ensure``.  On a thread Python did not start - XLA's execution
-# threads - there is no thread state, so every call makes one and deletes it on return (allocating and
-# freeing its frame stack each time): 7.4 us per entry against 0.2 us with a state kept, on the 2-core CPU
-# runner (``benchmarks/bench_handler_cpu.py``, the foreign-thread rows), more than the handler's own Python.
-# So on a thread's second call the handler takes one more ``PyGILState_Ensure`` reference, never given back:
-# the thread's state then lives as long as the thread (or the interpreter), and ctypes' later entries only
-# take the GIL.  The first call never keeps (a thread that runs one callback and exits leaves nothing
-# behind); at most ``KEPT_THREADS_MAX`` threads keep one (XLA's pools are small and live with the backend; a
-# kept thread that exits leaves its state to the interpreter's finalization).  A thread Python started keeps
-# its own state anyway and is only marked.  ``CUDNN_ATTN_KEEP_THREAD_STATES=0`` turns keeping off.
+# ctypes enters a callback through ``PyGILState_Ensure``.  On a thread Python did not start there is no thread
+# state, so every call makes one and deletes it on return (allocating and freeing its frame stack each time):
+# 7.9 us per entry against 0.5 us with a state kept, on the 2-core CPU runner (``benchmarks/bench_handler_cpu.py``,
+# the foreign-thread rows), more than the handler's own Python.  Where XLA runs a handler depends on the program:
+# with one GPU, jaxlib 0.11 runs it on the thread that called the executable (a Python thread; measured on the
+# H200, no state to keep), on several devices on per-device threads of its own (issue #8's two-GPU training
+# rebuilt its per-thread data on every call), and the CPU backend on the caller's thread.  So on a thread's
+# second call the handler takes one more ``PyGILState_Ensure`` reference, never given back: the thread's state
+# then lives as long as the thread (or the interpreter), and ctypes' later entries only take the GIL.  The first
+# call never keeps (a thread that runs one callback and exits leaves nothing behind); at most
+# ``KEPT_THREADS_MAX`` threads keep one (XLA's pools are small and live with the backend; a kept thread that
+# exits leaves its state to the interpreter's finalization).  A thread Python started keeps its own state anyway
+# and is only marked.  ``CUDNN_ATTN_KEEP_THREAD_STATES=0`` turns keeping off.
 
 KEPT_THREADS_MAX = 64
 
@@ -355,13 +358,16 @@ _seen: set[int] = set()                # native ids of threads that made a call 
 _SEEN_MAX = 4096
 _kept_states: list[int] = []           # native ids of the threads whose state was kept
 _keep_lock = threading.Lock()
+_fresh_entries = 0                     # handler entries on a state without the mark
 
 
 def _keep_thread_state() -> None:
     """A handler entered on a thread state without the mark: keep it when the thread has called before."""
+    global _fresh_entries
     _mark.kept = True                     # persists if this state does (a Python thread's, or one kept below)
     ident = threading.get_native_id()     # (the kernel's thread ids are not reused soon, unlike pthread_t's)
     with _keep_lock:
+        _fresh_entries += 1
         if ident not in _seen:
             if len(_seen) >= _SEEN_MAX:       # bounded: a thread forgotten here is kept one call later
                 _seen.clear()
@@ -373,9 +379,18 @@ def _keep_thread_state() -> None:
     C.pythonapi.PyGILState_Ensure()      # GIL held: PyGILState_LOCKED, one more reference to this state
 
 
-def kept_thread_states() -> int:
-    """How many threads (XLA's, mostly) have kept their Python thread state (see above)."""
-    return len(_kept_states)
+class ThreadStates(NamedTuple):
+    """What the handlers found of their callers' Python thread states (see above)."""
+
+    fresh_entries: int    # entries on a state without the mark: a thread's first, a foreign thread's second (then
+                          # kept), and every entry of a thread beyond the cap or with keeping off
+    kept: int             # threads Python did not start whose state is kept
+
+
+def thread_states() -> ThreadStates:
+    """Counts for tests and benchmarks: once every calling thread has called twice, ``fresh_entries`` stops growing
+    (unless a thread is beyond the cap or keeping is off)."""
+    return ThreadStates(_fresh_entries, len(_kept_states))
 
 
 keep_thread_states: bool = env.flag("CUDNN_ATTN_KEEP_THREAD_STATES", True)

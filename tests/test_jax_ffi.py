@@ -302,15 +302,15 @@ def test_foreign_thread_keeps_its_state_from_its_second_call():
     is kept (the first call's is not: a thread calling once leaves nothing), so later calls reuse it."""
     caller, counts = _foreign_thread(), []
     handler, frame = _counting_handler(counts), ffi.HostCallFrame(1, 1, 1)
-    before = ffi.kept_thread_states()
+    before = ffi.thread_states()
     run = caller.call_from_new_thread(handler.address, frame.address, 10)
     assert run.nonzero == 0
     assert counts == [1] + list(range(1, 10)), counts
-    assert ffi.kept_thread_states() == before + 1
+    assert ffi.thread_states() == (before.fresh_entries + 2, before.kept + 1)     # entries 1 and 2 were fresh
 
     counts.clear()
     assert caller.call_from_new_thread(handler.address, frame.address, 1).nonzero == 0
-    assert counts == [1] and ffi.kept_thread_states() == before + 1      # one call: not kept
+    assert counts == [1] and ffi.thread_states() == (before.fresh_entries + 3, before.kept + 1)   # one call: not kept
 
 
 def test_foreign_thread_states_not_kept_when_off_or_at_the_cap(monkeypatch):
@@ -318,13 +318,14 @@ def test_foreign_thread_states_not_kept_when_off_or_at_the_cap(monkeypatch):
     ctypes does by itself."""
     caller, counts = _foreign_thread(), []
     handler, frame = _counting_handler(counts), ffi.HostCallFrame(1, 1, 1)
-    before = ffi.kept_thread_states()
+    before = ffi.thread_states()
     monkeypatch.setattr(ffi, "keep_thread_states", False)
     caller.call_from_new_thread(handler.address, frame.address, 5)
     monkeypatch.setattr(ffi, "keep_thread_states", True)
-    monkeypatch.setattr(ffi, "KEPT_THREADS_MAX", before)
+    monkeypatch.setattr(ffi, "KEPT_THREADS_MAX", before.kept)
     caller.call_from_new_thread(handler.address, frame.address, 5)
-    assert counts == [1] * 10 and ffi.kept_thread_states() == before
+    assert counts == [1] * 10
+    assert ffi.thread_states() == (before.fresh_entries + 5, before.kept)      # off: not even counted
 
 
 def test_python_thread_is_marked_not_kept():
@@ -335,7 +336,7 @@ def test_python_thread_is_marked_not_kept():
     handler = _counting_handler(counts)
     frame = ffi.HostCallFrame(1, 1, 1)
     entry = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(handler.address)
-    before = ffi.kept_thread_states()
+    before = ffi.thread_states()
 
     def calls():
         for _ in range(5):
@@ -344,7 +345,7 @@ def test_python_thread_is_marked_not_kept():
     thread = threading.Thread(target=calls)
     thread.start()
     thread.join()
-    assert counts == [1, 2, 3, 4, 5] and ffi.kept_thread_states() == before
+    assert counts == [1, 2, 3, 4, 5] and ffi.thread_states() == (before.fresh_entries + 1, before.kept)
 
 
 def test_keep_thread_states_read_from_the_environment():
