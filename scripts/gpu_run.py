@@ -15,6 +15,7 @@ Phases (default: ``tests train host jax attention``):
                  or ``PHASE:full`` for one phase);
 * ``soak_ab``    - the soak twice, half the phase's time each: ``CUDNN_ATTN_REPLAY=0``, then replay on (which of
                    them grows device memory); ``SOAK_CALLS`` / ``SOAK_ARGS`` as for ``soak``;
+* ``graph_launch`` - ``benchmarks/probe_graph_launch.py``: ``cudaGraphLaunch``'s host time by what the stream holds;
 * ``graph_memory`` - ``benchmarks/probe_graph_memory.py``: device and host memory per replay graph;
 * ``rebuild_memory`` - ``benchmarks/probe_rebuild_device.py``: device memory under eviction and rebuild;
 * ``sanitizer``  - ``benchmarks/probe_bad_values.py`` (out-of-range lengths, offsets, page ids; raw and clamped)
@@ -200,6 +201,10 @@ def main() -> int:
                                                          else r["error"] if r["error"].startswith("skipped")
                                                          else f"FAILED {r['error']}"))
             rc = 0 if all("error" not in r for r in results) else 1
+        elif phase == "graph_launch":
+            rc, took = run("graph_launch", [sys.executable, "benchmarks/probe_graph_launch.py", "--out",
+                                            os.path.join(OUT, "probe_graph_launch.json")], limit)
+            summary.append(tail("graph_launch", 17))
         elif phase == "graph_memory":
             rc, took = run("graph_memory", [sys.executable, "benchmarks/probe_graph_memory.py", "--out",
                                             os.path.join(OUT, "probe_graph_memory.json")], limit)
