@@ -19,6 +19,7 @@ inference mode and backward.  Rows, from the whole public call down to the floor
 * ``raw launch``      - the frontend's private ``_execute_with_raw_ptrs`` with a prefilled pointer array:
                         the floor of any launch through cuDNN's backend (variant pack + ``cudnnBackendExecute``);
 * ``frontend execute``- the public ``pygraph.execute(pointers, workspace, handle=, tensor_uids=)``;
+* ``cupy elementwise``- ``cupy.multiply(x, 2.0, out=o)`` (float32, as many elements as Q): one CuPy kernel launch, the host's speed in CuPy's terms;
 * ``torch``           - ``torch.nn.functional.scaled_dot_product_attention`` with the cuDNN backend
                         (backward: autograd's fwd+bwd minus the fwd);
 * ``jax handler``     - our XLA FFI handler alone (entry to return, recorded by ``ffi.record_handler_times``)
@@ -177,6 +178,12 @@ def cupy_rows(q, k, v, do, calls, rounds) -> dict:
         graph, handle, ordered = plan.built.graph, context.handle, tuple(pointers)
         rows[("frontend execute", kind)] = host_us(
             lambda: graph.execute(ordered, workspace, handle=handle, tensor_uids=uids), calls=calls, rounds=rounds)
+    # The host's speed, in CuPy's own terms: one elementwise kernel into a preallocated array (the same
+    # Python-to-launch path any CuPy user pays, so the rows above compare across machines by it).
+    x = cp.ones(q.size, cp.float32)
+    out = cp.empty_like(x)
+    rows[("cupy elementwise (multiply, out=)", "-")] = host_us(lambda: cp.multiply(x, 2.0, out=out), calls=calls,
+                                                            rounds=rounds)
     return rows
 
 
