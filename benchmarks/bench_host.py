@@ -297,6 +297,11 @@ def jax_rows(q, k, v, do, rounds) -> dict:
     states = ffi.thread_states()
     rows[("  handler entries on a fresh thread state", "-")] = measured(float(states.fresh_entries))
     rows[("  XLA threads that kept their thread state", "-")] = measured(float(states.kept))
+    import threading
+
+    # 1 when this (the calling, Python) thread is among those that ran a handler, and how many did
+    rows[("  handler ran on the calling thread", "-")] = measured(float(threading.get_native_id() in ffi._seen))
+    rows[("  threads that ran a handler", "-")] = measured(float(len(ffi._seen)))
     del jnp
     return rows
 
