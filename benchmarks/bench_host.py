@@ -30,8 +30,10 @@ inference mode and backward.  Rows, from the whole public call down to the floor
 * ``jax jit call``    - wall time per call of a jitted chain of 16 calls, XLA's command buffers on (default)
                         and off, and ``jax.nn.dot_product_attention(implementation="cudnn")`` for comparison;
 * ``(thread states not kept)`` - the eager chain with ``ffi.keep_thread_states`` off, run before every other JAX
-                        row: each handler call on XLA's threads makes and deletes a Python thread state, as
-                        ctypes does by itself (the default keeps it; :mod:`cudnn_attn.jax_bridge.ffi`);
+                        row: where XLA calls the handler from threads of its own, each call makes and deletes a
+                        Python thread state, as ctypes does by itself (the default keeps it,
+                        :mod:`cudnn_attn.jax_bridge.ffi`; with one GPU XLA calls it on the calling thread, which
+                        the last rows record);
 * ``(one call, GPU idle)`` - the handler in a program of one call (fwd, or fwd then bwd), each run after the GPU
                         drained: its idle-GPU column compares with the CuPy rows' (in the chains every launch
                         goes into a busy stream, where even ``cudaGraphLaunch`` takes twice as long).
@@ -55,6 +57,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from typing import Any, NamedTuple
 
@@ -297,8 +300,6 @@ def jax_rows(q, k, v, do, rounds) -> dict:
     states = ffi.thread_states()
     rows[("  handler entries on a fresh thread state", "-")] = measured(float(states.fresh_entries))
     rows[("  XLA threads that kept their thread state", "-")] = measured(float(states.kept))
-    import threading
-
     # 1 when this (the calling, Python) thread is among those that ran a handler, and how many did
     rows[("  handler ran on the calling thread", "-")] = measured(float(threading.get_native_id() in ffi._seen))
     rows[("  threads that ran a handler", "-")] = measured(float(len(ffi._seen)))

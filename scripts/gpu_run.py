@@ -191,7 +191,6 @@ def main() -> int:
                 except (IndexError, json.JSONDecodeError):
                     results.append({"label": label, "error": f"rc={rc}: {tail(log, 3)[-300:]}"})
             took = time.monotonic() - start
-            rc = int(any("error" in r and not r["error"].startswith("skipped") for r in results))
             with open(os.path.join(OUT, "bench_train.json"), "w") as f:
                 json.dump(results, f, indent=1)
             summary.append("== training step (ms per step, median after 2 warm-up steps)")
@@ -200,7 +199,7 @@ def main() -> int:
                                                          f"..{r['losses'][-1]:.5f}" if "error" not in r
                                                          else r["error"] if r["error"].startswith("skipped")
                                                          else f"FAILED {r['error']}"))
-            rc = 0 if all("error" not in r for r in results) else 1
+            rc = int(any("error" in r and not r["error"].startswith("skipped") for r in results))
         elif phase == "graph_launch":
             rc, took = run("graph_launch", [sys.executable, "benchmarks/probe_graph_launch.py", "--out",
                                             os.path.join(OUT, "probe_graph_launch.json")], limit)
