@@ -19,15 +19,15 @@ import statistics
 import sys
 import time
 
+import bench_attention  # the shared device timer (the script's folder is on sys.path)
 import cupy as cp
 import ml_dtypes
 import numpy as np
 
-import bench_attention  # the shared device timer (the script's folder is on sys.path)
 import cudnn_attn
 from cudnn_attn import MaskType
-from cudnn_attn.cache import PlanChoice, graph_cache
-from cudnn_attn.validation import validate_call
+from cudnn_attn.core.validation import validate_call
+from cudnn_attn.engine.cache import PlanChoice, graph_cache
 
 
 def event_ms(fn) -> float:

@@ -32,7 +32,6 @@ from dataclasses import asdict, dataclass, field
 
 import ml_dtypes
 import numpy as np
-
 from bench_attention import _f, event_ms
 
 BATCH, Q_HEADS, KV_HEADS, DIM, BLOCK = 64, 32, 8, 128, 64

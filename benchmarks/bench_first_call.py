@@ -14,7 +14,7 @@ Scenarios:
 
 * ``cold``            -- an empty store: the plan is built (NVRTC compiles its kernels);
 * ``warm``            -- a new process over a store that already holds the plan (target <= 50 ms); the
-  frontend (``import cudnn``) loads in the background during the setup (:mod:`cudnn_attn.preload`);
+  frontend (``import cudnn``) loads in the background during the setup (:mod:`cudnn_attn.engine.preload`);
   ``warm, engines not preloaded`` leaves cuDNN's engine libraries to the call (``CUDNN_ATTN_PRELOAD_ENGINES=0``),
   ``warm, preload off`` does neither in the background (``CUDNN_ATTN_PRELOAD=0``: the call imports it); the
   breakdown rows time the call's stages with the preload off and on;
@@ -53,7 +53,7 @@ TARGETS_MS = {"warm": 50.0, "new length (same process)": 60.0, "import": 250.0}
 # ---------------------------------------------------------------------------------------------------
 def _config(length: int, **changes):
     from cudnn_attn import MaskType
-    from cudnn_attn.selftest import call_config
+    from cudnn_attn.tools.selftest import call_config
 
     shape = {**SHAPE, "T": length, "S": length, **changes}
     return call_config(dtype="bfloat16", mask_type=MaskType.CAUSAL, training=False, **shape)
@@ -74,8 +74,8 @@ class _GraphPath:
 
     def __init__(self, target: str, kernels: bool):
         from cudnn_attn.graphs import DevicelessTarget
-        from cudnn_attn.graphs.persist import KernelCache
-        from cudnn_attn.plan_store import PlanStore
+        from cudnn_attn.persist.build import KernelCache
+        from cudnn_attn.persist.store import PlanStore
 
         self.store = PlanStore.from_env()
         self.deviceless = target == "sm90"
@@ -91,9 +91,9 @@ class _GraphPath:
         self.kernels = KernelCache(self.store) if kernels else None
 
     def __call__(self, config, arrays) -> dict:
+        from cudnn_attn.engine.launch import Launcher
         from cudnn_attn.graphs import TensorId
-        from cudnn_attn.graphs.persist import build_or_load
-        from cudnn_attn.launch import Launcher
+        from cudnn_attn.persist.build import build_or_load
 
         built = build_or_load(config, "fwd", self.target, store=self.store, kernels=self.kernels)
         facts = {"origin": built.origin, "plan": built.plan_name, "plan_s": built.build_seconds}
@@ -129,21 +129,21 @@ def _api_call(config, arrays) -> dict:
 # attribute path, label).  Each is wall time including what it calls; none of them calls another one
 # listed at the same level, except the "of which" rows (marked with a leading "  ").
 _STAGES = (
-    ("cudnn_attn.api", "_validate_on_device", "validation"),
-    ("cudnn_attn.runtime", "DeviceContext.__init__", "device context"),
-    ("cudnn_attn.runtime", "create_handle", "  of which cuDNN handles"),
+    ("cudnn_attn.fronts.cupy", "_validate_on_device", "validation"),
+    ("cudnn_attn.engine.runtime", "DeviceContext.__init__", "device context"),
+    ("cudnn_attn.engine.runtime", "create_handle", "  of which cuDNN handles"),
     ("cudnn", "create_handle", "  of which cudnn.create_handle"),
     ("cudnn.frost.device", "current_device", "  of which frontend device lookup"),
-    ("cudnn_attn.support", "Environment.detect", "  of which Environment.detect"),
-    ("cudnn_attn.support", "check_supported", "support check"),
-    ("cudnn_attn.plan_store", "default_store", "plan store opened"),
-    ("cudnn_attn.plan_store", "PlanStore.load", "plan store lookup (read + checksum)"),
-    ("cudnn_attn.graphs.persist", "_load", "deserialize + verify"),
-    ("cudnn_attn.graphs.persist", "_mismatch", "  of which our checks of the loaded plan"),
-    ("cudnn_attn.graphs.persist", "build_graph", "build (store miss)"),
-    ("cudnn_attn.plan", "CallPlan.__init__", "call plan"),
-    ("cudnn_attn.plan", "CallPlan.launch", "launch (host)"),
-    ("cudnn_attn.runtime", "DeviceContext.workspace", "  of which workspace allocation"),
+    ("cudnn_attn.core.support", "Environment.detect", "  of which Environment.detect"),
+    ("cudnn_attn.core.support", "check_supported", "support check"),
+    ("cudnn_attn.persist.store", "default_store", "plan store opened"),
+    ("cudnn_attn.persist.store", "PlanStore.load", "plan store lookup (read + checksum)"),
+    ("cudnn_attn.persist.build", "_load", "deserialize + verify"),
+    ("cudnn_attn.persist.build", "_mismatch", "  of which our checks of the loaded plan"),
+    ("cudnn_attn.persist.build", "build_graph", "build (store miss)"),
+    ("cudnn_attn.engine.plan", "CallPlan.__init__", "call plan"),
+    ("cudnn_attn.engine.plan", "CallPlan.launch", "launch (host)"),
+    ("cudnn_attn.engine.runtime", "DeviceContext.workspace", "  of which workspace allocation"),
     ("cupy.cuda.compiler", "_compile_with_cache_cuda", "CuPy kernels loaded (disk cache or NVRTC)"),
     ("cupy.cuda.compiler", "compile_using_nvrtc", "  of which NVRTC compiles"),
 )
@@ -204,9 +204,9 @@ class _Stopwatch:
                 "not_found": self.missing}
 
 
-CALL_PATH_MODULES = ("cupy", "cudnn", "cudnn_attn.api", "cudnn_attn.execution", "cudnn_attn.cache",
-                     "cudnn_attn.plan", "cudnn_attn.launch", "cudnn_attn.values", "cudnn_attn.support",
-                     "cudnn_attn.plan_store", "cudnn_attn.graphs.persist")
+CALL_PATH_MODULES = ("cupy", "cudnn", "cudnn_attn.fronts.cupy", "cudnn_attn.fronts.execution", "cudnn_attn.engine.cache",
+                     "cudnn_attn.engine.plan", "cudnn_attn.engine.launch", "cudnn_attn.core.values", "cudnn_attn.core.support",
+                     "cudnn_attn.persist.store", "cudnn_attn.persist.build")
 
 
 def call_path_imports() -> dict:
@@ -267,7 +267,7 @@ def child(spec: dict) -> dict:
     setup = time.perf_counter()
     arrays = [None] * len(configs) if spec["target"] == "sm90" else [_inputs(c) for c in configs]
     result["setup_s"] = time.perf_counter() - setup
-    from cudnn_attn import preload
+    from cudnn_attn.engine import preload
 
     result["cudnn_imported_at_call"] = "cudnn" in sys.modules and not preload.running()    # the thread's work done
     result["engines_s"] = preload.engines_seconds if not preload.running() else None
@@ -291,9 +291,9 @@ def dynamic_runtime() -> dict:
     import cudnn
     import cupy as cp
 
+    from cudnn_attn.engine.launch import Launcher
     from cudnn_attn.graphs import TensorId, build_graph
-    from cudnn_attn.graphs.persist import KernelCache
-    from cudnn_attn.launch import Launcher
+    from cudnn_attn.persist.build import KernelCache
 
     stream = cp.cuda.Stream(non_blocking=True)
     handle = cudnn.create_handle()

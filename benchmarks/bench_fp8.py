@@ -30,7 +30,6 @@ from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
-
 from bench_attention import Shape, _f, event_ms
 
 PUBLISHED_FP8_FWD_TFLOPS = 1000.0
@@ -110,9 +109,10 @@ def bench_fp8(shape: Shape, inputs: Inputs, row: Row) -> None:
     import cupy as cp
 
     import cudnn_attn
-    from cudnn_attn import MaskType, execution
-    from cudnn_attn.types import FP8_PARAM_KEYS
-    from cudnn_attn.validation import validate_call
+    from cudnn_attn import MaskType
+    from cudnn_attn.core.types import FP8_PARAM_KEYS
+    from cudnn_attn.core.validation import validate_call
+    from cudnn_attn.fronts import execution
 
     q, k, v, d_out = inputs.fp8
     values = {name: 1.0 for name in FP8_PARAM_KEYS}
@@ -210,7 +210,7 @@ def main() -> None:
     if not args.dry_run:
         import cupy as cp
 
-        from cudnn_attn.cache import _cudnn_version
+        from cudnn_attn.engine.cache import _cudnn_version
 
         name = cp.cuda.runtime.getDeviceProperties(0)["name"]
         device, cudnn = name.decode() if isinstance(name, bytes) else str(name), _cudnn_version()

@@ -14,7 +14,7 @@ Stages (ns per call: the best of 7 rounds of ``--calls`` calls; the machine may 
 * ``site lookup``    - finding the launch of the call site on the device;
 * ``launch Python``  - the call site's launch up to (not including) cuDNN: the device lock, the stream
                        check, the pointer array filled in the graph's order;
-* ``launch Python, replayed`` - the same call site when its addresses repeat (:mod:`cudnn_attn.replay`):
+* ``launch Python, replayed`` - the same call site when its addresses repeat (:mod:`cudnn_attn.engine.replay`):
                        the lock, the replay key and lookup, with the capture query and ``cudaGraphLaunch``
                        replaced by no-ops (their cost on the H200: ``bench_host.py``);
 * ``handler``        - the whole registered handler (metadata check, stage check, all of the above) with
@@ -49,11 +49,11 @@ class _StubLauncher:
 
 
 def _plan(n_operands: int, n_results: int) -> object:
-    """A :class:`cudnn_attn.plan.CallPlan`-shaped object whose launch runs the real Python with a no-op cuDNN."""
+    """A :class:`cudnn_attn.engine.plan.CallPlan`-shaped object whose launch runs the real Python with a no-op cuDNN."""
     import threading
     import weakref
 
-    from cudnn_attn.launch import Launcher
+    from cudnn_attn.engine.launch import Launcher
 
     launcher = Launcher.__new__(Launcher)
     count = n_operands + n_results
@@ -62,12 +62,12 @@ def _plan(n_operands: int, n_results: int) -> object:
                                     bind_stream=lambda stream: None, device=0,
                                     workspace=lambda stream, size: 0, capture_stream=lambda: 0,
                                     _get_current=lambda: 1, _set_current=lambda value: None, cuda_context=1)
-    from cudnn_attn.runtime import DeviceContext
+    from cudnn_attn.engine.runtime import DeviceContext
 
     # the real checks, with the driver's query answered by a no-op (XLA's threads mostly have a context current)
     context.adopt_thread = DeviceContext.adopt_thread.__get__(context)
     context.release_thread = DeviceContext.release_thread.__get__(context)
-    from cudnn_attn.plan import CallPlan
+    from cudnn_attn.engine.plan import CallPlan
 
     plan = CallPlan.__new__(CallPlan)
     plan.context, plan.launcher, plan.workspace_size = context, launcher, 256
@@ -92,7 +92,7 @@ def main() -> int:
     parser.add_argument("--args", type=int, default=3, help="operands (forward: Q, K, V)")
     parser.add_argument("--rets", type=int, default=2, help="results incl. the workspace (forward: O, workspace)")
     options = parser.parse_args()
-    from cudnn_attn import replay
+    from cudnn_attn.engine import replay
 
     key = 7
     fake = ffi.HostCallFrame(key, options.args, options.rets)

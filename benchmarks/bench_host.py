@@ -7,7 +7,7 @@ inference mode and backward.  Rows, from the whole public call down to the floor
 
 * ``public``          - ``cudnn_attn.dot_product_attention`` / ``dot_product_attention_bwd`` (CuPy arrays);
 * ``bound``           - a pre-bound call, ``cudnn_attn.bind(...)`` then ``bound(q, k, v)`` / ``bound.backward``;
-* ``... (no replay)`` - the same with the plans' CUDA-graph replay switched off (:mod:`cudnn_attn.replay`): the
+* ``... (no replay)`` - the same with the plans' CUDA-graph replay switched off (:mod:`cudnn_attn.engine.replay`): the
                         loop passes the same addresses every call, so by default the launches are replays;
 * ``plan.run (replayed)`` / ``cudaGraphLaunch`` / ``stream capture query`` - the replayed launch alone, the
                         CUDA call it ends in, and the capture-status query it makes first;
@@ -63,13 +63,13 @@ from typing import Any, NamedTuple
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import bench_attention  # noqa: E402  (the shared host timer; run from benchmarks/ or with it on sys.path)
 import cupy as cp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-import bench_attention  # noqa: E402  (the shared host timer; run from benchmarks/ or with it on sys.path)
 import cudnn_attn  # noqa: E402
-from cudnn_attn.cache import graph_cache  # noqa: E402
+from cudnn_attn.engine.cache import graph_cache  # noqa: E402
 
 B, N, T, H = 1, 8, 256, 64
 SCALE = H ** -0.5
@@ -150,7 +150,7 @@ def cupy_rows(q, k, v, do, calls, rounds) -> dict:
     stream = cp.cuda.get_current_stream().ptr
     for kind, inputs in (("fwd", {"query": q, "key": k, "value": v}),
                          ("bwd", {"query": q, "key": k, "value": v, "output": o, "grad_output": do, "logsumexp": lse})):
-        from cudnn_attn.plan import DIRECT_IDS
+        from cudnn_attn.engine.plan import DIRECT_IDS
 
         cfg = config if kind == "fwd" else config.replace(training=True)
         plan = graph_cache.plan(cfg, kind, q.device.id)
@@ -161,7 +161,7 @@ def cupy_rows(q, k, v, do, calls, rounds) -> dict:
         rows[("plan.run (replayed)", kind)] = host_us(lambda: plan.run(pointers, stream), calls=calls, rounds=rounds)
         graphs = [g for r in plan.replays for g in r._graphs.values()]
         if graphs:
-            from cudnn_attn import replay
+            from cudnn_attn.engine import replay
 
             launch_graph = cp.cuda.runtime.graphLaunch
             rows[("cudaGraphLaunch", kind)] = host_us(lambda: launch_graph(graphs[-1], stream), calls=calls,
@@ -194,15 +194,15 @@ def cupy_stages(bound, forward_arrays, backward_arrays, calls, rounds) -> dict:
     """The public and bound calls' parts, each timed alone in a loop (so the table explains the totals):
     the signature key and its lookup, the bound call's check, the device and stream queries, and the
     results' allocation.  ``plan.launch`` and the raw floor are rows of their own."""
-    from cudnn_attn import api
+    from cudnn_attn.fronts import cupy as cupy_front
 
     rows = {}
     stream = cp.cuda.get_current_stream().ptr
     for kind, arrays, direct in (("fwd", forward_arrays, bound._forward), ("bwd", backward_arrays, bound._backward)):
-        key = next(k for k in api._direct if k[0] == kind)          # the public call's entry (made above)
-        static, signature = key[-1], api._direct_signature
+        key = next(k for k in cupy_front._direct if k[0] == kind)          # the public call's entry (made above)
+        static, signature = key[-1], cupy_front._direct_signature
         rows[("  public stage: signature + lookup", kind)] = host_us(
-            lambda: api._direct.get(signature(kind, arrays, static)), calls=calls, rounds=rounds)
+            lambda: cupy_front._direct.get(signature(kind, arrays, static)), calls=calls, rounds=rounds)
         rows[("  bound stage: check arrays", kind)] = host_us(lambda: bound._check(direct, arrays), calls=calls,
                                                               rounds=rounds)
         rows[("  stage: device + stream query", kind)] = host_us(
@@ -346,7 +346,7 @@ def main() -> int:
             rows.update(fn())
         except Exception as exc:             # one framework missing must not hide the others
             print(f"{name}: {type(exc).__name__}: {exc}", flush=True)
-    from cudnn_attn.result_blocks import result_blocks
+    from cudnn_attn.engine.result_blocks import result_blocks
 
     blocks = result_blocks.stats()._asdict()
     with open(os.path.join(args.out, "bench_host.json"), "w") as f:

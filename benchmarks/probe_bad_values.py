@@ -2,7 +2,7 @@
 
 Each case runs the library's cuDNN graph *raw* (built by :func:`cudnn_attn.graphs.build_graph`, bound and
 executed here, no clamping) on one kind of bad value, in its own subprocess (a corrupted context or an
-illegal address then ends only that case), and again after :func:`cudnn_attn.values.sanitize`.  Every
+illegal address then ends only that case), and again after :func:`cudnn_attn.core.values.sanitize`.  Every
 tensor sits inside a guarded allocation ``[guard | tensor | guard]`` whose guards hold NaN bytes (0xFF):
 afterwards the guards must be intact (no write outside the tensor) and the results finite (no read of a
 guard: a NaN read outside K/V or a table propagates into the output).  Result tensors start as zeros.
@@ -92,7 +92,7 @@ CASES = {case.name: case for case in (
 def _config(case: Case) -> tuple[Any, Any]:
     """The configuration and host operands of ``case`` (values as given: nothing is checked)."""
     from cudnn_attn import MaskType
-    from cudnn_attn.validation import validate_call
+    from cudnn_attn.core.validation import validate_call
 
     rng = np.random.default_rng(0)
     arrays = {n: np.asarray(v, np.int32) for n, v in case.arrays.items()}
@@ -181,10 +181,10 @@ RESULTS = ("O", "STATS", "DQ", "DK", "DV")
 
 def run_case(case: Case, sanitized: bool, guard: int) -> dict:
     """Build, bind and execute the raw graph(s) of ``case``; what happened."""
-    import cupy as cp
     import cudnn
+    import cupy as cp
 
-    from cudnn_attn import values
+    from cudnn_attn.core import values
     from cudnn_attn.graphs import build_graph
 
     cp.cuda.set_allocator(None)               # one cudaMalloc per array: compute-sanitizer sees each tensor

@@ -4,7 +4,7 @@ device by 90 MiB and the host by 16 MiB where replay off grew 4 and 0.3).
     python benchmarks/probe_graph_memory.py [--graphs 200] [--churn 20000] [--out FILE]
 
 A bound forward and a bound backward (bf16 B1 N8 T=S=256 H64, causal) launch with ``--graphs`` different
-result buffers, each twice, so :mod:`cudnn_attn.replay` captures one executable graph per buffer (its
+result buffers, each twice, so :mod:`cudnn_attn.engine.replay` captures one executable graph per buffer (its
 per-plan and per-device bounds raised for the probe).  Device memory in use (``cudaMemGetInfo``, which moves
 in 2 MiB steps) and the host's resident set after ``malloc_trim`` are read before the captures, after them,
 and after the graphs are destroyed.  Then :func:`churn`: graphs replaced on every call, destroyed and
@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from cudnn_attn import replay
+from cudnn_attn.engine import replay
 
 MIB = 2 ** 20
 

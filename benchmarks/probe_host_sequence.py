@@ -14,9 +14,9 @@ from __future__ import annotations
 import cupy as cp
 import ml_dtypes
 import numpy as np
+from bench_host import direct_calls, host_us  # benchmarks/ is on sys.path when run as a script
 
-from bench_host import direct_calls, host_us            # benchmarks/ is on sys.path when run as a script
-from cudnn_attn import replay
+from cudnn_attn.engine import replay
 
 
 def main() -> None:

@@ -6,10 +6,10 @@ A 4-graph :class:`cudnn_attn.GraphCache` cycles through eight forward configurat
 or not), so nearly every lookup evicts and rebuilds; builds go through the plan store, as on the GPU, so
 after the first round every rebuild deserializes.  Plans are real cuDNN sm90 plans built deviceless (the
 stub ``libcuda.so.1`` of :mod:`cudnn_attn.graphs.driver_stub` where there is no driver), wrapped in their
-:class:`~cudnn_attn.plan.CallPlan` with a stand-in device context: everything the library keeps per graph
+:class:`~cudnn_attn.engine.plan.CallPlan` with a stand-in device context: everything the library keeps per graph
 except the CUDA launch itself.  The resident set after ``gc.collect()`` and glibc's ``malloc_trim(0)`` is
 sampled every 100 lookups, single-threaded and then on ``--threads`` threads: once as the library builds
-(on one build thread per device, :class:`cudnn_attn.cache.BuildThreads`) and once with every build on the
+(on one build thread per device, :class:`cudnn_attn.engine.cache.BuildThreads`) and once with every build on the
 thread that missed (a per-lookup ``build=``, as before the build threads).  Not a test; prints a table.
 """
 
@@ -54,11 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     from cudnn_attn.graphs import driver_stub
 
     driver_stub.preload(Path(tempfile.gettempdir()) / "cudnn_attn_stub")
-    from cudnn_attn.cache import GraphCache
-    from cudnn_attn.config import AttentionConfig, MaskSpec
-    from cudnn_attn.graphs import DevicelessTarget, build_or_load
-    from cudnn_attn.plan import CallPlan
-    from cudnn_attn.plan_store import PlanStore
+    from cudnn_attn.core.config import AttentionConfig, MaskSpec
+    from cudnn_attn.engine.cache import GraphCache
+    from cudnn_attn.engine.plan import CallPlan
+    from cudnn_attn.graphs import DevicelessTarget
+    from cudnn_attn.persist.build import build_or_load
+    from cudnn_attn.persist.store import PlanStore
 
     store, target = PlanStore(tempfile.mkdtemp(prefix="plans-")), DevicelessTarget.h200()
 

@@ -99,7 +99,7 @@ def _case_race(seconds: float) -> None:
 
     import cudnn_attn
     from cudnn_attn import jax_bridge as jb
-    from cudnn_attn.cache import GraphCache
+    from cudnn_attn.engine.cache import GraphCache
 
     old = cudnn_attn.graph_cache
     small = GraphCache(2)

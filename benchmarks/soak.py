@@ -222,7 +222,7 @@ def small_cache(maxsize: int) -> Iterator[Any]:
     """The library's graph cache replaced by a new ``GraphCache(maxsize)`` wherever a module refers to it;
     the old one is put back on exit."""
     import cudnn_attn
-    from cudnn_attn.cache import GraphCache
+    from cudnn_attn.engine.cache import GraphCache
 
     old, new = cudnn_attn.graph_cache, GraphCache(maxsize)
     modules = [m for name, m in list(sys.modules.items())
@@ -397,7 +397,7 @@ def soak(*, calls: int, threads: int, cache_size: int, quick: bool, dry_run: boo
 
 def _soak(cache: Any, *, calls: int, threads: int, cache_size: int, quick: bool, dry_run: bool, seed: int,
           phase_calls: int = 1000, recompile_every: int = 0) -> dict:
-    from cudnn_attn import replay
+    from cudnn_attn.engine import replay
 
     backend = DryRunBackend() if dry_run else Backend()
     rebinds = Rebinds() if dry_run else _count_rebinds()
@@ -583,11 +583,11 @@ class Rebinds:
 def _count_rebinds() -> Rebinds:
     """Count every time a device's launch handle is pointed at a stream: how many distinct streams the handle
     has known shows whether short-lived streams pass through it, and the calls made with no CUDA context
-    current are the ones cuDNN's driver queries fail on (``cudnn_attn.runtime``).  Patches the process's
+    current are the ones cuDNN's driver queries fail on (``cudnn_attn.engine.runtime``).  Patches the process's
     ``DeviceContext`` (a GPU soak only)."""
     from cuda.bindings import driver
 
-    from cudnn_attn import runtime
+    from cudnn_attn.engine import runtime
 
     bind = runtime.DeviceContext.bind_stream
     if getattr(bind, "counted", None) is not None:

@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     size = SIZES[args.size]
     L, D, H, T, B = size["layers"], size["d_model"], size["heads"], size["seq"], size["batch"]

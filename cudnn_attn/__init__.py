@@ -3,19 +3,25 @@
 ``attention(q, k, v, mask=causal() & padding(q_lengths, kv_lengths), return_aux=AuxRequest(logsumexp=True))``
 is the native call (named results); ``dot_product_attention`` / ``paged_attention`` /
 ``dot_product_attention_bwd`` keep the signatures of JAX's cuDNN attention.  ``MaskSpec`` is the native API's
-composable mask (:mod:`cudnn_attn.masks`); the configuration's static mask fields are
-:class:`cudnn_attn.config.MaskSpec`.
+composable mask (:mod:`cudnn_attn.core.masks`); the configuration's static mask fields are
+:class:`cudnn_attn.core.config.MaskSpec`.
 """
 
-from .config import AttentionConfig, AttentionOperands, DiagonalAlignment
-from .errors import NoGPUError, UnsupportedConfigurationError
-from .masks import MaskSpec, alibi, causal, keep, padding, segments, window
-from .signature import AuxRequest
-from .types import AttentionGrads, AttentionLayout, AttentionOutput, FP8Params, Kind, MaskType
-from .api import (
-    BoundAttention, attention, bind, dot_product_attention, dot_product_attention_bwd, paged_attention,
+from cudnn_attn.core.config import AttentionConfig, AttentionOperands, DiagonalAlignment
+from cudnn_attn.core.environment import VERSION
+from cudnn_attn.core.errors import NoGPUError, UnsupportedConfigurationError
+from cudnn_attn.core.masks import MaskSpec, alibi, causal, keep, padding, segments, window
+from cudnn_attn.core.parameters import AuxRequest
+from cudnn_attn.core.types import AttentionGrads, AttentionLayout, AttentionOutput, FP8Params, Kind, MaskType
+from cudnn_attn.engine.cache import GraphCache, graph_cache
+from cudnn_attn.fronts.cupy import (
+    BoundAttention,
+    attention,
+    bind,
+    dot_product_attention,
+    dot_product_attention_bwd,
+    paged_attention,
 )
-from .cache import GraphCache, graph_cache
 
 __all__ = [
     "AttentionConfig", "AttentionGrads", "AttentionLayout", "AttentionOperands", "AttentionOutput", "AuxRequest",
@@ -24,8 +30,8 @@ __all__ = [
     "dot_product_attention_bwd", "graph_cache", "keep", "padding", "paged_attention", "segments",
     "window",
 ]
-__version__ = "0.1.0"
+__version__ = VERSION
 
-from . import preload as _preload
+from .engine import preload as _preload
 
-_preload.start()        # `import cudnn` on a thread while the caller sets up (cudnn_attn.preload)
+_preload.start()        # `import cudnn` on a thread while the caller sets up (cudnn_attn.engine.preload)

@@ -3,7 +3,6 @@
 * :mod:`.tensors`  -- stable :class:`TensorId` uids and the dims/strides cuDNN sees.
 * :mod:`.builder`  -- :func:`build_graph`: one builder for forward/backward, FP8, paged and packed.
 * :mod:`.target`   -- planning targets: a ``cudnn.Handle`` or a :class:`DevicelessTarget`.
-* :mod:`.persist`  -- :func:`build_or_load`: plans kept across processes (the plan store), kernel cache.
 * :mod:`.packing`  -- packed segments -> cuDNN's ragged batch (array-namespace generic).
 
 The names below are imported on first use: importing the package (or :mod:`.tensors`, which the
@@ -18,7 +17,7 @@ from typing import Any
 _EXPORTS = {
     "ALL_PLANS": "builder", "BWD": "builder", "FWD": "builder", "BuiltGraph": "builder",
     "DeclaredGraph": "builder", "PlanInfo": "builder", "build_graph": "builder", "declare_graph": "builder",
-    "DevicelessTarget": "target", "TensorId": "tensors", "build_or_load": "persist", "KernelCache": "persist",
+    "DevicelessTarget": "target", "TensorId": "tensors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,6 +1,6 @@
 """One cuDNN graph builder for every attention variant.
 
-``build_graph(config, kind, target)`` turns an :class:`~cudnn_attn.config.AttentionConfig` into a
+``build_graph(config, kind, target)`` turns an :class:`~cudnn_attn.core.config.AttentionConfig` into a
 planned cuDNN frontend graph.  Forward and backward (``kind``), FP8 (``config.fp8``: ``sdpa_fp8`` /
 ``sdpa_fp8_backward``), paged K/V, packed segments, bias, dropout, sink and ``score_mod`` are all
 fields of the config read by the same code; the only place the four cuDNN operations differ is the
@@ -10,7 +10,7 @@ Every graph ends with the same finish step (:func:`_plan`): validate -> build th
 heuristics ``[A, FALLBACK]`` -> support check -> build plans, restricted to cuDNN's own backend
 engines (the frontend's python "FROST" engines are never selected: a library that pins cuDNN's
 behaviour must not switch kernel families with an optional pip package).  A refusal by cuDNN is
-raised as :class:`~cudnn_attn.errors.UnsupportedConfigurationError` carrying cuDNN's message.
+raised as :class:`~cudnn_attn.core.errors.UnsupportedConfigurationError` carrying cuDNN's message.
 
 Tensors are declared with the caller's strides (BTNH or BNTH, see :mod:`.tensors`) under the stable
 uids of :class:`~.tensors.TensorId`; :meth:`BuiltGraph.execute` binds buffers by id.
@@ -27,12 +27,13 @@ from typing import Any, Iterator, Mapping, NamedTuple
 import cudnn
 from cudnn.engines.engine_ids import is_python_engine
 
-from cudnn_attn.config import AttentionConfig, DiagonalAlignment
-from cudnn_attn.errors import UnsupportedConfigurationError
-from cudnn_attn.support import check_structure
-from cudnn_attn.types import FP8_BWD_AMAX, FP8_BWD_KEYS, FP8_FWD_KEYS, Kind
+from cudnn_attn.core.config import AttentionConfig, DiagonalAlignment
+from cudnn_attn.core.errors import UnsupportedConfigurationError
+from cudnn_attn.core.support import check_structure
+from cudnn_attn.core.types import FP8_BWD_AMAX, FP8_BWD_KEYS, FP8_FWD_KEYS, Kind
 
 from . import tensors as tt
+from .score_mod import score_mod_graph  # lazily: it traces with JAX
 from .target import graph_options
 from .tensors import TensorId
 
@@ -55,7 +56,6 @@ _HEURISTICS = [cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK]
 
 class PlanInfo(NamedTuple):
     """One built execution plan: its index in cuDNN's ranked list, its name and workspace bytes."""
-
     index: int
     name: str
     workspace_size: int
@@ -68,9 +68,8 @@ class BuiltGraph:
     ``uids`` maps every tensor present in the graph to its cuDNN uid; :meth:`execute` needs exactly
     these ids bound.  ``plans`` lists the built plans (one, or every backend plan that built when
     asked for :data:`ALL_PLANS`); ``plan_name`` / ``workspace_size`` describe the selected one and
-    ``num_plans`` counts cuDNN's backend candidates.  ``origin`` is ``"built"``, ``"built (dynamic
-    shape)"`` (built with cuDNN's kernel cache, see :mod:`.persist`) or ``"loaded"`` (deserialized from
-    the plan store: the graph then holds only its selected plan).
+    ``num_plans`` counts cuDNN's backend candidates.  ``origin`` is ``"built"`` or ``"loaded"``
+    (deserialized from the plan store: the graph then holds only its selected plan).
     """
 
     graph: Any = field(repr=False)
@@ -128,7 +127,6 @@ class BuiltGraph:
 # ---------------------------------------------------------------------------------------------------
 class _Declared:
     """Declares tensors on one pygraph under their :class:`TensorId` uids and records them."""
-
     def __init__(self, graph: Any):
         self.graph = graph
         self.uids: dict[TensorId, int] = {}
@@ -159,7 +157,6 @@ class _Declared:
 
 class _Ragged(NamedTuple):
     """Ragged-offset tensors of a packed graph (all ``None`` when not packed)."""
-
     q: Any = None
     k: Any = None
     v: Any = None
@@ -171,7 +168,7 @@ class _Ragged(NamedTuple):
 # Config -> cuDNN keyword arguments
 # ---------------------------------------------------------------------------------------------------
 def _check_request(config: AttentionConfig, kind: str) -> None:
-    """Argument checks, then the support table's structural rows (:func:`~cudnn_attn.support.check_structure`:
+    """Argument checks, then the support table's structural rows (:func:`~cudnn_attn.core.support.check_structure`:
     what cuDNN's API cannot express, e.g. a paged backward) - the builder itself refuses nothing."""
     if kind not in (FWD, BWD):
         raise ValueError(f"kind: expected {FWD!r} or {BWD!r}, got {kind!r}")
@@ -217,7 +214,6 @@ def _score_mod_callbacks(config: AttentionConfig, kind: str, t: _Declared,
     The translation may take the bias out of ``options`` (it adds it inside the modification) and reads
     the sequence lengths ``_mask_options`` declared (for padding inside the modification).
     """
-    from .score_mod import score_mod_graph      # lazily: it traces with JAX
 
     wiring = score_mod_graph(config, kind)
     args = tuple(t.host_scalar(tid, _DT.FLOAT) for tid in tt.SCORE_MOD_ARG_IDS[:wiring.num_args])
@@ -375,13 +371,12 @@ def _plan(graph: Any, config: AttentionConfig, plan: str | None) -> tuple[list[P
 
 class DeclaredGraph(NamedTuple):
     """An attention graph declared but not planned: the pygraph and the uids of its tensors."""
-
     graph: Any
     uids: dict[TensorId, int]
 
 
 def declare_graph(config: AttentionConfig, kind: str, target: Any = None, *,
-                  rng_dump: bool = False, kernel_cache: Any = None) -> DeclaredGraph:
+                  rng_dump: bool = False) -> DeclaredGraph:
     """Declare (without planning) the cuDNN graph of ``config``'s forward or backward.
 
     With ``target=None`` the graph has no planning target: only its frontend-side ``validate()``
@@ -389,7 +384,7 @@ def declare_graph(config: AttentionConfig, kind: str, target: Any = None, *,
     :func:`build_graph`.
     """
     _check_request(config, kind)
-    options = graph_options(target, kernel_cache) if target is not None else {}
+    options = graph_options(target) if target is not None else {}
     io = _IO_TYPES[config.dtype]
     graph = cudnn.pygraph(name=f"cudnn_attn_{kind}", io_data_type=io, intermediate_data_type=_DT.FLOAT,
                           compute_data_type=_DT.FLOAT, **options)
@@ -400,7 +395,7 @@ def declare_graph(config: AttentionConfig, kind: str, target: Any = None, *,
 
 
 def build_graph(config: AttentionConfig, kind: str, target: Any, *, rng_dump: bool = False,
-                plan: str | None = None, kernel_cache: Any = None) -> BuiltGraph:
+                plan: str | None = None) -> BuiltGraph:
     """Build and plan the cuDNN graph of ``config``'s forward (``kind="fwd"``) or backward (``"bwd"``).
 
     Args:
@@ -410,9 +405,6 @@ def build_graph(config: AttentionConfig, kind: str, target: Any, *, rng_dump: bo
         rng_dump: also write cuDNN's dropout keep-mask, float32 ``(B, N, T, S)``, to ``RNG_DUMP``.
         plan: ``None`` (cuDNN's best-ranked backend plan that builds), :data:`ALL_PLANS` (build every
             backend plan, for autotuning) or a plan name from an earlier build (``"eng2_k24=7"``).
-        kernel_cache: a ``cudnn.create_kernel_cache()`` object: build with dynamic shapes, reusing
-            and adding to its compiled kernels (forward graphs only on cuDNN 9.19 / sm90; see
-            :mod:`.persist` for when that is safe).
 
     Raises:
         ValueError: ``kind``/``plan``/``target`` are malformed, or cuDNN finds the graph ill-formed.
@@ -423,11 +415,11 @@ def build_graph(config: AttentionConfig, kind: str, target: Any, *, rng_dump: bo
     if target is None:
         raise ValueError("target: building plans needs a cudnn.Handle or a DevicelessTarget, got None")
     start = time.perf_counter()
-    graph, uids = declare_graph(config, kind, target, rng_dump=rng_dump, kernel_cache=kernel_cache)
+    graph, uids = declare_graph(config, kind, target, rng_dump=rng_dump)
     with _cudnn_refusals(config):
         built, candidates = _plan(graph, config, plan)
     return BuiltGraph(
         graph=graph, config=config, kind=kind, uids=uids, workspace_size=built[0].workspace_size,
         plan_name=built[0].name, build_seconds=time.perf_counter() - start, num_plans=candidates,
-        plans=tuple(built), origin="built" if kernel_cache is None else "built (dynamic shape)",
+        plans=tuple(built), origin="built",
     )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from cudnn_attn.config import AttentionConfig
+from cudnn_attn.core.config import AttentionConfig
 
 from .tensors import TensorId, ragged_offset_dtype
 

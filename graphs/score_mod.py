@@ -57,13 +57,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from cudnn_attn.config import AttentionConfig, DiagonalAlignment
-from cudnn_attn.errors import UnsupportedConfigurationError
-from cudnn_attn.support import check_structure
-from cudnn_attn.types import Kind
+from cudnn_attn.core.config import AttentionConfig, DiagonalAlignment
+from cudnn_attn.core.errors import UnsupportedConfigurationError
+from cudnn_attn.core.score_mod_ir import F32, I32, Program, ProgramBuilder, evaluate
+from cudnn_attn.core.score_mod_spec import ScoreModProgram, score_mod_program, score_mod_refusals
+from cudnn_attn.core.support import check_structure
+from cudnn_attn.core.types import Kind
 
-from .score_mod_ir import F32, I32, Program, ProgramBuilder, evaluate
-from .score_mod_spec import ScoreModProgram, score_mod_program
+from .score_mod_cudnn import emit
 
 NEGATIVE_INFINITY = -math.inf      # the fill of masked scores: cuDNN's own masks use -inf from cuDNN 9.10
 
@@ -73,7 +74,7 @@ NEGATIVE_INFINITY = -math.inf      # the fill of masked scores: cuDNN's own mask
 # ---------------------------------------------------------------------------------------------------
 def _mask_conditions(b: ProgramBuilder, config: AttentionConfig) -> list[Callable[[str], int]]:
     """Builders of the conditions a (query i, key j) pair must meet under ``config.mask`` (see
-    :class:`~cudnn_attn.config.MaskSpec`): padding, then the diagonal band.  Each takes a tag that keeps
+    :class:`~cudnn_attn.core.config.MaskSpec`): padding, then the diagonal band.  Each takes a tag that keeps
     its positions apart from earlier ones.  (A bottom-right band with per-sequence lengths is refused:
     :func:`score_mod_refusals`.)"""
     mask = config.mask
@@ -178,7 +179,6 @@ class ScoreModGraph:
         the forward callback received in the same (backward) graph, so cuDNN must call the forward
         callback first, which it does (it recomputes the probabilities before their gradient).
         """
-        from .score_mod_cudnn import emit
 
         if len(args) != self.num_args:
             raise ValueError(f"args: {self.program.name!r} takes {self.num_args} arguments, got {len(args)}")
@@ -251,42 +251,8 @@ def _release_lowering(sg: Any) -> None:
         cell.cell_contents = None
 
 
-def score_mod_refusals(config: AttentionConfig, kind: str | None = None) -> list[str]:
-    """Why ``config.score_mod`` cannot run in cuDNN with the rest of ``config`` (empty: it can).
-
-    ``kind`` is a :class:`~cudnn_attn.types.Kind`; ``None`` means the graphs the configuration needs (the
-    backward too when ``config.training``).  The support table's ``score_mod`` rows read these reasons
-    (:mod:`cudnn_attn.support` decides; this function only knows what the translation cannot express).
-    """
-    if config.score_mod is None:
-        return []
-    reasons = []
-    mask = config.mask
-    if mask.alibi:
-        reasons.append("score_mod with ALiBi: cuDNN refuses its ALiBi next to score_mod; add the ALiBi bias "
-                       "inside score_mod (slopes from lax.broadcasted_iota on the head axis)")
-    if mask.alignment is DiagonalAlignment.BOTTOM_RIGHT and mask.padding and \
-            (mask.right_bound is not None or mask.left_bound is not None):
-        reasons.append("score_mod with a bottom-right diagonal and per-sequence lengths (padding, packing or "
-                       "paging): inside the modification cuDNN 9.19 computes that mask wrongly (measured on the "
-                       "H200); use the top-left diagonal, or equal lengths without padding")
-    try:
-        program = score_mod_program(config.score_mod)
-    except UnsupportedConfigurationError as error:
-        return reasons + error.reasons
-    if config.packing is not None and any(n.op == "index" and n.param == 0
-                                          for p in (program.forward, program.backward) for n in p.nodes):
-        reasons.append("score_mod reads the batch index, but cuDNN sees packed segments as the batch")
-    backward = kind == Kind.BACKWARD or (kind is None and config.training)
-    if backward and config.has_dbias and not program.is_additive:
-        reasons.append(f"a bias gradient with the non-additive score_mod {program.name!r}: the spec applies "
-                       "score_mod after the bias, so the bias goes inside the modification, where cuDNN "
-                       "cannot produce dBias")
-    return reasons
-
-
 def score_mod_graph(config: AttentionConfig, kind: str) -> ScoreModGraph:
-    """The translation of ``config.score_mod`` for its ``kind`` (a :class:`~cudnn_attn.types.Kind`) graph.
+    """The translation of ``config.score_mod`` for its ``kind`` (a :class:`~cudnn_attn.core.types.Kind`) graph.
 
     Raises:
         UnsupportedConfigurationError: the support table's ``score_mod`` rows refuse the ``kind`` graph

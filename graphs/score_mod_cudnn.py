@@ -34,7 +34,7 @@ from typing import Any, Mapping
 
 import cudnn
 
-from .score_mod_ir import BOOL, COMPARISONS, F32, I32, Node, Program
+from cudnn_attn.core.score_mod_ir import BOOL, COMPARISONS, F32, I32, Node, Program
 
 _DT = cudnn.data_type
 _TYPES = {F32: _DT.FLOAT, I32: _DT.INT32, BOOL: _DT.BOOLEAN}

@@ -40,18 +40,12 @@ def _device_properties(text: str) -> Any:
     return cudnn.create_device_properties(text)
 
 
-def graph_options(target: Any, kernel_cache: Any = None) -> dict[str, Any]:
-    """The ``cudnn.pygraph`` keyword arguments that direct planning at ``target``.
-
-    With a ``kernel_cache`` (``cudnn.create_kernel_cache()``) the graph is built with dynamic shapes
-    and takes its kernels from, and adds them to, that cache (see :mod:`.persist`).
-    """
-    dynamic = {} if kernel_cache is None else {"kernel_cache": kernel_cache, "is_dynamic_shape_enabled": True}
+def graph_options(target: Any) -> dict[str, Any]:
+    """The ``cudnn.pygraph`` keyword arguments that direct planning at ``target``."""
     if isinstance(target, DevicelessTarget):
-        return {"device_property": _device_properties(target.device_properties_json), "sm_version": target.sm_version,
-                **dynamic}
+        return {"device_property": _device_properties(target.device_properties_json), "sm_version": target.sm_version}
     if isinstance(target, cudnn.Handle):
-        return {"handle": target, **dynamic}
+        return {"handle": target}
     raise ValueError(
         f"target: expected a cudnn.Handle (from cudnn.create_handle()) or a DevicelessTarget, "
         f"got {type(target).__name__}"

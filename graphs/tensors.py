@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import enum
 
-from cudnn_attn.config import AttentionConfig
-from cudnn_attn.types import AttentionLayout
+from cudnn_attn.core.config import AttentionConfig, ragged_offset_dtype
+from cudnn_attn.core.types import AttentionLayout
 
 Dims = tuple[int, int, int, int]
 
@@ -200,14 +200,3 @@ def page_table_tensor(config: AttentionConfig) -> tuple[Dims, Dims]:
 def rng_dump_tensor(config: AttentionConfig) -> tuple[Dims, Dims]:
     dims = (config.segments, config.q_heads, config.q_len, config.kv_len)
     return dims, contiguous_strides(dims)
-
-
-def ragged_offset_dtype(config: AttentionConfig) -> str:
-    """``"int32"`` when every element offset of the packed tensors fits in int32, else ``"int64"``.
-
-    Static (from the config) so that the graph and the arrays agree; int32 keeps JAX usable without
-    ``jax_enable_x64`` for all but enormous inputs.
-    """
-    q_elems = config.batch * config.q_len * config.q_heads * max(config.qk_dim, config.v_dim)
-    kv_elems = config.batch * config.kv_len * config.kv_heads * max(config.qk_dim, config.v_dim)
-    return "int32" if max(q_elems, kv_elems) < 2**31 else "int64"

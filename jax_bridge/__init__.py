@@ -2,8 +2,8 @@
 
 * :func:`dot_product_attention`, :func:`paged_attention` - JAX's cuDNN attention API (:mod:`.api`);
 * :func:`dot_product_attention_nn` - a drop-in for ``jax.nn.dot_product_attention`` (:mod:`.nn`);
-* :func:`attention` - the native call: :class:`~cudnn_attn.masks.MaskSpec` masks, named results
-  (:class:`~cudnn_attn.types.AttentionOutput`); :func:`configured_attention` runs a validated
+* :func:`attention` - the native call: :class:`~cudnn_attn.core.masks.MaskSpec` masks, named results
+  (:class:`~cudnn_attn.core.types.AttentionOutput`); :func:`configured_attention` runs a validated
   ``(AttentionConfig, AttentionOperands)``;
 * :class:`ContextParallel`, :func:`context_parallelism`, :func:`load_balance`, :func:`restore_order` -
   attention with the sequence sharded over devices (:mod:`.context_parallel`).
@@ -14,9 +14,9 @@ partitioning (:mod:`.partitioning`) rules, lowered to a named XLA FFI target who
 CPU (:mod:`.reference_target`).
 """
 
-from .api import attention, configured_attention, dot_product_attention, call_options, paged_attention
-from .context_parallel import ContextParallel, Scheme, context_parallelism, load_balance, restore_order
+from .api import attention, call_options, configured_attention, dot_product_attention, paged_attention
 from .call_site import Backend, CallOptions
+from .context_parallel import ContextParallel, Scheme, context_parallelism, load_balance, restore_order
 from .nn import dot_product_attention_nn
 
 __all__ = ["Backend", "CallOptions", "ContextParallel", "Scheme", "attention", "configured_attention", "context_parallelism",

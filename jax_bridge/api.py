@@ -1,12 +1,12 @@
 """cuDNN fused attention on JAX arrays: JAX's cuDNN attention API, differentiable, inside every transform.
 
 :func:`attention` is the native call (:func:`cudnn_attn.attention` on JAX arrays): masks as
-:class:`~cudnn_attn.masks.MaskSpec` values (``causal() & window(l, r) & padding(q_lengths, kv_lengths)``), named
-results (:class:`~cudnn_attn.types.AttentionOutput`), everything below holds for it too.  Every public function
-here is made from its signature in :mod:`cudnn_attn.signature` and runs :func:`forward_call`.
+:class:`~cudnn_attn.core.masks.MaskSpec` values (``causal() & window(l, r) & padding(q_lengths, kv_lengths)``), named
+results (:class:`~cudnn_attn.core.types.AttentionOutput`), everything below holds for it too.  Every public function
+here is made from its signature in :mod:`cudnn_attn.core.parameters` and runs :func:`forward_call`.
 
 :func:`dot_product_attention` and :func:`paged_attention` keep the signatures, defaults and return
-forms of JAX's ``jax._src.cudnn.fused_attention_stablehlo`` (the same as :mod:`cudnn_attn.api` and
+forms of JAX's ``jax._src.cudnn.fused_attention_stablehlo`` (the same as :mod:`cudnn_attn.fronts.cupy` and
 :mod:`cudnn_attn.reference`), with keyword-only extensions after them:
 
 * ``diagonal_alignment="top_left" | "bottom_right"``, ``sink`` (float32 ``(N,)`` attention-sink
@@ -30,15 +30,15 @@ says how a call whose sequence is sharded runs: under ``jit`` a query sharded al
 dimension dispatches to it; inside ``shard_map``, ``ContextParallel(axis=...)`` names the sequence axis
 and the call takes its local Q/K/V (the bias: local rows, all columns; the lengths: global).
 
-The dropout ``seed`` must be an int in ``[0, 2**63)`` (:func:`cudnn_attn.validation.check_seed`, as on
+The dropout ``seed`` must be an int in ``[0, 2**63)`` (:func:`cudnn_attn.core.validation.check_seed`, as on
 every front): cuDNN binds it by value, so under ``jit`` it is a compile-time constant (a new seed
 compiles a new executable); the backward uses the forward's.  The CPU reference draws its dropout mask
 from NumPy, not from cuDNN's Philox stream.
 
-Values cuDNN reads as positions (:mod:`cudnn_attn.values`) never reach it out of range.  Concrete
+Values cuDNN reads as positions (:mod:`cudnn_attn.core.values`) never reach it out of range.  Concrete
 arrays (eager calls, NumPy inputs) are checked before anything is bound: ``ValueError`` naming the
 argument, the row and the value, as the reference raises it.  Traced values are clamped into range by
-a few fused XLA operations (documented in :mod:`cudnn_attn.values`).  The checked mode
+a few fused XLA operations (documented in :mod:`cudnn_attn.core.values`).  The checked mode
 (``check_values=True``, or ``CUDNN_ATTN_CHECK_VALUES=1``) adds a host check of the traced values, a
 ``jax.debug.callback``: the call then fails at run time with XLA's error, whose message carries the
 ``ValueError`` (the argument, the row, the value), while the kernel still sees only clamped values.  It
@@ -50,9 +50,9 @@ with the program on one device.  ``jax.experimental.checkify`` would return the 
 instead, but only inside the caller's own ``checkify.checkify``, so it cannot be the library's default.
 
 Errors, at trace time, of the types the CuPy path raises: ``ValueError`` for invalid arguments
-(:func:`cudnn_attn.validation.validate_call`, the seed, the options), and
-:class:`~cudnn_attn.errors.UnsupportedConfigurationError` for calls no backend runs (FP8 with dropout,
-a paged backward: :func:`cudnn_attn.support.check_everywhere`, before any primitive is bound).  What
+(:func:`cudnn_attn.core.validation.validate_call`, the seed, the options), and
+:class:`~cudnn_attn.core.errors.UnsupportedConfigurationError` for calls no backend runs (FP8 with dropout,
+a paged backward: :func:`cudnn_attn.core.support.check_everywhere`, before any primitive is bound).  What
 depends on the GPU (head dims, cuDNN version, ``score_mod`` translation) is checked when the call is
 lowered for it, with the support table's reasons - still before anything runs.
 """
@@ -67,11 +67,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cudnn_attn import signature, values
-from cudnn_attn.config import AttentionConfig, AttentionOperands
-from cudnn_attn.support import check_everywhere
-from cudnn_attn.types import FP8_PARAM_KEYS, AttentionOutput
-from cudnn_attn.validation import check_seed, validate_call
+from cudnn_attn.core import parameters, values
+from cudnn_attn.core.config import AttentionConfig, AttentionOperands
+from cudnn_attn.core.support import check_everywhere
+from cudnn_attn.core.types import FP8_PARAM_KEYS, AttentionOutput
+from cudnn_attn.core.validation import check_seed, validate_call
 
 from . import context_parallel as sequence_split
 from . import lifting, primitives
@@ -208,31 +208,31 @@ def guard_values(config: AttentionConfig, operands: AttentionOperands, check_val
 
 def configured_attention(config: AttentionConfig, operands: AttentionOperands, options: CallOptions, *,
                          check_values: bool | None = None, names: Mapping[str, str] | None = None) -> AttentionOutput:
-    """Attention on a validated call (:func:`cudnn_attn.validation.validate_call` with ``xp=jax.numpy``):
-    :class:`~cudnn_attn.types.AttentionOutput` out, differentiable with respect to the operands.
+    """Attention on a validated call (:func:`cudnn_attn.core.validation.validate_call` with ``xp=jax.numpy``):
+    :class:`~cudnn_attn.core.types.AttentionOutput` out, differentiable with respect to the operands.
     The value operands pass :func:`guard_values` first (``check_values``, ``names``: see there).
 
-    Raises :class:`~cudnn_attn.errors.UnsupportedConfigurationError` at once for what no backend runs."""
+    Raises :class:`~cudnn_attn.core.errors.UnsupportedConfigurationError` at once for what no backend runs."""
     check_everywhere(config, kind=FWD)
     operands = guard_values(config, operands, check_values, names)
     results = _attention(config, options, _align_manual_axes(_inputs(config, operands)))
     return AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
 
 
-# -- the public functions (signatures: cudnn_attn.signature) ---------------------------------------
+# -- the public functions (signatures: cudnn_attn.core.parameters) ---------------------------------------
 
 def forward_call(call: Any, names: Mapping[str, str] | None = None) -> AttentionOutput:
     """A seed or native call's forward: validated, configured, run.  ``names`` renames arguments in the
     messages (the ``jax.nn`` drop-in's; default: the native API's names for a native call)."""
-    arrays, static = signature.arguments(call)
+    arrays, static = parameters.arguments(call)
     sequence_parallel = "context_parallel" in call._fields
     context = sequence_split.resolve(getattr(call, "context_parallel", None))
     if sequence_parallel:
         arrays["key"], arrays["value"] = sequence_split.whole_sequence(context, call.key, call.value,
                                                                        static["qkv_layout"])
-    with signature.native_names(call, names):
+    with parameters.native_names(call, names):
         config, operands = validate_call(**arrays, **static, xp=jnp)
-    config = signature.finish(call, config)
+    config = parameters.finish(call, config)
     if sequence_parallel and context.axes:       # inside shard_map: the call describes the whole sequence
         config = sequence_split.whole_config(config, context)
         operands = operands.replace(key=call.key, value=call.value)
@@ -241,21 +241,21 @@ def forward_call(call: Any, names: Mapping[str, str] | None = None) -> Attention
     return configured_attention(config, operands, options, check_values=call.check_values, names=names)
 
 
-@signature.front(signature.NATIVE, "deterministic", "cuda_graph", "backend", "context_parallel", "check_values")
+@parameters.front(parameters.NATIVE, "deterministic", "cuda_graph", "backend", "context_parallel", "check_values")
 def attention(call: Any) -> AttentionOutput:
     """Scaled dot-product attention with named results (the native API; :func:`cudnn_attn.attention` on JAX
     arrays), differentiable, under ``jit``, ``vmap`` and sharding like :func:`dot_product_attention`.
 
-    ``mask`` is a :class:`~cudnn_attn.masks.MaskSpec` (``causal()``, ``window(left, right)``,
+    ``mask`` is a :class:`~cudnn_attn.core.masks.MaskSpec` (``causal()``, ``window(left, right)``,
     ``padding(q_lengths, kv_lengths)``, ``segments(...)``, ``alibi()``, ``keep(array)``, combined with ``&``);
     ``scale=None`` is ``1/sqrt(H)``; ``fp8_params`` runs FP8.  Returns
-    :class:`~cudnn_attn.types.AttentionOutput`: ``output``, ``logsumexp`` with
+    :class:`~cudnn_attn.core.types.AttentionOutput`: ``output``, ``logsumexp`` with
     ``return_aux=AuxRequest(logsumexp=True)`` (else ``None``), ``amax_s``/``amax_o`` with FP8.
     """
     return forward_call(call)
 
 
-@signature.front(signature.FORWARD, "deterministic", "cuda_graph", "backend", "context_parallel", "check_values")
+@parameters.front(parameters.FORWARD, "deterministic", "cuda_graph", "backend", "context_parallel", "check_values")
 def dot_product_attention(call: Any) -> Any:
     """Scaled dot-product attention (JAX's cuDNN ``dot_product_attention``; module doc for the extras).
 
@@ -270,13 +270,13 @@ def dot_product_attention(call: Any) -> Any:
     return forward_call(call).seed_form(call.use_fp8, call.return_residual)
 
 
-@signature.front(signature.PAGED, "cuda_graph", "backend", "check_values")
+@parameters.front(parameters.PAGED, "cuda_graph", "backend", "check_values")
 def paged_attention(call: Any) -> Any:
     """Attention over paged K/V caches (forward only; JAX's cuDNN ``paged_attention``).
 
     K/V are caches of blocks ``(num_blocks, block_size, K, H)`` (BTNH) or ``(num_blocks, K, block_size, H)``
     (BNTH); ``page_table_k``/``page_table_v`` int32 ``(B, 1, blocks_per_seq, 1)`` map each sequence's
     logical blocks to cache blocks.  Returns the output, or ``(output, logsumexp)`` with ``return_residual``.
-    Differentiating it raises :class:`~cudnn_attn.errors.UnsupportedConfigurationError`.
+    Differentiating it raises :class:`~cudnn_attn.core.errors.UnsupportedConfigurationError`.
     """
     return forward_call(call).seed_form(call.use_fp8, call.return_residual)

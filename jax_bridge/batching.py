@@ -31,9 +31,9 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from cudnn_attn.config import AttentionConfig, BiasSpec, PagingSpec
-from cudnn_attn.support import check_everywhere
-from cudnn_attn.types import FP8_PARAM_KEYS
+from cudnn_attn.core.config import AttentionConfig, BiasSpec, PagingSpec
+from cudnn_attn.core.support import check_everywhere
+from cudnn_attn.core.types import FP8_PARAM_KEYS
 
 from .call_site import CallOptions
 from .signature import BWD, FP8_BWD_AMAX, FP8_FWD_AMAX, operand_names, result_names, result_shapes

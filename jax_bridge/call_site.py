@@ -31,7 +31,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from cudnn_attn.config import AttentionConfig
+from cudnn_attn.core.config import AttentionConfig
 
 from .signature import KINDS, operand_names, result_names
 

@@ -20,7 +20,7 @@ causal (top-left, or bottom-right without per-sequence lengths), windows, per-se
 (``q_seqlen``/``kv_seqlen`` give each call its own lengths), a bias (each device holds its rows and
 every column), GQA and MLA work in both schemes.  A block that the mask removes entirely is not
 computed: the devices take different branches (``lax.switch`` on the device's index into the distinct
-plans of the step).  Refused (:class:`~cudnn_attn.errors.UnsupportedConfigurationError`): dropout,
+plans of the step).  Refused (:class:`~cudnn_attn.core.errors.UnsupportedConfigurationError`): dropout,
 ALiBi, FP8, ``score_mod``, an attention sink, packed segments, paged caches, and a bottom-right diagonal
 with per-sequence lengths (:func:`refusals`).
 
@@ -52,9 +52,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cudnn_attn.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec
-from cudnn_attn.errors import UnsupportedConfigurationError
-from cudnn_attn.types import AttentionLayout
+from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec
+from cudnn_attn.core.errors import UnsupportedConfigurationError
+from cudnn_attn.core.types import AttentionLayout
 
 from . import lifting
 from .sequence_plan import Band, BlockCall, chunk_order, device_plans, local_chunks

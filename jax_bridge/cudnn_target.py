@@ -3,14 +3,14 @@
 Lowering (once per compiled call site): everything a run needs is decided here
     :func:`lower` registers the :class:`~.call_site.AttentionCall`; :func:`plan_devices`, for **every
     GPU of the lowering's device assignment**, makes the device's cuDNN context (handle and lock,
-    :mod:`cudnn_attn.runtime`), finds or builds the :class:`~cudnn_attn.plan.CallPlan` in
+    :mod:`cudnn_attn.engine.runtime`), finds or builds the :class:`~cudnn_attn.engine.plan.CallPlan` in
     :data:`cudnn_attn.graph_cache` (after the support check, so a refused configuration fails at ``jit``
     time with its reasons) and warms it up (one launch on scratch buffers, so that no CUDA module is
     loaded lazily while XLA runs the program - loading may synchronise the device, which deadlocks a
     program whose other GPUs wait in a collective for this one).  The plan is kept for the handler as a
     :class:`SiteLaunch` (host scalars bound, the workspace the last result).  Then :func:`lower` emits one
     FFI call whose operands and results are the plan's (packed segments are converted with
-    ``jax.numpy`` around the call, :func:`cudnn_attn.plan.graph_inputs`); the workspace is an extra
+    ``jax.numpy`` around the call, :func:`cudnn_attn.engine.plan.graph_inputs`); the workspace is an extra
     ``uint8`` result that XLA allocates.  After the call, the logsumexp gets the after-launch part of the
     plan's fill policy.
 
@@ -19,7 +19,7 @@ Execution (every run): nothing is created, built or allocated
     (:meth:`ffi.Call.snapshot`: one ``struct`` read of the call frame's fields, one per buffer table),
     finds the call site's launch by ``(key, device)`` and runs :meth:`CallPlan.launch` (under the device
     lock: point the handle at the stream only when it changed, zero what the policy zeroes first, launch;
-    or replay it, :mod:`cudnn_attn.replay`, without asking whether the stream is being captured when the
+    or replay it, :mod:`cudnn_attn.engine.replay`, without asking whether the stream is being captured when the
     target is the one XLA never records).  A missing plan - a device the lowering did not plan - is a
     clear error, never a build.
 
@@ -47,10 +47,13 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from cudnn_attn.config import AttentionConfig
-from cudnn_attn.support import check_supported
-from cudnn_attn.types import Front
-from cudnn_attn.plan import Fill, graph_inputs, host_scalar_values, zero_rows
+from cudnn_attn.core.config import AttentionConfig
+from cudnn_attn.core.support import check_supported
+from cudnn_attn.core.types import Front
+from cudnn_attn.engine import runtime
+from cudnn_attn.engine.cache import graph_cache
+from cudnn_attn.engine.plan import Fill, graph_inputs, host_scalar_values, zero_rows
+from cudnn_attn.graphs import packing
 
 from . import ffi
 from .call_site import EAGER_TARGET, TARGET, AttentionCall, Holds, registry
@@ -85,8 +88,6 @@ def _site_launch(plan: Any, scalars: tuple) -> SiteLaunch:
 
 
 def _graph_cache_size() -> int:
-    from cudnn_attn.cache import graph_cache
-
     return graph_cache.maxsize
 
 
@@ -115,8 +116,6 @@ registry.on_release(_forget_site)
 def plan_devices(site: AttentionCall, key: int, devices: list[int]) -> list[Any]:
     """At lowering (and at an executable's instantiation): the plans of call site ``site`` on ``devices`` -
     each device's context made, the graph built or found, warmed up and kept for the handler under ``key``."""
-    from cudnn_attn import runtime
-    from cudnn_attn.cache import graph_cache
 
     plans = []
     for device in devices:
@@ -169,7 +168,7 @@ def held_plans() -> dict[str, int]:
 def _handler(capturable: bool) -> Callable[[ffi.Call], None]:
     """The handler of one target: XLA's buffers and stream into the call site's launch (see the module doc).
     ``capturable``: whether XLA may record the target into a command buffer (else the stream is never
-    being captured, and the replay of the launch does not ask, :mod:`cudnn_attn.replay`)."""
+    being captured, and the replay of the launch does not ask, :mod:`cudnn_attn.engine.replay`)."""
 
     def run(call: ffi.Call) -> None:
         if stages is not None:
@@ -232,7 +231,6 @@ skips XLA's device query - no execution can run on another device."""
 
 class HandlerStages(NamedTuple):
     """One handler run's stages in nanoseconds (benchmarks), and the kind of its call site's plan."""
-
     read: int             # the call frame: key, addresses, stream, device
     find: int             # the call site's launch
     launch: int           # the launch itself (replayed, or the cuDNN call)
@@ -252,7 +250,7 @@ HANDLERS = (ffi.make_handler(TARGET, _run, command_buffer_compatible=True, insta
 
 
 def _release() -> None:
-    """At exit (:func:`cudnn_attn.runtime.release`): wait for computations in flight, then unpin the plans."""
+    """At exit (:func:`cudnn_attn.engine.runtime.release`): wait for computations in flight, then unpin the plans."""
     ffi.finish_pending_calls()
     with _lock:
         _launches.clear()
@@ -260,8 +258,6 @@ def _release() -> None:
 
 
 def _register_release() -> None:
-    from cudnn_attn import runtime
-
     runtime.on_release(_release)
 
 
@@ -296,7 +292,6 @@ def lower(ctx: Any, *args: Any, kind: str, config: AttentionConfig, options: Any
     import jax.numpy as jnp
     from jax.interpreters import mlir
 
-    from cudnn_attn.graphs import packing
 
     site = AttentionCall(config, kind, options.seed)
     _check_expressible(site)

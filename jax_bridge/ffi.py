@@ -50,7 +50,7 @@ from typing import Any, Callable, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from cudnn_attn import env
+from cudnn_attn.core import settings
 
 # -- the C structures (field order and types as in c_api.h) -------------------------------------------
 
@@ -393,7 +393,7 @@ def thread_states() -> ThreadStates:
     return ThreadStates(_fresh_entries, len(_kept_states))
 
 
-keep_thread_states: bool = env.flag("CUDNN_ATTN_KEEP_THREAD_STATES", True)
+keep_thread_states: bool = settings.flag("CUDNN_ATTN_KEEP_THREAD_STATES", True)
 """Whether handlers keep the thread states of the threads that call them (see above): read at import, switchable
 for benchmarks (a state once kept stays kept)."""
 

@@ -1,4 +1,4 @@
-"""Primitive calls on named operands, padded to even lengths where cuDNN needs it (:mod:`cudnn_attn.lift`:
+"""Primitive calls on named operands, padded to even lengths where cuDNN needs it (:mod:`cudnn_attn.core.padded_call`:
 training with a bias at odd ``T`` or ``S``, the backward at ``T == S == 1``).  Used by the API for every
 call and by :mod:`.context_parallel` for its block calls (sliced windows make odd blocks)."""
 
@@ -8,9 +8,9 @@ from typing import Any, Callable, Mapping
 
 import jax.numpy as jnp
 
-from cudnn_attn.config import AttentionConfig
-from cudnn_attn.lift import lift, lifted_config
-from cudnn_attn.types import AttentionGrads, AttentionOutput
+from cudnn_attn.core.config import AttentionConfig
+from cudnn_attn.core.padded_call import lift, lifted_config
+from cudnn_attn.core.types import AttentionGrads, AttentionOutput
 
 from .signature import BWD, FWD, RESIDUALS, attention_operands, named_operands, operand_names
 

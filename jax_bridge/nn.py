@@ -9,16 +9,16 @@ semantics, translated onto the library's configuration:
 ``query`` ``(B, T, N, H)`` / ``(T, N, H)``  BTNH layout (a missing batch dimension is added and removed)
 ``key``/``value`` with ``K`` heads     grouped-query attention (``N`` a multiple of ``K``)
 ``bias`` broadcastable to (B, N, T, S)  additive bias, cast to the query's dtype; differentiable
-``mask`` (boolean, True keeps)         :func:`~cudnn_attn.masks.keep`: folded into the bias (large negative)
+``mask`` (boolean, True keeps)         :func:`~cudnn_attn.core.masks.keep`: folded into the bias (large negative)
 ``scale=None``                         ``1 / sqrt(H)``
-``is_causal``                          top-left causal mask (:func:`~cudnn_attn.masks.causal`)
-``query_seq_lengths``/                 :func:`~cudnn_attn.masks.padding` (the missing one is the full length); rows
+``is_causal``                          top-left causal mask (:func:`~cudnn_attn.core.masks.causal`)
+``query_seq_lengths``/                 :func:`~cudnn_attn.core.masks.padding` (the missing one is the full length); rows
 ``key_value_seq_lengths`` ``(B,)``     past a query length are 0, as in ``jax.nn``
-``local_window_size=(l, r)`` or ``w``  :func:`~cudnn_attn.masks.window` ``(l, r)``: keys ``i - l <= j <= i + r``
+``local_window_size=(l, r)`` or ``w``  :func:`~cudnn_attn.core.masks.window` ``(l, r)``: keys ``i - l <= j <= i + r``
                                        (``w`` means ``(w, w)``); with ``is_causal`` the right side is 0
 =====================================  =====================================================================
 
-The call is the native :func:`~.api.attention` with that :class:`~cudnn_attn.masks.MaskSpec`.
+The call is the native :func:`~.api.attention` with that :class:`~cudnn_attn.core.masks.MaskSpec`.
 Every argument is checked before anything is computed, and errors name the drop-in's own arguments
 (``query_seq_lengths``, ``local_window_size``, ``is_causal``, ...). Refused with a ``ValueError``:
 anything but arrays for ``query``/``key``/``value``/``bias``/``mask`` and the lengths, ranks other
@@ -40,8 +40,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from cudnn_attn import masks
-from cudnn_attn.validation import dtype_name, is_array
+from cudnn_attn.core import masks
+from cudnn_attn.core.validation import dtype_name, is_array
 
 from .api import attention, forward_call
 

@@ -40,12 +40,17 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule
 from jax.sharding import NamedSharding, PartitionSpec
 
-from cudnn_attn.config import AttentionConfig, BiasSpec
+from cudnn_attn.core.config import AttentionConfig, BiasSpec
 
 from . import context_parallel
 from .call_site import CallOptions
 from .signature import (
-    ATTENTION_TENSORS, FP8_BWD_AMAX, FP8_FWD_AMAX, dimension_roles, operand_names, result_names,
+    ATTENTION_TENSORS,
+    FP8_BWD_AMAX,
+    FP8_FWD_AMAX,
+    dimension_roles,
+    operand_names,
+    result_names,
 )
 
 _REFUSED_ROLES = {"h": "head", "e": "value head"}

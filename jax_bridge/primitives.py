@@ -1,7 +1,7 @@
 """The two attention primitives (forward, backward), registered once by :class:`AttentionPrimitive`.
 
 Each kind is a pair of JAX primitives whose only static parameters are the
-:class:`~cudnn_attn.config.AttentionConfig` (what to compute) and the
+:class:`~cudnn_attn.core.config.AttentionConfig` (what to compute) and the
 :class:`~.call_site.CallOptions` (dropout seed, backend, CUDA graphs):
 
 * the *outer* primitive carries the transformation rules: abstract evaluation, batching
@@ -29,14 +29,20 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from cudnn_attn.config import AttentionConfig
+from cudnn_attn.core.config import AttentionConfig
 
-from . import context_parallel, cudnn_target, ffi, reference_target
 from . import batching as batching_rules
-from . import partitioning
+from . import context_parallel, cudnn_target, ffi, partitioning, reference_target
 from .call_site import AttentionCall, Backend, CallOptions, registry
 from .signature import (
-    BWD, FWD, GRADIENT_OF, RESULT_FOLLOWS, dimension_roles, operand_names, result_names, result_shapes,
+    BWD,
+    FWD,
+    GRADIENT_OF,
+    RESULT_FOLLOWS,
+    dimension_roles,
+    operand_names,
+    result_names,
+    result_shapes,
 )
 
 

@@ -1,12 +1,12 @@
 """The named operands and results of the two attention primitives, derived from the configuration.
 
 A primitive binds a flat list of arrays; which arrays, in which order, follows from the
-:class:`~cudnn_attn.config.AttentionConfig` and the kind (``"fwd"``/``"bwd"``) alone, so the config is
+:class:`~cudnn_attn.core.config.AttentionConfig` and the kind (``"fwd"``/``"bwd"``) alone, so the config is
 all the rules need to name every position.  Names are the fields of
-:class:`~cudnn_attn.config.AttentionOperands` (``query``, ``bias``, ``q_seqlen``, ...), the FP8Params
+:class:`~cudnn_attn.core.config.AttentionOperands` (``query``, ``bias``, ``q_seqlen``, ...), the FP8Params
 keys (``descale_q``, ...), ``score_mod_arg_<i>``, and for the backward the residuals ``output``,
 ``grad_output``, ``logsumexp``.  Result names are the fields of
-:class:`~cudnn_attn.types.AttentionOutput` / :class:`~cudnn_attn.types.AttentionGrads`.
+:class:`~cudnn_attn.core.types.AttentionOutput` / :class:`~cudnn_attn.core.types.AttentionGrads`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from cudnn_attn.config import AttentionConfig, AttentionOperands
-from cudnn_attn.types import FP8_BWD_AMAX, FP8_BWD_KEYS, FP8_FWD_KEYS, Kind
+from cudnn_attn.core.config import AttentionConfig, AttentionOperands
+from cudnn_attn.core.types import FP8_BWD_AMAX, FP8_BWD_KEYS, FP8_FWD_KEYS, Kind
 
 FWD, BWD = Kind.FORWARD, Kind.BACKWARD
 KINDS = tuple(Kind)

@@ -5,7 +5,7 @@
 A package installed with ``pip install --no-compile`` and imported by an interpreter that writes no bytecode
 (the GPU machine sets ``PYTHONDONTWRITEBYTECODE=1``) compiles every module it imports in every new process:
 ``bench_first_call``'s import row then measures the machine's install, not the library.  This prints, for each
-package, what ``python -m cudnn_attn info`` checks (:func:`cudnn_attn.cli.bytecode_status`) and the median time
+package, what ``python -m cudnn_attn info`` checks (:func:`cudnn_attn.tools.cli.bytecode_status`) and the median time
 of ``import PACKAGE`` in fresh processes; ``--compile`` then compiles the packages that lack bytecode, where
 their folder is writable, as an install would have, and measures again.  Nothing changes without ``--compile``.
 """
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from cudnn_attn.cli import bytecode_status
+from cudnn_attn.tools.cli import bytecode_status
 
 
 def _import_ms(package: str, runs: int = 3) -> float:

@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 
 import cudnn_attn
-from cudnn_attn import MaskType, NoGPUError, UnsupportedConfigurationError, execution, launch, runtime
-from cudnn_attn.cache import GraphKey, PlanChoice
-from cudnn_attn.config import AttentionConfig
+from cudnn_attn import MaskType, NoGPUError, UnsupportedConfigurationError
+from cudnn_attn.core.config import AttentionConfig
+from cudnn_attn.core.support import Environment
+from cudnn_attn.core.types import AttentionOutput
+from cudnn_attn.engine import launch, runtime
+from cudnn_attn.engine.cache import GraphKey, PlanChoice
+from cudnn_attn.fronts import execution
 from cudnn_attn.graphs.tensors import TensorId
-from cudnn_attn.support import Environment
-from cudnn_attn.types import AttentionOutput
 
 needs_no_gpu = pytest.mark.skipif(runtime.is_gpu_available(), reason="a GPU is present: NoGPUError cannot happen")
 
@@ -220,7 +222,7 @@ def test_frontend_path_on_request():
 @pytest.mark.parametrize("builder", ["heuristic", "autotuned"])
 def test_unsupported_configuration_is_refused_before_building(monkeypatch, builder):
     import cudnn_attn.graphs as graphs
-    from cudnn_attn import autotune, cache
+    from cudnn_attn.engine import autotune, cache
 
     def never(*args, **kwargs):
         raise AssertionError("build_graph must not run for an unsupported configuration")
@@ -278,7 +280,7 @@ def _memo_call(memo, rng, **static):
 
 
 def test_validation_memo_reuses_the_config_and_binds_new_arrays():
-    from cudnn_attn.api import _ValidationMemo
+    from cudnn_attn.fronts.cupy import _ValidationMemo
 
     memo, rng = _ValidationMemo(), np.random.default_rng(2)
     _, (config, _) = _memo_call(memo, rng)
@@ -291,7 +293,7 @@ def test_validation_memo_reuses_the_config_and_binds_new_arrays():
 
 
 def test_validation_memo_checks_every_new_signature():
-    from cudnn_attn.api import _ValidationMemo
+    from cudnn_attn.fronts.cupy import _ValidationMemo
 
     memo, rng = _ValidationMemo(), np.random.default_rng(3)
     _memo_call(memo, rng)
@@ -303,7 +305,7 @@ def test_validation_memo_checks_every_new_signature():
 
 
 def test_validation_memo_skips_calls_whose_arrays_prepare_transforms():
-    from cudnn_attn.api import _ValidationMemo
+    from cudnn_attn.fronts.cupy import _ValidationMemo
 
     memo, rng = _ValidationMemo(), np.random.default_rng(4)
     q, k, v = _qkv(rng)
@@ -320,9 +322,9 @@ def test_direct_results_are_aligned_disjoint_views_of_one_allocation(monkeypatch
     """The backward's dq, dk, dv (odd byte sizes here) come from one pool allocation at 256-byte-aligned,
     disjoint offsets; a later call reuses that block once its results are dropped, and not while one of
     them is alive."""
-    from cudnn_attn import api
-    from cudnn_attn.plan import ResultSpec
-    from cudnn_attn.result_blocks import ResultBlocks
+    from cudnn_attn.engine.plan import ResultSpec
+    from cudnn_attn.engine.result_blocks import ResultBlocks
+    from cudnn_attn.fronts import cupy as cupy_front
 
     specs = [ResultSpec(name, None, shape, np.dtype(np.float16), None)
              for name, shape in (("dq", (1, 3, 5, 7)), ("dk", (1, 11, 5, 7)), ("dv", (1, 11, 5, 7)))]
@@ -330,9 +332,9 @@ def test_direct_results_are_aligned_disjoint_views_of_one_allocation(monkeypatch
         results = tuple(specs)
 
     plan = Plan()
-    monkeypatch.setattr(api.execution, "plan_for", lambda *a: plan)
-    monkeypatch.setattr(api, "result_blocks", ResultBlocks())
-    direct = api._Direct.__new__(api._Direct)
+    monkeypatch.setattr(cupy_front.execution, "plan_for", lambda *a: plan)
+    monkeypatch.setattr(cupy_front, "result_blocks", ResultBlocks())
+    direct = cupy_front._Direct.__new__(cupy_front._Direct)
     direct.config, direct.kind, direct.device, direct.autotune = None, "bwd", 0, None
     direct.plan()
     allocations = []
@@ -356,7 +358,7 @@ def test_direct_results_are_aligned_disjoint_views_of_one_allocation(monkeypatch
 
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(alloc=lambda n: MemoryPointer(Memory(n), 0)),
                                  ndarray=Array)
-    monkeypatch.setattr(api, "_CUPY", fake)
+    monkeypatch.setattr(cupy_front, "_CUPY", fake)
     results = direct._allocate(stream=7)
     sizes = [spec.nbytes for spec in specs]
     assert len(allocations) == 1 and [(r.shape, r.dtype) for r in results] == [(s.shape, s.dtype) for s in specs]
@@ -377,7 +379,7 @@ def test_direct_results_are_aligned_disjoint_views_of_one_allocation(monkeypatch
 def test_bound_check_names_the_array_that_differs(monkeypatch):
     """A bound call's signature check, with a stand-in array type: the bound signature passes, and a different
     shape, dtype, device or type is a ValueError naming that array (the GPU tier runs it on CuPy arrays)."""
-    from cudnn_attn import api
+    from cudnn_attn.fronts import cupy as cupy_front
 
     class Array:
         def __init__(self, shape, dtype=np.float16, device=0):
@@ -385,10 +387,10 @@ def test_bound_check_names_the_array_that_differs(monkeypatch):
             self.strides = tuple(int(np.prod(shape[i + 1:])) * self.dtype.itemsize for i in range(len(shape)))
             self.data = types.SimpleNamespace(device_id=device)
 
-    monkeypatch.setattr(api, "_NDARRAY", Array)
+    monkeypatch.setattr(cupy_front, "_NDARRAY", Array)
     arrays = (Array((1, 8, 2, 4)), Array((1, 16, 2, 4)), Array((1, 16, 2, 4)))
     direct = types.SimpleNamespace(typed=[(Array, x.shape, x.dtype, x.strides, 0) for x in arrays])
-    bound = api.BoundAttention.__new__(api.BoundAttention)
+    bound = cupy_front.BoundAttention.__new__(cupy_front.BoundAttention)
     bound._check(direct, arrays)
     for position, bad in ((1, Array((1, 8, 2, 4))), (2, Array((1, 16, 2, 4), np.float32)),
                           (1, Array((1, 16, 2, 4), device=1)), (0, np.zeros((1, 8, 2, 4), np.float16))):

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from cudnn_attn.cache import CacheListing, GraphCache, GraphKey, PlanChoice, build_plan
-from cudnn_attn.config import AttentionConfig, MaskSpec
+from cudnn_attn.core.config import AttentionConfig, MaskSpec
+from cudnn_attn.engine.cache import CacheListing, GraphCache, GraphKey, PlanChoice, build_plan
 
 CUDNN = 91900
 
@@ -224,7 +224,7 @@ def test_module_instance_is_exported():
     import cudnn_attn
 
     assert isinstance(cudnn_attn.graph_cache, GraphCache)
-    assert cudnn_attn.graph_cache is cudnn_attn.cache.graph_cache
+    assert cudnn_attn.graph_cache is cudnn_attn.engine.cache.graph_cache
 
 
 def test_the_cache_itself_shows_its_statistics_and_listing():
@@ -279,7 +279,7 @@ def test_the_caches_builder_runs_on_one_thread_per_device():
 
 
 def test_build_threads_raise_the_builds_error_and_nest_in_place():
-    from cudnn_attn.cache import BuildThreads
+    from cudnn_attn.engine.cache import BuildThreads
 
     threads = BuildThreads()
 
@@ -295,7 +295,7 @@ def test_build_threads_raise_the_builds_error_and_nest_in_place():
 
 _FORK_CHECK = """
 import os, signal
-from cudnn_attn.cache import build_threads
+from cudnn_attn.engine.cache import build_threads
 
 build_threads.run(7, lambda: None)                 # the parent has a build thread for device 7
 child = os.fork()

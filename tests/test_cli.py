@@ -16,11 +16,13 @@ import sys
 import numpy as np
 import pytest
 
-from cudnn_attn import cli, runtime, selftest
-from cudnn_attn.config import AttentionConfig
-from cudnn_attn.plan_store import PlanEnvironment, PlanKey, PlanStore
+from cudnn_attn.core.config import AttentionConfig
+from cudnn_attn.core.environment import Environment
+from cudnn_attn.engine import runtime
+from cudnn_attn.persist.store import PlanKey, PlanStore
+from cudnn_attn.tools import cli, selftest
 
-ENV = PlanEnvironment(91900, "1.32.0", "0.1.0", "0" * 64, (9, 0), "NVIDIA H200", 132)
+ENV = Environment(91900, (9, 0), "NVIDIA H200", 132, "1.32.0")
 CONFIG = AttentionConfig(batch=2, q_heads=4, kv_heads=4, q_len=128, kv_len=128, qk_dim=64, v_dim=64,
                          dtype="float16", scale=0.125, training=True)
 no_gpu = pytest.mark.skipif(runtime.is_gpu_available(), reason="checks the behaviour without a GPU")
@@ -262,7 +264,7 @@ def test_selftest_comparison_fails_on_a_wrong_result():
 def test_precompile_reports_each_configuration(capsys, store_dir, monkeypatch):
     """The planner's outcomes as the table prints them: built, loaded, refused by cuDNN (its message),
     refused by the support table, failed; exit 1 when any could not be planned."""
-    from cudnn_attn.errors import UnsupportedConfigurationError
+    from cudnn_attn.core.errors import UnsupportedConfigurationError
 
     class Built:
         def __init__(self, origin):

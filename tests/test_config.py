@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from cudnn_attn.config import AttentionConfig, MaskSpec, PackingSpec, PagingSpec
+from cudnn_attn.core.config import AttentionConfig, MaskSpec, PackingSpec, PagingSpec
 
 BASE = AttentionConfig(batch=2, q_heads=4, kv_heads=2, q_len=16, kv_len=24, qk_dim=64, v_dim=64, dtype="float16")
 
@@ -55,7 +55,7 @@ def test_a_configuration_of_no_possible_call_is_refused_naming_the_field(changes
 
 def test_the_support_query_never_sees_a_configuration_of_no_possible_call():
     """A hand-made configuration with a zero batch used to be reported runnable (``[]``)."""
-    from cudnn_attn import support
+    from cudnn_attn.core import support
 
     with pytest.raises(ValueError, match="config.batch"):
         support.not_supported_reasons(BASE.replace(batch=0), support.Environment.sm90(91900))

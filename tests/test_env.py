@@ -1,10 +1,10 @@
-"""The rules for the library's environment variables (:func:`cudnn_attn.env.flag`, :func:`cudnn_attn.env.count`)."""
+"""The rules for the library's environment variables (:func:`cudnn_attn.core.settings.flag`, :func:`cudnn_attn.core.settings.count`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cudnn_attn.env import count, flag
+from cudnn_attn.core.settings import count, flag
 
 
 @pytest.mark.parametrize("value, default, expected", [
@@ -34,6 +34,6 @@ def test_a_bad_replay_bound_fails_the_import_with_the_variables_name():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", "import cudnn_attn.replay"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", "import cudnn_attn.engine.replay"], capture_output=True, text=True,
                           env={**os.environ, "CUDNN_ATTN_REPLAY_GRAPHS": "many"})
     assert done.returncode != 0 and "$CUDNN_ATTN_REPLAY_GRAPHS: expected a non-negative integer" in done.stderr

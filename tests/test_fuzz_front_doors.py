@@ -36,10 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cudnn_attn import MaskType, UnsupportedConfigurationError, reference, support
+from cudnn_attn import MaskType, UnsupportedConfigurationError, reference
 from cudnn_attn import jax_bridge as jb
-from cudnn_attn.types import FP8_PARAM_KEYS
-from cudnn_attn.validation import validate_call
+from cudnn_attn.core import support
+from cudnn_attn.core.types import FP8_PARAM_KEYS
+from cudnn_attn.core.validation import validate_call
 
 SEED = 20261130
 B, T, S, N, H = 2, 8, 12, 2, 8

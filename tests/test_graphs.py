@@ -12,19 +12,33 @@ from __future__ import annotations
 
 import zlib
 
+import cudnn
 import numpy as np
 import pytest
-
-import cudnn
-from cudnn_attn.config import AttentionConfig, MaskSpec, ScoreModSpec
-from cudnn_attn.errors import UnsupportedConfigurationError
-from cudnn_attn.graphs import BuiltGraph, PlanInfo, TensorId, build_graph, declare_graph, packing
-from cudnn_attn.graphs import tensors as tt
-
 from deviceless.matrix import (
-    B, BNTH, BR_PADDING_CAUSAL, BTNH, CAUSAL, N, PADDING, PADDING_CAUSAL, S, T, bias, config, fp8, packed, paged,
+    BNTH,
+    BR_PADDING_CAUSAL,
+    BTNH,
+    CAUSAL,
+    PADDING,
+    PADDING_CAUSAL,
+    B,
+    N,
+    S,
+    T,
+    bias,
+    config,
+    fp8,
+    packed,
+    paged,
     softcap,
 )
+
+from cudnn_attn.core.config import AttentionConfig, MaskSpec
+from cudnn_attn.core.errors import UnsupportedConfigurationError
+from cudnn_attn.core.score_mod_spec import score_mod_spec
+from cudnn_attn.graphs import BuiltGraph, PlanInfo, TensorId, build_graph, declare_graph, packing
+from cudnn_attn.graphs import tensors as tt
 
 T_ = TensorId
 CORE_FWD = {T_.Q, T_.K, T_.V, T_.O, T_.STATS}
@@ -164,7 +178,7 @@ def test_rng_dump_is_a_float_BNTS_tensor():
 @pytest.mark.parametrize("mask", [MaskSpec(), PADDING_CAUSAL], ids=["no-mask", "padding-causal"])
 def test_score_mod_arguments_are_by_value_float_scalars(kind, mask):
     pytest.importorskip("jax")
-    spec = ScoreModSpec.trace(softcap, (B, N, T, S), (((), "float32"),))
+    spec = score_mod_spec(softcap, (B, N, T, S), (((), "float32"),))
     graph, uids = declare_graph(config(score_mod=spec, mask=mask), kind)
     graph.validate()
     arg = graph.find_tensor(int(T_.SCORE_MOD_ARG_0))
@@ -174,7 +188,7 @@ def test_score_mod_arguments_are_by_value_float_scalars(kind, mask):
 
 
 def test_non_scalar_score_mod_arguments_are_refused():
-    spec = ScoreModSpec.trace(lambda s, table: s, (B, N, T, S), (((4, 128), "float32"),))
+    spec = score_mod_spec(lambda s, table: s, (B, N, T, S), (((4, 128), "float32"),))
     with pytest.raises(UnsupportedConfigurationError, match="scalars"):
         declare_graph(config(score_mod=spec), "fwd")
 
@@ -392,7 +406,7 @@ def _packed_inputs(rng, batch, segments, length):
 
 def _problem(rng, name):
     """``(prepare kwargs, arrays)`` of one GPU case, random fp16 inputs (never zeros)."""
-    from cudnn_attn.types import MaskType
+    from cudnn_attn.core.types import MaskType
     b, t, s, n, k, d = 2, 128, 128, 8, 2, 64
     q = rng.standard_normal((b, t, n, d)).astype(np.float16)
     key = rng.standard_normal((b, s, k, d)).astype(np.float16)
@@ -419,7 +433,7 @@ def _problem(rng, name):
 @pytest.mark.parametrize("name", ["causal-gqa", "BNTH-bias-padding", "window-sink", "packed-causal"])
 def test_gpu_forward_and_backward_match_the_reference(gpu, name):
     from cudnn_attn import reference
-    from cudnn_attn.validation import validate_call
+    from cudnn_attn.core.validation import validate_call
     cupy, handle = gpu
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     kwargs, (q, k, v) = _problem(rng, name)
@@ -469,7 +483,7 @@ def test_gpu_forward_and_backward_match_the_reference(gpu, name):
 @pytest.mark.gpu
 def test_gpu_dropout_seed_is_a_runtime_host_scalar(gpu):
     from cudnn_attn import reference
-    from cudnn_attn.validation import validate_call
+    from cudnn_attn.core.validation import validate_call
     cupy, handle = gpu
     rng = np.random.default_rng(11)
     q, k, v = (rng.standard_normal((2, 128, 4, 64)).astype(np.float16) for _ in range(3))
@@ -493,8 +507,8 @@ def test_gpu_dropout_seed_is_a_runtime_host_scalar(gpu):
 @pytest.mark.gpu
 def test_gpu_paged_decode_matches_the_reference(gpu):
     from cudnn_attn import reference
-    from cudnn_attn.validation import validate_call
-    from cudnn_attn.types import MaskType
+    from cudnn_attn.core.types import MaskType
+    from cudnn_attn.core.validation import validate_call
     cupy, handle = gpu
     rng = np.random.default_rng(5)
     b, n, d, bs, blocks_per_seq = 2, 4, 64, 32, 4
@@ -517,9 +531,9 @@ def test_gpu_paged_decode_matches_the_reference(gpu):
 @pytest.mark.gpu
 def test_gpu_every_autotuning_plan_computes_the_same_attention(gpu):
     from cudnn_attn import reference
+    from cudnn_attn.core.types import MaskType
+    from cudnn_attn.core.validation import validate_call
     from cudnn_attn.graphs import ALL_PLANS
-    from cudnn_attn.types import MaskType
-    from cudnn_attn.validation import validate_call
     cupy, handle = gpu
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal((2, 128, 4, 64)).astype(np.float16) for _ in range(3))

@@ -13,12 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_jax_common import normal, qkv
 
 from cudnn_attn import MaskType, UnsupportedConfigurationError, reference
 from cudnn_attn import jax_bridge as jb
-from cudnn_attn.types import FP8_PARAM_KEYS
-
-from test_jax_common import normal, qkv
+from cudnn_attn.core.types import FP8_PARAM_KEYS
 
 
 def _numpy(kwargs: dict) -> dict:
@@ -171,7 +170,7 @@ def test_fp8_forward_and_amax_gradients():
 
 
 def _fp8_lse(q, k, v, params):
-    from cudnn_attn import validation
+    from cudnn_attn.core import validation
 
     config, operands = validation.validate_call(*(np.asarray(x) for x in (q, k, v)), fp8_params=_numpy(params),
                                                 scale=0.25, use_fp8=True, mask_type=MaskType.CAUSAL, training=True,

@@ -1,9 +1,9 @@
 """The call plan's binding, checked on CPU against the cuDNN graphs the library declares.
 
-Both fronts bind a call through :mod:`cudnn_attn.plan`: :func:`~cudnn_attn.plan.graph_inputs` turns the
+Both fronts bind a call through :mod:`cudnn_attn.engine.plan`: :func:`~cudnn_attn.engine.plan.graph_inputs` turns the
 named operands into the graph's tensors by :class:`~cudnn_attn.graphs.tensors.TensorId` (converting
 packed segments with the front's array namespace, here ``jax.numpy`` as in the CUDA lowering), and
-:func:`~cudnn_attn.plan.result_specs` names the graph's outputs.  cuDNN refuses to execute unless
+:func:`~cudnn_attn.engine.plan.result_specs` names the graph's outputs.  cuDNN refuses to execute unless
 exactly the graph's tensors are bound, so here, for every feature, the bound ids (operands + results +
 host scalars) must equal the ids of the graph ``graphs.declare_graph`` declares - no GPU and no cuDNN
 library needed - and the shapes must be the ones the graph reads.
@@ -17,16 +17,15 @@ import numpy as np
 import pytest
 
 from cudnn_attn import MaskType
+from cudnn_attn.core.types import FP8_PARAM_KEYS
+from cudnn_attn.core.validation import validate_call
+from cudnn_attn.engine import plan as call_plan
 from cudnn_attn.graphs import declare_graph
 from cudnn_attn.graphs import tensors as tt
-from cudnn_attn.graphs.tensors import TensorId
-from cudnn_attn import plan as call_plan
-from cudnn_attn.graphs.tensors import HOST_SCALAR_IDS
+from cudnn_attn.graphs.tensors import HOST_SCALAR_IDS, TensorId
 from cudnn_attn.jax_bridge import cudnn_target
 from cudnn_attn.jax_bridge.call_site import AttentionCall
 from cudnn_attn.jax_bridge.signature import BWD, FWD, operand_names, result_shapes
-from cudnn_attn.types import FP8_PARAM_KEYS
-from cudnn_attn.validation import validate_call
 
 B, T, S, N, K, H = 2, 32, 48, 4, 2, 64
 

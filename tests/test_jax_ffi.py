@@ -103,7 +103,7 @@ def test_python_errors_become_xla_errors(kind, code, message):
 
 
 def test_call_site_registry_is_stable_and_explains_unknown_keys():
-    from cudnn_attn.validation import validate_call
+    from cudnn_attn.core.validation import validate_call
 
     config, _ = validate_call(*(np.empty((1, 8, 2, 8), np.float16) for _ in range(3)), xp=np)
     registry = CallRegistry()
@@ -167,7 +167,7 @@ def test_gpu_handler_passes_the_frames_buffers_stream_and_workspace_to_the_site_
 
 
 def test_gpu_handler_names_an_unplanned_device():
-    from cudnn_attn.config import AttentionConfig
+    from cudnn_attn.core.config import AttentionConfig
     from cudnn_attn.jax_bridge import cudnn_target
     from cudnn_attn.jax_bridge.call_site import AttentionCall, registry
 

@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_jax_common import assert_close, jnp_attention, normal, qkv
 
 from cudnn_attn import MaskType
 from cudnn_attn import jax_bridge as jb
-
-from test_jax_common import assert_close, jnp_attention, normal, qkv
 
 SCALE = 0.41
 

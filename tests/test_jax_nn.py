@@ -11,10 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_jax_common import assert_close, normal, qkv
 
 from cudnn_attn import jax_bridge as jb
-
-from test_jax_common import assert_close, normal, qkv
 
 B, T, S, N, H = 2, 16, 16, 4, 8
 

@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_jax_common import assert_close, normal, qkv
 
 from cudnn_attn import MaskType
 from cudnn_attn import jax_bridge as jb
-from cudnn_attn.types import FP8_PARAM_KEYS
-
-from test_jax_common import assert_close, normal, qkv
+from cudnn_attn.core.types import FP8_PARAM_KEYS
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 JAX devices "
                                 "(XLA_FLAGS=--xla_force_host_platform_device_count=8, set by tests/conftest.py)")

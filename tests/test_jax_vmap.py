@@ -12,12 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_jax_common import assert_close, jnp_attention, normal, qkv
 
 from cudnn_attn import MaskType
 from cudnn_attn import jax_bridge as jb
-from cudnn_attn.types import FP8_PARAM_KEYS
-
-from test_jax_common import assert_close, jnp_attention, normal, qkv
+from cudnn_attn.core.types import FP8_PARAM_KEYS
 
 SCALE = 0.3
 

@@ -1,4 +1,4 @@
-"""``cudnn_attn.lift``: training with a bias at odd T or S, and the backward at T == S == 1, run padded to
+"""``cudnn_attn.core.padded_call``: training with a bias at odd T or S, and the backward at T == S == 1, run padded to
 even lengths with masked rows and columns.
 
 The padded call, sliced back, must equal the unpadded one: checked with the NumPy reference (float64,
@@ -13,13 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_jax_common import assert_close, jnp_attention, normal, qkv
 
 from cudnn_attn import MaskType, reference
 from cudnn_attn import jax_bridge as jb
-from cudnn_attn.lift import lift, lifted_config
-from cudnn_attn.validation import validate_call
-
-from test_jax_common import assert_close, jnp_attention, normal, qkv
+from cudnn_attn.core.padded_call import lift, lifted_config
+from cudnn_attn.core.validation import validate_call
 
 
 def _close(x, ref, what):

@@ -18,12 +18,24 @@ import numpy as np
 import pytest
 
 import cudnn_attn
-from cudnn_attn import (AttentionOutput, AuxRequest, MaskSpec, MaskType, alibi, causal, keep, padding, reference,
-                        segments, signature, window)
-from cudnn_attn.config import AttentionConfig, PackingSpec
-from cudnn_attn.config import MaskSpec as ConfigMask
+from cudnn_attn import (
+    AttentionOutput,
+    AuxRequest,
+    MaskSpec,
+    MaskType,
+    alibi,
+    causal,
+    keep,
+    padding,
+    reference,
+    segments,
+    window,
+)
+from cudnn_attn.core import parameters
+from cudnn_attn.core.config import AttentionConfig, PackingSpec
+from cudnn_attn.core.config import MaskSpec as ConfigMask
+from cudnn_attn.core.types import FP8_PARAM_KEYS
 from cudnn_attn.reference.inputs import random_operands
-from cudnn_attn.types import FP8_PARAM_KEYS
 
 B, T, S, N, K, H = 2, 8, 8, 4, 2, 16
 
@@ -227,14 +239,15 @@ def _seed_part(fn, form):
     return names[:len(form.positional) + len(form.keywords)]
 
 
-@pytest.mark.parametrize("form, name", [(signature.FORWARD, "dot_product_attention"),
-                                        (signature.PAGED, "paged_attention"),
-                                        (signature.BACKWARD, "dot_product_attention_bwd"),
-                                        (signature.NATIVE, "attention")])
+@pytest.mark.parametrize("form, name", [(parameters.FORWARD, "dot_product_attention"),
+                                        (parameters.PAGED, "paged_attention"),
+                                        (parameters.BACKWARD, "dot_product_attention_bwd"),
+                                        (parameters.NATIVE, "attention")])
 def test_every_front_has_the_forms_parameters(form, name):
-    from cudnn_attn import api, jax_bridge
+    from cudnn_attn import jax_bridge
+    from cudnn_attn.fronts import cupy as cupy_front
 
-    fronts = [getattr(m, name) for m in (api, reference, jax_bridge) if hasattr(m, name)]
+    fronts = [getattr(m, name) for m in (cupy_front, reference, jax_bridge) if hasattr(m, name)]
     assert len(fronts) >= 2
     expected = list(form.positional + form.keywords)
     for fn in fronts:
@@ -265,7 +278,7 @@ def test_import_loads_no_framework():
 
 
 def test_cupy_native_call_without_gpu_is_no_gpu_error(rng):
-    from cudnn_attn import runtime
+    from cudnn_attn.engine import runtime
 
     if runtime.is_gpu_available():
         pytest.skip("a GPU is present")

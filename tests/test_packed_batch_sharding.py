@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_jax_common import assert_close, normal, qkv
 
 from cudnn_attn import MaskType
 from cudnn_attn import jax_bridge as jb
-
-from test_jax_common import assert_close, normal, qkv
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 JAX devices (tests/conftest.py)")
 

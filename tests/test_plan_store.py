@@ -1,7 +1,7 @@
-"""The persistent plan store (``cudnn_attn.plan_store``) on the CPU: keys, files, failure modes.
+"""The persistent plan store (``cudnn_attn.persist.store``) on the CPU: keys, files, failure modes.
 
 Nothing here needs cuDNN: entries are written with fixed payload bytes, and the environment is a
-fixed :class:`PlanEnvironment`.  Building and loading real cuDNN plans through the store is the
+fixed :class:`~cudnn_attn.core.environment.Environment`.  Building and loading real cuDNN plans through the store is the
 deviceless tier's (``tests/deviceless/test_persist_deviceless.py``) and the GPU tier's.
 """
 
@@ -21,17 +21,35 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cudnn_attn.config import (
-    AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec, ScoreModSpec,
+from cudnn_attn.core.config import (
+    AttentionConfig,
+    BiasSpec,
+    DiagonalAlignment,
+    MaskSpec,
+    PackingSpec,
+    PagingSpec,
+    ScoreModSpec,
 )
-from cudnn_attn.plan_store import (
-    AUTOTUNED, FORMAT_VERSION, HEURISTIC, MAGIC, KernelCacheKey, NotPersistable, PlanEnvironment, PlanKey,
-    PlanStore, PlanStoreWarning, config_fields, default_directory, default_store, encode_entry, key_digest,
+from cudnn_attn.core.environment import Environment
+from cudnn_attn.core.types import AttentionLayout
+from cudnn_attn.persist.store import (
+    AUTOTUNED,
+    FORMAT_VERSION,
+    HEURISTIC,
+    MAGIC,
+    NotPersistable,
+    PlanKey,
+    PlanStore,
+    PlanStoreWarning,
+    config_fields,
+    default_directory,
+    default_store,
+    encode_entry,
+    key_digest,
 )
-from cudnn_attn.types import AttentionLayout
 
-ENV = PlanEnvironment(cudnn_version=91900, frontend_version="1.32.0", library_version="0.1.0",
-                      builder_digest="0" * 64, compute_capability=(9, 0), device_name="NVIDIA H200", sm_count=132)
+ENV = Environment(cudnn_version=91900, compute_capability=(9, 0), device_name="NVIDIA H200", sm_count=132,
+                  frontend_version="1.32.0")
 BASE = AttentionConfig(batch=2, q_heads=4, kv_heads=4, q_len=128, kv_len=128, qk_dim=64, v_dim=64,
                        dtype="float16", scale=0.125, training=True)
 PAYLOAD = bytes(np.random.default_rng(7).integers(0, 256, 4096, dtype=np.uint8))
@@ -99,8 +117,8 @@ def test_every_config_field_changes_the_key():
 
 def test_kind_choice_rng_dump_and_every_environment_field_change_the_key():
     variants = [key(kind="bwd"), key(choice="eng2_k24=7"), key(choice="eng9_k24=7"), key(choice=AUTOTUNED),
-                key(rng_dump=True), KernelCacheKey(ENV)]
-    for field in dataclasses.fields(PlanEnvironment):
+                key(rng_dump=True)]
+    for field in dataclasses.fields(Environment):
         value = getattr(ENV, field.name)
         changed = (9, 0) if value == (10, 0) else (10, 0) if isinstance(value, tuple) else _changed(value)
         variants.append(key(environment=dataclasses.replace(ENV, **{field.name: changed})))
@@ -141,9 +159,10 @@ def test_objects_without_a_stable_form_are_not_persistable():
 def test_the_key_is_stable_across_processes():
     """Another interpreter with another hash seed computes the same digest."""
     script = textwrap.dedent("""
-        from cudnn_attn.config import AttentionConfig, MaskSpec, BiasSpec
-        from cudnn_attn.plan_store import PlanEnvironment, PlanKey, key_digest
-        env = PlanEnvironment(91900, "1.32.0", "0.1.0", "0" * 64, (9, 0), "NVIDIA H200", 132)
+        from cudnn_attn.core.config import AttentionConfig, MaskSpec, BiasSpec
+        from cudnn_attn.core.environment import Environment
+        from cudnn_attn.persist.store import PlanKey, key_digest
+        env = Environment(91900, (9, 0), "NVIDIA H200", 132, "1.32.0")
         config = AttentionConfig(batch=2, q_heads=4, kv_heads=4, q_len=128, kv_len=128, qk_dim=64, v_dim=64,
                                  dtype="float16", scale=0.125, training=True, mask=MaskSpec(right_bound=0),
                                  bias=BiasSpec((1, 4, 128, 128), True))
@@ -290,9 +309,10 @@ def test_encoded_entries_carry_a_sha256_of_everything():
 WRITER = textwrap.dedent("""
     import sys, warnings
     warnings.simplefilter("error")
-    from cudnn_attn.config import AttentionConfig
-    from cudnn_attn.plan_store import PlanEnvironment, PlanKey, PlanStore
-    env = PlanEnvironment(91900, "1.32.0", "0.1.0", "0" * 64, (9, 0), "NVIDIA H200", 132)
+    from cudnn_attn.core.config import AttentionConfig
+    from cudnn_attn.core.environment import Environment
+    from cudnn_attn.persist.store import PlanKey, PlanStore
+    env = Environment(91900, (9, 0), "NVIDIA H200", 132, "1.32.0")
     config = AttentionConfig(batch=2, q_heads=4, kv_heads=4, q_len=128, kv_len=128, qk_dim=64, v_dim=64,
                              dtype="float16", scale=0.125, training=True)
     key = PlanKey(config, "fwd", "heuristic", env)
@@ -338,16 +358,15 @@ def test_the_folder_follows_the_environment(monkeypatch, tmp_path):
 def test_entries_info_and_clear(store):
     store.save(key(), PAYLOAD, {"description": "fwd a", "plan_name": "eng2_k24=7"})
     store.save(key(kind="bwd"), PAYLOAD, {"description": "bwd a", "plan_name": "eng6_k24=26"})
-    store.save(KernelCacheKey(ENV), b"{}", {"description": "kernels"})
     _damage(store.path(key(kind="bwd")), "truncated")
     rows = store.entries()
     assert [(r.entry, r.plan, r.error is None) for r in rows] == [
-        ("plan", "eng2_k24=7", True), ("kernels", "", True), ("?", "", False)]
+        ("plan", "eng2_k24=7", True), ("?", "", False)]
     assert rows[0].environment == "NVIDIA H200 sm90 cuDNN 91900"
     info = store.info()
-    assert (info.entries, info.bad_entries) == (2, 1) and info.bytes == sum(r.size for r in rows)
+    assert (info.entries, info.bad_entries) == (1, 1) and info.bytes == sum(r.size for r in rows)
     (store.directory / ".tmp-leftover.entry").write_bytes(b"x")
-    assert store.clear() == 3
+    assert store.clear() == 2
     assert list(store.directory.iterdir()) == [] and store.entries() == []
 
 

@@ -1,4 +1,4 @@
-"""The background import of the cuDNN frontend (:mod:`cudnn_attn.preload`), each case in a fresh process:
+"""The background import of the cuDNN frontend (:mod:`cudnn_attn.engine.preload`), each case in a fresh process:
 it runs after ``import cudnn_attn`` and nothing else does; a ``fork()`` waits for it, so the child finds the
 frontend whole; a failed background import is raised by the caller's own import; it can be turned off."""
 
@@ -21,7 +21,7 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess:
 def test_import_starts_the_frontend_import_in_the_background():
     out = _run("""
         import sys, cudnn_attn
-        from cudnn_attn import preload
+        from cudnn_attn.engine import preload
         assert preload._thread is not None and 'jax' not in sys.modules and 'cupy' not in sys.modules
         preload.wait()
         import cudnn
@@ -34,7 +34,7 @@ def test_import_starts_the_frontend_import_in_the_background():
 def test_turned_off():
     out = _run("""
         import sys, cudnn_attn
-        from cudnn_attn import preload
+        from cudnn_attn.engine import preload
         print(preload._thread, 'cudnn' in sys.modules)
     """, CUDNN_ATTN_PRELOAD="0")
     assert out.returncode == 0, out.stderr
@@ -63,7 +63,7 @@ def test_a_failed_background_import_is_raised_by_the_callers_own(tmp_path):
     (tmp_path / "cudnn" / "__init__.py").write_text("raise ImportError('a broken frontend')\n")
     out = _run("""
         import cudnn_attn
-        from cudnn_attn import preload
+        from cudnn_attn.engine import preload
         preload.wait()
         try:
             import cudnn
@@ -83,7 +83,7 @@ def test_engine_libraries_load_where_a_driver_is_present():
     # The machine decides what the import's thread does: with a driver it loads cuDNN's engine libraries.
     out = _run(f"""
         import os, cudnn_attn
-        from cudnn_attn import preload
+        from cudnn_attn.engine import preload
         preload.wait()
         print(repr((os.path.exists('/dev/nvidiactl'), {_mapped('libcudnn_engines_precompiled')},
                     [os.path.basename(p).split('.so')[0] for p in preload.engines_loaded],
@@ -91,7 +91,7 @@ def test_engine_libraries_load_where_a_driver_is_present():
     """)
     assert out.returncode == 0, out.stderr
     driver, mapped, loaded, timed = ast.literal_eval(out.stdout.strip())
-    from cudnn_attn.preload import ENGINE_LIBRARIES
+    from cudnn_attn.engine.preload import ENGINE_LIBRARIES
 
     assert (mapped, loaded, timed) == ((True, list(ENGINE_LIBRARIES), True) if driver else (False, [], False))
 
@@ -102,7 +102,7 @@ def test_the_thread_loads_the_engine_libraries_unless_turned_off(engines):
     # The thread's work run synchronously, the driver check pointed at a path that exists.
     out = _run(f"""
         import os, cudnn_attn
-        from cudnn_attn import preload
+        from cudnn_attn.engine import preload
         assert preload._thread is None and not {_mapped('libcudnn_graph')}
         preload._DRIVER_DEVICE = '/'
         preload._import()
@@ -123,9 +123,11 @@ def test_a_deserialized_plan_runs_its_checks_on_preloaded_libraries(tmp_path):
     assert build.returncode == 0, build.stderr
     out = _run(f"""
         import cudnn_attn
-        from cudnn_attn import cli, preload
-        from cudnn_attn.graphs import DevicelessTarget, driver_stub, persist
-        from cudnn_attn.plan_store import PlanStore
+        from cudnn_attn.tools import cli
+        from cudnn_attn.engine import preload
+        from cudnn_attn.graphs import DevicelessTarget, driver_stub
+        from cudnn_attn.persist import build as persist
+        from cudnn_attn.persist.store import PlanStore
         preload.wait()
         assert len(preload.load_engine_libraries()) == 4
         store = PlanStore({str(tmp_path)!r})
@@ -138,7 +140,7 @@ def test_a_deserialized_plan_runs_its_checks_on_preloaded_libraries(tmp_path):
 
 
 def test_cudnn_library_path_and_suffix(tmp_path):
-    from cudnn_attn import preload
+    from cudnn_attn.engine import preload
 
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f01 r-xp 00000000 08:01 12 /usr/lib/libc.so.6\n"

@@ -13,10 +13,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cudnn_attn.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, ScoreModSpec
+from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec
+from cudnn_attn.core.score_mod_spec import score_mod_spec
+from cudnn_attn.core.types import AttentionLayout
 from cudnn_attn.reference import backward, forward
 from cudnn_attn.reference.inputs import random_operands
-from cudnn_attn.types import AttentionLayout
 
 BASE = dict(batch=2, q_heads=2, kv_heads=1, q_len=4, kv_len=5, qk_dim=3, v_dim=2, dtype="float64", scale=0.8,
             training=True)
@@ -61,7 +62,7 @@ CASES = {
     "dropout": dict(dropout_rate=0.3),
     "packed": dict(q_len=7, kv_len=7, packing=PackingSpec(2), mask=MaskSpec(right_bound=0, padding=True),
                    bias=BiasSpec((2, 2, 7, 7), True), sink=True),
-    "score_mod_softcap": dict(score_mod=ScoreModSpec.trace(softcap, (2, 2, 4, 5), (((), "float32"),))),
+    "score_mod_softcap": dict(score_mod=score_mod_spec(softcap, (2, 2, 4, 5), (((), "float32"),))),
 }
 
 
@@ -140,7 +141,7 @@ def test_additive_score_mod_equals_bias_and_its_gradient():
         return score + extra
 
     extra = np.random.default_rng(6).standard_normal((2, 2, 4, 5)).astype(np.float32)
-    cfg = config(score_mod=ScoreModSpec.trace(add, (2, 2, 4, 5), (((2, 2, 4, 5), "float32"),)))
+    cfg = config(score_mod=score_mod_spec(add, (2, 2, 4, 5), (((2, 2, 4, 5), "float32"),)))
     ops = random_operands(cfg, np.random.default_rng(7)).replace(score_mod_args=(extra,))
     biased = dataclasses.replace(cfg, score_mod=None, bias=BiasSpec((2, 2, 4, 5), True))
     bias_ops = ops.replace(score_mod_args=(), bias=extra.astype(np.float64))

@@ -15,10 +15,10 @@ import zlib
 import numpy as np
 import pytest
 
-from cudnn_attn.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec
+from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec
+from cudnn_attn.core.types import AttentionLayout
 from cudnn_attn.reference import alibi_slopes, forward
 from cudnn_attn.reference.inputs import random_operands
-from cudnn_attn.types import AttentionLayout
 
 RTOL, ATOL = 1e-10, 1e-10           # float64 output
 LSE_RTOL = 2e-7                     # float32 logsumexp

@@ -15,11 +15,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cudnn_attn.config import AttentionConfig, BiasSpec, MaskSpec
-from cudnn_attn.errors import UnsupportedConfigurationError
+from cudnn_attn.core.config import AttentionConfig, BiasSpec, MaskSpec
+from cudnn_attn.core.errors import UnsupportedConfigurationError
+from cudnn_attn.core.types import AttentionLayout
 from cudnn_attn.reference import backward, forward
 from cudnn_attn.reference.inputs import fp8_scale, random_operands
-from cudnn_attn.types import AttentionLayout
 
 TOLERANCE = {"float8_e4m3fn": (0.08, 0.2), "float8_e5m2": (0.125, 0.2)}
 

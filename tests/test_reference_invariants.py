@@ -9,10 +9,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cudnn_attn.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec
+from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec
+from cudnn_attn.core.types import AttentionLayout
 from cudnn_attn.reference import backward, forward
 from cudnn_attn.reference.inputs import random_operands
-from cudnn_attn.types import AttentionLayout
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 GRAD_TOL = dict(rtol=2e-6, atol=2e-6)        # the backward reads the float32 logsumexp

@@ -5,13 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cudnn_attn.config import AttentionConfig, MaskSpec, PagingSpec
-from cudnn_attn.errors import UnsupportedConfigurationError
-from cudnn_attn.reference import (backward, dot_product_attention, dot_product_attention_bwd, forward,
-                                  paged_attention)
+from cudnn_attn.core.config import AttentionConfig, MaskSpec, PagingSpec
+from cudnn_attn.core.errors import UnsupportedConfigurationError
+from cudnn_attn.core.types import FP8_PARAM_KEYS, AttentionGrads, MaskType
+from cudnn_attn.core.validation import validate_call
+from cudnn_attn.reference import backward, dot_product_attention, dot_product_attention_bwd, forward, paged_attention
 from cudnn_attn.reference.inputs import random_operands
-from cudnn_attn.types import FP8_PARAM_KEYS, AttentionGrads, MaskType
-from cudnn_attn.validation import validate_call
 
 B, T, S, N, K, H = 2, 6, 8, 4, 2, 8
 

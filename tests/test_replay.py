@@ -1,4 +1,4 @@
-"""The replay policy of :mod:`cudnn_attn.replay` on CPU, with the CUDA runtime replaced by a recorder (the GPU
+"""The replay policy of :mod:`cudnn_attn.engine.replay` on CPU, with the CUDA runtime replaced by a recorder (the GPU
 tier checks replayed results against launched ones: tests/gpu/test_api_gpu.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import gc
 
 import pytest
 
-from cudnn_attn import replay
+from cudnn_attn.engine import replay
 
 
 class FakeRuntime:

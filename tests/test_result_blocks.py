@@ -1,4 +1,4 @@
-"""The direct path's kept results (:mod:`cudnn_attn.result_blocks`), with stand-ins for CuPy's ``Memory`` /
+"""The direct path's kept results (:mod:`cudnn_attn.engine.result_blocks`), with stand-ins for CuPy's ``Memory`` /
 ``MemoryPointer`` / ``ndarray``: a call's results are handed out again only when nothing of the caller's refers
 to them (array, view, pointer, memory) and their shape is unchanged, per owner and stream, within the bounds,
 and never to two callers at once."""
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from cudnn_attn.result_blocks import ResultBlocks
+from cudnn_attn.engine.result_blocks import ResultBlocks
 
 
 class Memory:

@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from cudnn_attn import plan as call_plan
-from cudnn_attn import runtime
-from cudnn_attn.config import AttentionConfig, MaskSpec
+from cudnn_attn.core.config import AttentionConfig, MaskSpec
+from cudnn_attn.engine import plan as call_plan
+from cudnn_attn.engine import runtime
 from cudnn_attn.graphs.tensors import TensorId
 
 
@@ -207,7 +207,7 @@ def test_the_direct_sequence_launches_then_captures_then_replays(monkeypatch):
     sighting of the addresses launches through cuDNN on the caller's stream, the second captures that launch
     on the context's private stream and launches the graph, later ones only launch the graph - no handle
     stream change, no cuDNN call."""
-    from cudnn_attn import replay
+    from cudnn_attn.engine import replay
 
     graph_launches = []
     runtime_calls = types.SimpleNamespace(
@@ -239,7 +239,7 @@ def test_a_launch_on_a_thread_without_a_cuda_context_adopts_the_device_context_a
     """XLA calls the handler on threads with no CUDA context current, where cudnnSetStream's driver queries fail
     (two soaks died inside it). Both launch routes make the device's context current first and unbind it
     afterwards - also when the launch raises - and leave a thread that had a context alone."""
-    from cudnn_attn import replay
+    from cudnn_attn.engine import replay
 
     monkeypatch.setattr(replay, "ENABLED", False)
     config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16, dtype="float16")
@@ -287,7 +287,7 @@ def test_device_context_makes_its_cuda_context_current_only_where_none_is():
 
 
 def test_no_replay_when_switched_off(monkeypatch):
-    from cudnn_attn import replay
+    from cudnn_attn.engine import replay
 
     monkeypatch.setattr(replay, "ENABLED", False)
     config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16, dtype="float16")
@@ -302,7 +302,7 @@ def test_a_dropped_sequence_takes_its_graphs_along(monkeypatch):
     executables died), its graphs go with it although the plan stays cached."""
     import gc
 
-    from cudnn_attn import replay
+    from cudnn_attn.engine import replay
 
     monkeypatch.setattr(replay, "ENABLED", True)
     config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16, dtype="float16")

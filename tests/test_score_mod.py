@@ -20,16 +20,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from deviceless.conftest import deviceless  # noqa: F401  (the session fixture of the deviceless tier)
 from jax import lax
 
-from cudnn_attn.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, ScoreModSpec
-from cudnn_attn.errors import UnsupportedConfigurationError
+from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec
+from cudnn_attn.core.errors import UnsupportedConfigurationError
+from cudnn_attn.core.score_mod_ir import F32, I32, ProgramBuilder, evaluate
+from cudnn_attn.core.score_mod_spec import score_mod_program, score_mod_spec
 from cudnn_attn.graphs import score_mod_cudnn
 from cudnn_attn.graphs.score_mod import score_mod_graph, score_mod_refusals
-from cudnn_attn.graphs.score_mod_spec import score_mod_program
-from cudnn_attn.graphs.score_mod_ir import F32, I32, ProgramBuilder, evaluate
-
-from deviceless.conftest import deviceless  # noqa: F401  (the session fixture of the deviceless tier)
 
 SHAPE = (2, 3, 16, 24)          # (B, N, T, S); T != S so that a transposed position cannot pass
 TOLERANCE = dict(rtol=2e-5, atol=2e-5)
@@ -136,7 +135,7 @@ FUNCTIONS = {
 
 
 def _spec(fn, args=(), shape=SHAPE):
-    return ScoreModSpec.trace(fn, shape, tuple((np.shape(a), np.asarray(a).dtype.name) for a in args))
+    return score_mod_spec(fn, shape, tuple((np.shape(a), np.asarray(a).dtype.name) for a in args))
 
 
 
@@ -237,7 +236,7 @@ def test_a_value_broadcast_to_two_axes_is_refused():
 
 
 def test_array_arguments_are_refused_with_the_reason():
-    spec = ScoreModSpec.trace(relative_bias, SHAPE, (((24,), "float32"),))
+    spec = score_mod_spec(relative_bias, SHAPE, (((24,), "float32"),))
     with pytest.raises(UnsupportedConfigurationError, match=r"score_mod_args\[0\] has shape \(24,\).*by-value scalars"):
         score_mod_program(spec)
 

@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 
 from cudnn_attn import reference
-from cudnn_attn.config import ScoreModSpec
-from cudnn_attn.graphs.score_mod_spec import apply, score_mod_program, vjp
-from cudnn_attn.validation import validate_call
+from cudnn_attn.core.score_mod_spec import apply, score_mod_program, score_mod_spec, vjp
+from cudnn_attn.core.validation import validate_call
 
 B, T, S, N, H = 2, 16, 24, 4, 32
 
@@ -90,7 +89,7 @@ def test_pickling_keeps_the_identity_and_the_programs_but_not_the_jaxpr():
 
 def test_the_program_runs_at_a_batch_it_was_not_traced_for():
     """vmap folds into the batch: the reference then runs the translated (shape-free) program."""
-    spec = ScoreModSpec.trace(softcap, (B, N, T, S), (((), "float32"),))
+    spec = score_mod_spec(softcap, (B, N, T, S), (((), "float32"),))
     rng = np.random.default_rng(2)
     score = rng.standard_normal((3 * B, N, T, S)).astype(np.float32) * 4
     cap = np.float32(2.5)
@@ -102,7 +101,7 @@ def test_the_program_runs_at_a_batch_it_was_not_traced_for():
 
 
 def test_an_untranslatable_function_still_runs_on_the_reference_at_its_shape():
-    spec = ScoreModSpec.trace(lambda s: s - jnp.max(s, axis=-1, keepdims=True), (B, N, T, S))
+    spec = score_mod_spec(lambda s: s - jnp.max(s, axis=-1, keepdims=True), (B, N, T, S))
     assert spec.program is None and "reduce_max" in spec.refusals[0]
     score = np.random.default_rng(3).standard_normal((B, N, T, S)).astype(np.float32)
     np.testing.assert_allclose(apply(spec, score, ()), score - score.max(-1, keepdims=True), rtol=1e-6)

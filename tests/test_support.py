@@ -9,16 +9,29 @@ from __future__ import annotations
 
 import pytest
 
-from cudnn_attn import support
-from cudnn_attn.config import (
-    AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec, ScoreModSpec,
+from cudnn_attn.core import environment, support
+from cudnn_attn.core.config import (
+    AttentionConfig,
+    BiasSpec,
+    DiagonalAlignment,
+    MaskSpec,
+    PackingSpec,
+    PagingSpec,
 )
-from cudnn_attn.errors import UnsupportedConfigurationError
-from cudnn_attn.types import AttentionLayout
-from cudnn_attn.support import (
-    CUDNN, LIBRARY, REQUIREMENTS, RESTRICTIONS, SCORE_MOD_MAX_ARGS, Environment, check_supported, format_version,
+from cudnn_attn.core.errors import UnsupportedConfigurationError
+from cudnn_attn.core.score_mod_spec import score_mod_spec
+from cudnn_attn.core.support import (
+    CUDNN,
+    LIBRARY,
+    REQUIREMENTS,
+    RESTRICTIONS,
+    SCORE_MOD_MAX_ARGS,
+    Environment,
+    check_supported,
+    format_version,
     not_supported_reasons,
 )
+from cudnn_attn.core.types import AttentionLayout
 
 SM90 = Environment.sm90()
 SM100 = Environment(91900, (10, 0), "B200")
@@ -44,12 +57,12 @@ def scaled_score_mod(score, *factors):
 
 
 SCORES = (2, 4, 128, 128)                     # (B, N, T, S) of BASE
-SCORE_MOD = ScoreModSpec.trace(score_mod, SCORES)
+SCORE_MOD = score_mod_spec(score_mod, SCORES)
 
 
 def scaled(*arg_shapes):
     """The spec of ``scaled_score_mod`` with arguments of these ``(shape, dtype)``."""
-    return ScoreModSpec.trace(scaled_score_mod, SCORES, arg_shapes)
+    return score_mod_spec(scaled_score_mod, SCORES, arg_shapes)
 
 
 def env(version=91900, capability=(9, 0)):
@@ -92,12 +105,13 @@ def test_detect_reads_the_current_cupy_device(monkeypatch):
     monkeypatch.setattr(runtime, "getDeviceCount", lambda: 2)
     monkeypatch.setattr(runtime, "getDevice", lambda: 1)
     monkeypatch.setattr(runtime, "getDeviceProperties",
-                        lambda i: {"major": 9, "minor": 0, "name": f"NVIDIA H200 #{i}".encode()})
-    support._device_facts.cache_clear()
+                        lambda i: {"major": 9, "minor": 0, "name": f"NVIDIA H200 #{i}".encode(),
+                                   "multiProcessorCount": 132})
+    environment._device_environment.cache_clear()
     try:
         detected = Environment.detect()
     finally:
-        support._device_facts.cache_clear()
+        environment._device_environment.cache_clear()
     assert (detected.compute_capability, detected.device_name) == ((9, 0), "NVIDIA H200 #1")
 
 
@@ -108,7 +122,11 @@ def test_detect_without_cudnn(monkeypatch):
         raise RuntimeError("libcudnn.so.9: cannot open shared object file")
 
     monkeypatch.setattr(cudnn, "backend_version", missing)
-    detected = Environment.detect()
+    environment.cudnn_version.cache_clear()
+    try:
+        detected = Environment.detect()
+    finally:
+        environment.cudnn_version.cache_clear()
     assert detected.cudnn_version is None
     assert "no cuDNN library found (install nvidia-cudnn-cu13)" in not_supported_reasons(BASE, detected)
 
@@ -128,8 +146,8 @@ SUPPORTED_ON_SM90 = {
     "score_mod-bias": BASE.replace(score_mod=SCORE_MOD, bias=BIAS, training=True),
     "sink-training": BASE.replace(sink=True, training=True),
     "decode-T1": BASE.replace(q_len=1, training=True),
-    "backward-T1-S1": BASE.replace(q_len=1, kv_len=1, training=True),          # run padded (cudnn_attn.lift)
-    "bias-training-odd-T": BASE.replace(bias=BIAS, q_len=127, training=True),   # run padded (cudnn_attn.lift)
+    "backward-T1-S1": BASE.replace(q_len=1, kv_len=1, training=True),          # run padded (cudnn_attn.core.padded_call)
+    "bias-training-odd-T": BASE.replace(bias=BIAS, q_len=127, training=True),   # run padded (cudnn_attn.core.padded_call)
     "packed-gqa": BASE.replace(q_heads=8, kv_heads=2, training=True, **PACKED),
     "paged-d256": BASE.replace(qk_dim=256, v_dim=256, **PAGED),
     "fp8-causal-training": FP8.replace(mask=CAUSAL, training=True),

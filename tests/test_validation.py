@@ -11,9 +11,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cudnn_attn.config import BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec, ScoreModSpec
-from cudnn_attn.types import FP8_PARAM_KEYS, AttentionLayout, MaskType
-from cudnn_attn.validation import LARGE_NEGATIVE, validate_call, validate_backward
+from cudnn_attn.core.config import BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec
+from cudnn_attn.core.score_mod_spec import score_mod_spec
+from cudnn_attn.core.types import FP8_PARAM_KEYS, AttentionLayout, MaskType
+from cudnn_attn.core.validation import LARGE_NEGATIVE, validate_backward, validate_call
 
 RNG = np.random.default_rng(20261130)
 B, T, S, N, K, H = 2, 16, 24, 4, 2, 32
@@ -123,7 +124,7 @@ def test_static_flags_and_score_mod_spec():
     config, operands = validate_call(q, k, v, score_mod_args=args, sink=sink, score_mod=score_mod, dropout_rate=0.25,
                                      training=True, deterministic=True)
     assert config.score_mod.name == "score_mod" and config.score_mod.score_shape == (B, N, T, S)
-    assert config.score_mod == ScoreModSpec.trace(score_mod, (B, N, T, S), config.score_mod.arg_shapes)
+    assert config.score_mod == score_mod_spec(score_mod, (B, N, T, S), config.score_mod.arg_shapes)
     assert config.score_mod.arg_shapes == (((N,), "float32"), ((1, 1), "float32"))
     assert config.sink and config.training and config.deterministic and config.dropout_rate == 0.25
     assert operands.score_mod_args == args and operands.sink is sink
@@ -396,7 +397,7 @@ def test_invalid_calls_raise_value_errors_that_explain(build, argument, rule):
 
 
 # Well formed, but no front runs them: validation accepts them and the support table (the one authority on
-# "unsupported", cudnn_attn.support) refuses them - on every front where the reference cannot run them either.
+# "unsupported", cudnn_attn.core.support) refuses them - on every front where the reference cannot run them either.
 FP8 = ml_dtypes.float8_e4m3fn
 REFUSED_BY_THE_TABLE = [
     ("fp8-padding", _fp8(mask_type=MaskType.PADDING, q_seqlen=seqlens(), kv_seqlen=seqlens()),
@@ -416,7 +417,7 @@ REFUSED_BY_THE_TABLE = [
 @pytest.mark.parametrize("build, reason, everywhere", [pytest.param(*case[1:], id=case[0])
                                                        for case in REFUSED_BY_THE_TABLE])
 def test_well_formed_calls_no_front_runs_are_the_support_tables_to_refuse(build, reason, everywhere):
-    from cudnn_attn import support
+    from cudnn_attn.core import support
 
     config, _ = validate_call(**build())
     reasons = support.not_supported_reasons(config, support.Environment.sm90())

@@ -1,4 +1,4 @@
-"""The values cuDNN reads as positions (``cudnn_attn.values``): host checks, the device guard, the checked mode.
+"""The values cuDNN reads as positions (``cudnn_attn.core.values``): host checks, the device guard, the checked mode.
 
 * :func:`check` names the argument, the row and the value for every rule of the module's table;
 * :func:`sanitize` (NumPy, and ``jax.numpy`` under ``jit``: the same operations) leaves valid values
@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cudnn_attn import MaskType, reference, values
+from cudnn_attn import MaskType, reference
 from cudnn_attn import jax_bridge as jb
-from cudnn_attn.validation import validate_call
+from cudnn_attn.core import values
+from cudnn_attn.core.validation import validate_call
 
 B, T, S, N, K, H = 2, 8, 12, 2, 1, 8
 M = 3                      # packed segments per row
@@ -90,7 +91,7 @@ def test_checking_follows_the_argument_then_the_environment(monkeypatch):
 
 # -- the device guard ---------------------------------------------------------------------------------------
 def _safe(config, operands):
-    """The invariants that keep cuDNN inside the buffers (module doc of cudnn_attn.values)."""
+    """The invariants that keep cuDNN inside the buffers (module doc of cudnn_attn.core.values)."""
     if config.packing is not None:
         slots = config.packing.max_segments
         for side, limit in (("q", config.q_len), ("kv", config.kv_len)):

@@ -1,14 +1,14 @@
 """NumPy float64 reference of cuDNN fused attention: the test oracle and the CPU backend.
 
 * :func:`forward` / :func:`backward` take the ``(AttentionConfig, AttentionOperands)`` pair built by
-  :func:`cudnn_attn.validation.validate_call` and return :class:`~cudnn_attn.types.AttentionOutput` /
-  :class:`~cudnn_attn.types.AttentionGrads` (formulas in :mod:`.core` and :mod:`.fp8`).
+  :func:`cudnn_attn.core.validation.validate_call` and return :class:`~cudnn_attn.core.types.AttentionOutput` /
+  :class:`~cudnn_attn.core.types.AttentionGrads` (formulas in :mod:`.core` and :mod:`.fp8`).
 * :func:`dot_product_attention`, :func:`paged_attention`, :func:`dot_product_attention_bwd` are the
   seed-compatible entry points on NumPy arrays; :func:`attention` the native one (named results).
 
-What it runs is the support table's to say (:mod:`cudnn_attn.support`, the one authority on
+What it runs is the support table's to say (:mod:`cudnn_attn.core.support`, the one authority on
 "unsupported"): it refuses only the rows no front runs (``not_supported_reasons(config,
-front="reference")``, raised by :func:`~cudnn_attn.support.check_everywhere`), so it runs everything a GPU
+front="reference")``, raised by :func:`~cudnn_attn.core.support.check_everywhere`), so it runs everything a GPU
 runs and more (a training head dim of 320, FP8 with padding); what a GPU would refuse is
 ``not_supported_reasons(config, env)`` of the same table.
 

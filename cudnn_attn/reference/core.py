@@ -1,14 +1,12 @@
 """Forward and backward of fp16/bf16 attention in float64 (FP8 calls go to :mod:`.fp8`).
 
 Per batch row ``b``, query head ``h`` (reading K/V head ``h // (N // K)``), query ``i``, key ``j``::
-
     s_ij   = score_mod(scale * q_i . k_j + bias_ij + alibi_ij)   masked to -inf where not admissible
     lse_i  = ln(sum_j exp(s_ij) [+ exp(sink_h)])
     P_ij   = exp(s_ij - lse_i)
     O_i    = sum_j P_ij * keep_ij / (1 - p) * v_j
 
 and backward, for an incoming gradient ``dO``::
-
     dP_ij  = dO_i . v_j * keep_ij / (1 - p)
     D_i    = dO_i . O_i
     dS_ij  = P_ij * (dP_ij - D_i)                    (through score_mod's vjp when there is one)
@@ -28,10 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from ..config import AttentionConfig, AttentionOperands
-from ..support import check_everywhere
-from ..types import AttentionGrads, AttentionOutput, Kind
-from ..validation import check_seed
+from cudnn_attn.core.config import AttentionConfig, AttentionOperands
+from cudnn_attn.core.score_mod_spec import vjp
+from cudnn_attn.core.support import check_everywhere
+from cudnn_attn.core.types import AttentionGrads, AttentionOutput, Kind
+from cudnn_attn.core.validation import check_seed
+
 from . import fp8, masks
 from .problem import Problem, load, probabilities, scores, sink_probabilities, softmax
 from .tensors import cast, io_dtype, to_physical
@@ -48,7 +48,7 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
     """Attention forward (formula in the module docstring) on NumPy arrays.
 
     Args:
-        config, operands: the call, as built by :func:`cudnn_attn.validation.validate_call`.
+        config, operands: the call, as built by :func:`cudnn_attn.core.validation.validate_call`.
         seed: seeds the NumPy dropout mask when ``dropout_mask`` is absent (not cuDNN's Philox).
         dropout_mask: optional ``(B, N, T, S)`` keep-mask (nonzero keeps), e.g. cuDNN's ``rng_dump``.
 
@@ -58,8 +58,8 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
 
     Raises:
         ValueError: a bad ``seed``, or sequence lengths, offsets or page-table entries that do not describe
-            the call (:func:`cudnn_attn.values.check`).
-        UnsupportedConfigurationError: what no backend runs (:func:`cudnn_attn.support.check_everywhere`).
+            the call (:func:`cudnn_attn.core.values.check`).
+        UnsupportedConfigurationError: what no backend runs (:func:`cudnn_attn.core.support.check_everywhere`).
     """
     seed = check_seed(seed)
     check_everywhere(config, kind=Kind.FORWARD)
@@ -75,8 +75,6 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
 
 def _score_mod_vjp(problem: Problem, score_input: np.ndarray, ds: np.ndarray) -> np.ndarray:
     """Pull ``ds`` (gradient w.r.t. the modified score) back through ``score_mod`` (its traced VJP)."""
-    from ..graphs.score_mod_spec import vjp
-
     return vjp(problem.config.score_mod, score_input, ds, problem.score_mod_args).astype(np.float64)
 
 

@@ -35,15 +35,16 @@ from typing import Any
 
 import numpy as np
 
-from ..config import AttentionConfig, AttentionOperands
-from ..types import AttentionGrads, AttentionOutput
+from cudnn_attn.core.config import AttentionConfig, AttentionOperands
+from cudnn_attn.core.types import AttentionGrads, AttentionOutput
+
 from .problem import load, probabilities, scores, sink_probabilities, softmax
 from .tensors import amax_array, as_float64, cast, io_dtype, scalar, to_physical
 
 
 def _check_emulated(config: AttentionConfig, dropout_mask: Any) -> None:
     """The FP8 features neither cuDNN nor this emulation has (bias, ALiBi, dropout, score_mod) are refused
-    before this module by the support table (:func:`~cudnn_attn.support.check_everywhere`); a dropout mask
+    before this module by the support table (:func:`~cudnn_attn.core.support.check_everywhere`); a dropout mask
     is meaningless here."""
     if dropout_mask is not None:
         raise ValueError(f"dropout_mask: FP8 attention has no dropout ({config.describe()})")

@@ -14,8 +14,9 @@ import math
 import ml_dtypes
 import numpy as np
 
-from ..config import FP8_DTYPES, AttentionConfig, AttentionOperands
-from ..types import FP8_PARAM_KEYS, AttentionLayout
+from cudnn_attn.core.config import FP8_DTYPES, AttentionConfig, AttentionOperands
+from cudnn_attn.core.types import FP8_PARAM_KEYS, AttentionLayout
+
 from .segments import segments_of
 from .tensors import cast, io_dtype
 

@@ -11,7 +11,8 @@ import math
 
 import numpy as np
 
-from ..config import AttentionConfig, DiagonalAlignment
+from cudnn_attn.core.config import AttentionConfig, DiagonalAlignment
+
 from .segments import Segments
 
 

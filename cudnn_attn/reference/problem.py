@@ -13,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from ..config import AttentionConfig, AttentionOperands
+from cudnn_attn.core.config import AttentionConfig, AttentionOperands
+from cudnn_attn.core.score_mod_spec import apply
+
 from . import masks
 from .segments import Segments, segments_of
 from .tensors import as_float64, gather_pages, to_logical
@@ -22,7 +24,6 @@ from .tensors import as_float64, gather_pages, to_logical
 @dataclass(frozen=True)
 class Problem:
     """The float64 tensors of one call (logical layouts, K/V per query head) and its geometry."""
-
     config: AttentionConfig
     segments: Segments
     q: np.ndarray                  # (B, N, T, H)   zero outside the segments
@@ -103,8 +104,6 @@ def scores(problem: Problem, qk_scale: float) -> tuple[np.ndarray, np.ndarray | 
         s = s + masks.alibi_bias(config, problem.segments)
     score_input = None
     if config.score_mod is not None:
-        from ..graphs.score_mod_spec import apply
-
         score_input = s.astype(np.float32)
         s = apply(config.score_mod, score_input, problem.score_mod_args).astype(np.float64)
     return np.where(problem.allowed, s, -np.inf), score_input

@@ -1,5 +1,5 @@
 """The seed-compatible entry points (JAX's ``dot_product_attention`` / ``paged_attention`` argument
-names and defaults, from :mod:`cudnn_attn.signature`) and the native ``attention`` on NumPy arrays,
+names and defaults, from :mod:`cudnn_attn.core.parameters`) and the native ``attention`` on NumPy arrays,
 running the reference.
 
 Extensions, keyword-only after the seed's: ``diagonal_alignment`` ("top_left" or "bottom_right"),
@@ -13,41 +13,42 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import signature
-from ..types import AttentionGrads, AttentionOutput
-from ..validation import validate_call, validate_backward
+from cudnn_attn.core import parameters
+from cudnn_attn.core.types import AttentionGrads, AttentionOutput
+from cudnn_attn.core.validation import validate_backward, validate_call
+
 from .core import backward, forward
 
 
 def _forward(call: NamedTuple) -> AttentionOutput:
-    arrays, static = signature.arguments(call)
-    with signature.native_names(call):
+    arrays, static = parameters.arguments(call)
+    with parameters.native_names(call):
         config, operands = validate_call(**arrays, **static, xp=np)
-    return forward(signature.finish(call, config), operands, seed=call.seed, dropout_mask=call.dropout_mask)
+    return forward(parameters.finish(call, config), operands, seed=call.seed, dropout_mask=call.dropout_mask)
 
 
-@signature.front(signature.NATIVE, "deterministic", "dropout_mask")
+@parameters.front(parameters.NATIVE, "deterministic", "dropout_mask")
 def attention(call: NamedTuple) -> AttentionOutput:
     """Reference of the native :func:`cudnn_attn.attention`: an :class:`AttentionOutput` (``logsumexp`` with
     ``return_aux=AuxRequest(logsumexp=True)``, ``amax_s``/``amax_o`` with FP8)."""
     return _forward(call)
 
 
-@signature.front(signature.FORWARD, "dropout_mask")
+@parameters.front(parameters.FORWARD, "dropout_mask")
 def dot_product_attention(call: NamedTuple) -> Any:
     """Reference ``dot_product_attention``: returns the output, ``(output, logsumexp)`` with
     ``return_residual``, or ``(output, amax_s, amax_o)`` with ``use_fp8`` (as the seed)."""
     return _forward(call).seed_form(call.use_fp8, call.return_residual)
 
 
-@signature.front(signature.PAGED, "dropout_mask")
+@parameters.front(parameters.PAGED, "dropout_mask")
 def paged_attention(call: NamedTuple) -> Any:
     """Reference ``paged_attention``: K/V are block caches read through the page tables; returns the
     output, or ``(output, logsumexp)`` with ``return_residual``."""
     return _forward(call).seed_form(call.use_fp8, call.return_residual)
 
 
-@signature.front(signature.BACKWARD, "dropout_mask", "deterministic")
+@parameters.front(parameters.BACKWARD, "dropout_mask", "deterministic")
 def dot_product_attention_bwd(call: NamedTuple) -> AttentionGrads:
     """Reference backward of :func:`dot_product_attention` called with the same arguments.
 
@@ -55,7 +56,7 @@ def dot_product_attention_bwd(call: NamedTuple) -> AttentionGrads:
     the gradient of the output.  ``return_residual`` and ``deterministic`` are accepted for signature
     parity with the forward and the GPU backward; they change nothing here.
     """
-    arrays, static = signature.arguments(call, backward=True)
+    arrays, static = parameters.arguments(call, backward=True)
     config, operands = validate_call(**arrays, **static, xp=np)
     validate_backward(config, call.output, call.grad_output, call.logsumexp)
     return backward(config, operands, call.output, call.grad_output, call.logsumexp, seed=call.seed,

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ..config import AttentionConfig, AttentionOperands
-from ..values import check
+from cudnn_attn.core.config import AttentionConfig, AttentionOperands
+from cudnn_attn.core.values import check
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def _ints(x: Any) -> np.ndarray:
 def _packed_segments(q_seqlen: np.ndarray, kv_seqlen: np.ndarray, q_offsets: np.ndarray,
                      kv_offsets: np.ndarray) -> list[tuple[int, ...]]:
     """``(row, q_start, q_len, kv_start, kv_len)`` of the valid segments, rows then segments in order (the
-    values follow the rules of :mod:`cudnn_attn.values`)."""
+    values follow the rules of :mod:`cudnn_attn.core.values`)."""
     found = []
     for b in range(q_seqlen.shape[0]):
         for m in range(int((q_seqlen[b] >= 0).sum())):
@@ -100,7 +100,7 @@ def segments_of(config: AttentionConfig, operands: AttentionOperands) -> Segment
 
     Raises:
         ValueError: lengths or offsets that do not describe segments inside the rows
-            (:func:`cudnn_attn.values.check`, naming the argument, the row and the value).
+            (:func:`cudnn_attn.core.values.check`, naming the argument, the row and the value).
     """
     check(config, operands)
     batch, q_limit, kv_limit = config.batch, config.q_len, config.kv_len

@@ -13,8 +13,8 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 names with NumPy)
 import numpy as np
 
-from ..config import FP8_DTYPES, AttentionConfig
-from ..types import AttentionLayout
+from cudnn_attn.core.config import FP8_DTYPES, AttentionConfig
+from cudnn_attn.core.types import AttentionLayout
 
 
 def io_dtype(config: AttentionConfig) -> np.dtype:
@@ -56,7 +56,7 @@ def gather_pages(cache: Any, page_table: Any, kv_lengths: np.ndarray, layout: At
 
     ``K[b, :, s] = cache[page_table[b, 0, s // block_size, 0], s % block_size]`` (layout-aware).
     Only the table entries of blocks that hold a token ``s < kv_lengths[b]`` are read (the others may
-    hold anything; the used ones are block indices, :func:`cudnn_attn.values.check`); tokens at
+    hold anything; the used ones are block indices, :func:`cudnn_attn.core.values.check`); tokens at
     ``s >= kv_lengths[b]`` are whatever the cache holds and are left to the caller to discard
     (:func:`.problem.load` zeroes them).
     """

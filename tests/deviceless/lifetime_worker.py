@@ -8,9 +8,9 @@ nanobind reports at interpreter exit on stderr.
 
 * ``exit``  -- graphs of every kind that holds frontend objects (score_mod forward and backward, FP8,
   bias, dropout, packed, paged; built, saved and loaded back from the store) stay in the process-wide
-  ``cudnn_attn.graph_cache`` until exit: :func:`cudnn_attn.runtime.release` must drop them.
+  ``cudnn_attn.graph_cache`` until exit: :func:`cudnn_attn.engine.runtime.release` must drop them.
 * ``evict N`` -- N distinct configurations (sequence lengths; every fourth one with a score_mod) through
-  a 4-graph :class:`~cudnn_attn.cache.GraphCache`; reports how many built graphs are still alive
+  a 4-graph :class:`~cudnn_attn.engine.cache.GraphCache`; reports how many built graphs are still alive
   (weak references to the ``BuiltGraph`` and to the frontend's Python graph) after the last build and
   after ``gc.collect()``, and the resident set size along the way.
 """
@@ -28,7 +28,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))      # tests/: the matrix configurations
 
 from deviceless.matrix import (  # noqa: E402
-    BR_PADDING_CAUSAL, CAUSAL, N, PADDING_CAUSAL, S, SOFTCAP, T, bias, config, fp8, packed, paged,
+    BR_PADDING_CAUSAL,
+    CAUSAL,
+    PADDING_CAUSAL,
+    SOFTCAP,
+    N,
+    S,
+    T,
+    bias,
+    config,
+    fp8,
+    packed,
+    paged,
 )
 
 EXIT_CASES = [
@@ -49,7 +60,7 @@ def _rss_mib() -> float:
 
 
 class _Context:
-    """What a :class:`~cudnn_attn.plan.CallPlan` keeps of its device context (nothing launches here)."""
+    """What a :class:`~cudnn_attn.engine.plan.CallPlan` keeps of its device context (nothing launches here)."""
 
     device = 0
     lock = threading.Lock()
@@ -58,8 +69,8 @@ class _Context:
 def _builder(store, target):
     """The GPU path's builder with a deviceless target: the graph (built or loaded) in its call plan and
     launcher, so that everything the library holds per graph is exercised."""
-    from cudnn_attn.graphs import build_or_load
-    from cudnn_attn.plan import CallPlan
+    from cudnn_attn.engine.plan import CallPlan
+    from cudnn_attn.persist.build import build_or_load
 
     def build(key):
         return CallPlan(build_or_load(key.config, key.kind, target, store=store), _Context())
@@ -67,9 +78,10 @@ def _builder(store, target):
 
 
 def exit_case(store_dir: str) -> dict:
-    from cudnn_attn.cache import graph_cache
-    from cudnn_attn.graphs import DevicelessTarget, build_or_load
-    from cudnn_attn.plan_store import PlanStore
+    from cudnn_attn.engine.cache import graph_cache
+    from cudnn_attn.graphs import DevicelessTarget
+    from cudnn_attn.persist.build import build_or_load
+    from cudnn_attn.persist.store import PlanStore
 
     store, target = PlanStore(store_dir), DevicelessTarget.h200()
     build = _builder(store, target)
@@ -86,7 +98,7 @@ def exit_case(store_dir: str) -> dict:
 
 
 def evict_case(store_dir: str, count: int) -> dict:
-    from cudnn_attn.cache import GraphCache
+    from cudnn_attn.engine.cache import GraphCache
     from cudnn_attn.graphs import DevicelessTarget
 
     cache = GraphCache(maxsize=4, builder=_builder(None, DevicelessTarget.h200()))

@@ -9,10 +9,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from cudnn_attn.config import (
-    AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec, ScoreModSpec,
+from cudnn_attn.core.config import (
+    AttentionConfig,
+    BiasSpec,
+    DiagonalAlignment,
+    MaskSpec,
+    PackingSpec,
+    PagingSpec,
 )
-from cudnn_attn.types import AttentionLayout
+from cudnn_attn.core.score_mod_spec import score_mod_spec
+from cudnn_attn.core.types import AttentionLayout
 
 B, N, T, S, D = 2, 4, 128, 128, 64
 
@@ -62,4 +68,4 @@ def softcap(score, cap):
     return cap * jnp.tanh(score / cap)
 
 
-SOFTCAP = ScoreModSpec.trace(softcap, (B, N, T, S), (((), "float32"),))
+SOFTCAP = score_mod_spec(softcap, (B, N, T, S), (((), "float32"),))

@@ -6,7 +6,6 @@ prints one JSON object on its last stdout line (cuDNN's console output goes to s
 
 * ``build CASE...``   -- ``build_or_load`` each case (``name:kind``) against the store: origin, plan,
   workspace, uids, and for loaded graphs what the launch path reads of them;
-* ``kernels CASE...`` -- the same through one :class:`~cudnn_attn.graphs.persist.KernelCache`;
 * ``remember CASE PLAN`` / ``recall CASE`` -- the autotuning record.
 """
 
@@ -21,7 +20,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))      # tests/: the matrix configurations
 
 from deviceless.matrix import (  # noqa: E402
-    BR_PADDING_CAUSAL, CAUSAL, PADDING_CAUSAL, config, fp8, packed, paged,
+    BR_PADDING_CAUSAL,
+    CAUSAL,
+    PADDING_CAUSAL,
+    config,
+    fp8,
+    packed,
+    paged,
 )
 
 CASES = {
@@ -45,7 +50,7 @@ def _case(text: str):
 
 
 def _describe(built) -> dict:
-    from cudnn_attn.launch import Launcher
+    from cudnn_attn.engine.launch import Launcher
 
     graph = built.graph
     facts = {"origin": built.origin, "plan": built.plan_name, "workspace": built.workspace_size,
@@ -61,19 +66,17 @@ def main() -> None:
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)                                   # cuDNN's printf output must not corrupt the reply
     store_dir, action, *args = sys.argv[1:]
-    from cudnn_attn.graphs import DevicelessTarget, build_or_load
-    from cudnn_attn.graphs.persist import KernelCache, autotuned_plan, environment_for, remember_autotuned
-    from cudnn_attn.plan_store import PlanStore, PlanStoreWarning
+    from cudnn_attn.graphs import DevicelessTarget
+    from cudnn_attn.persist.build import autotuned_plan, build_or_load, environment_for, remember_autotuned
+    from cudnn_attn.persist.store import PlanStore, PlanStoreWarning
 
     store, target = PlanStore(store_dir), DevicelessTarget.h200()
     env = environment_for(target)
     reply: dict = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if action in ("build", "kernels"):
-            kernels = KernelCache(store) if action == "kernels" else None
-            reply["graphs"] = {text: _describe(build_or_load(*_case(text), target, store=store, kernels=kernels))
-                               for text in args}
+        if action == "build":
+            reply["graphs"] = {text: _describe(build_or_load(*_case(text), target, store=store)) for text in args}
         elif action == "remember":
             remember_autotuned(store, *_case(args[0]), args[1], environment=env, timings={args[1]: 1.0})
         elif action == "recall":

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from cudnn_attn.plan_store import PlanStore
+from cudnn_attn.persist.store import PlanStore
 
 from .test_persist_deviceless import run as run_worker
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from cudnn_attn.config import MaskSpec
+from cudnn_attn.core.config import MaskSpec
 from cudnn_attn.jax_bridge.context_parallel import Scheme, Split, block_configs
 
-from .matrix import CAUSAL, N, PADDING_CAUSAL, S, T, bias, config
+from .matrix import CAUSAL, PADDING_CAUSAL, N, S, T, bias, config
 
 pytestmark = pytest.mark.deviceless
 

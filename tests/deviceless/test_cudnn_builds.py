@@ -8,12 +8,26 @@ from __future__ import annotations
 
 import pytest
 
-from cudnn_attn.config import MaskSpec
+from cudnn_attn.core.config import MaskSpec
 from cudnn_attn.graphs import ALL_PLANS, TensorId
 
 from .matrix import (
-    B, BNTH, BOTTOM_RIGHT, BR_PADDING_CAUSAL, CAUSAL, N, PADDING, PADDING_CAUSAL, S, SOFTCAP, T, bias, config, fp8,
-    packed, paged,
+    BNTH,
+    BOTTOM_RIGHT,
+    BR_PADDING_CAUSAL,
+    CAUSAL,
+    PADDING,
+    PADDING_CAUSAL,
+    SOFTCAP,
+    B,
+    N,
+    S,
+    T,
+    bias,
+    config,
+    fp8,
+    packed,
+    paged,
 )
 
 pytestmark = pytest.mark.deviceless

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cudnn_attn.launch import FAST
+from cudnn_attn.engine.launch import FAST
 
 pytestmark = pytest.mark.deviceless
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cudnn_attn.plan_store import PlanStore
+from cudnn_attn.persist.store import PlanStore
 
 pytestmark = pytest.mark.deviceless
 
@@ -86,7 +86,7 @@ def test_a_damaged_entry_warns_once_and_is_rebuilt(deviceless_env, tmp_path, dam
 def test_an_entry_whose_blob_does_not_match_its_record_is_rebuilt(deviceless_env, tmp_path):
     """A blob under another configuration's key (a valid entry with a valid checksum, wrong content):
     the loaded graph's tensor uids differ from the record, so it is refused and rebuilt."""
-    from cudnn_attn.plan_store import decode_entry, encode_entry
+    from cudnn_attn.persist.store import decode_entry, encode_entry
 
     store = tmp_path / "plans"
     run(deviceless_env, store, "build", "causal:fwd", "dropout:fwd")
@@ -115,21 +115,3 @@ def test_autotuned_winner_is_remembered_across_processes(deviceless_env, tmp_pat
     run(deviceless_env, store, "remember", "causal:fwd", "eng9_k24=7")
     assert run(deviceless_env, store, "recall", "causal:fwd")["plan"] == "eng9_k24=7"
     assert run(deviceless_env, store, "recall", "causal:bwd")["plan"] is None
-
-
-def test_kernel_cache_builds_new_lengths_with_dynamic_shapes_only_when_the_plan_agrees(deviceless_env, tmp_path):
-    """Causal forward: the first length is built static, later ones dynamic with the same plan.  No
-    mask: cuDNN 9.19 plans the dynamic graph with another engine (eng2 instead of eng9), so that family
-    stays static.  A backward is never dynamic (no engine).  A new process remembers the families."""
-    store = tmp_path / "plans"
-    cases = ["causal:fwd", "causal-T256:fwd", "causal-T384:fwd", "plain:fwd", "plain-T256:fwd", "causal:bwd",
-             "causal-T256:bwd"]
-    first = run(deviceless_env, store, "kernels", *cases)["graphs"]
-    assert [first[c]["origin"] for c in cases] == [
-        "built", "built (dynamic shape)", "built (dynamic shape)", "built", "built", "built", "built"]
-    assert first["causal-T384:fwd"]["plan"] == first["causal:fwd"]["plan"]
-    assert first["plain-T256:fwd"]["plan"] == first["plain:fwd"]["plan"]
-    second = run(deviceless_env, store, "kernels", "causal-T512:fwd", "plain-T384:fwd", "causal:fwd")["graphs"]
-    assert second["causal-T512:fwd"]["origin"] == "built (dynamic shape)"      # the family memo persisted
-    assert second["plain-T384:fwd"]["origin"] == "built"
-    assert second["causal:fwd"]["origin"] == "loaded"

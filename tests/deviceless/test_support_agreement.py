@@ -11,14 +11,28 @@ from __future__ import annotations
 
 import pytest
 
-from cudnn_attn.config import MaskSpec
+from cudnn_attn.core.config import MaskSpec
 
 from .matrix import (
-    B, BNTH, BOTTOM_RIGHT, BR_PADDING_CAUSAL, CAUSAL, N, PADDING, PADDING_CAUSAL, S, SOFTCAP, T, bias, config, fp8,
-    packed, paged,
+    BNTH,
+    BOTTOM_RIGHT,
+    BR_PADDING_CAUSAL,
+    CAUSAL,
+    PADDING,
+    PADDING_CAUSAL,
+    SOFTCAP,
+    B,
+    N,
+    S,
+    T,
+    bias,
+    config,
+    fp8,
+    packed,
+    paged,
 )
 
-support = pytest.importorskip("cudnn_attn.support")
+support = pytest.importorskip("cudnn_attn.core.support")
 
 pytestmark = pytest.mark.deviceless
 

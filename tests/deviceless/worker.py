@@ -46,7 +46,7 @@ def _protocol_streams() -> tuple[BinaryIO, BinaryIO]:
 
 
 def _verdict(config: Any, kind: str, options: dict, target: Any) -> dict:
-    from cudnn_attn.errors import UnsupportedConfigurationError
+    from cudnn_attn.core.errors import UnsupportedConfigurationError
     from cudnn_attn.graphs import build_graph
 
     start = time.perf_counter()

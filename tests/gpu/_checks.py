@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cudnn_attn.selftest import call_config, io_dtype  # noqa: F401  (io_dtype: used by the GPU tests)
+from cudnn_attn.tools.selftest import call_config, io_dtype  # noqa: F401  (io_dtype: used by the GPU tests)
 
 RELATIVE_TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
 LSE_TOLERANCE = 1e-3
@@ -23,7 +23,7 @@ LSE_TOLERANCE = 1e-3
 
 def make_config(*, scale: float = 1.0, **shapes_and_call):
     """The AttentionConfig ``prepare`` builds for a call of these shapes (values are never read): the
-    library's own :func:`cudnn_attn.selftest.call_config`, with ``prepare``'s default scale."""
+    library's own :func:`cudnn_attn.tools.selftest.call_config`, with ``prepare``'s default scale."""
     return call_config(scale=scale, **shapes_and_call)
 
 

@@ -5,7 +5,7 @@ Run on the GPU machine with ``scripts/gpu_run.sh`` (``pytest -m gpu``).
 
 import pytest
 
-from cudnn_attn import runtime
+from cudnn_attn.engine import runtime
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 
 import cudnn_attn
-from cudnn_attn import MaskType, UnsupportedConfigurationError, execution, launch, reference
-from cudnn_attn.cache import PlanChoice, graph_cache
+from cudnn_attn import MaskType, UnsupportedConfigurationError, reference
+from cudnn_attn.core.validation import validate_call
+from cudnn_attn.engine import launch
+from cudnn_attn.engine.cache import PlanChoice, graph_cache
+from cudnn_attn.fronts import execution
 from cudnn_attn.reference.inputs import random_operands
-from cudnn_attn.validation import validate_call
 
 from ._checks import assert_close, assert_lse_close, make_config, poisoned, replace_nan, to_gpu
 
@@ -207,11 +209,11 @@ def test_invalid_input_is_a_value_error_naming_the_argument(rng):
 
 @pytest.mark.parametrize("case", ["padding", "packed"])
 def test_fill_policy_matches_what_cudnn_writes(case):
-    """cuDNN on this GPU is the truth behind the plan's one zero-fill policy (``cudnn_attn.plan``): launched
+    """cuDNN on this GPU is the truth behind the plan's one zero-fill policy (``cudnn_attn.engine.plan``): launched
     raw (no fills) into NaN-poisoned results, the elements a ``ZERO_BEFORE`` result leaves to the policy
     (rows of padded queries/keys, tokens outside packed segments) must be untouched (still NaN) or 0 -
     zeroing them before the launch is then right - while every other element is written."""
-    from cudnn_attn.plan import Fill, graph_inputs
+    from cudnn_attn.engine.plan import Fill, graph_inputs
     from cudnn_attn.reference.segments import segments_of
 
     rng = np.random.default_rng(21)
@@ -361,12 +363,12 @@ def test_a_key_on_another_gpu_never_takes_a_remembered_signature():
 
 def test_a_launch_from_a_thread_with_no_cuda_context():
     """XLA calls the handler on threads that have no CUDA context current, where ``cudnnSetStream``'s driver
-    queries fail (``cudnn_attn.runtime``, "A thread with no CUDA context"; two soaks died inside it).  A
+    queries fail (``cudnn_attn.engine.runtime``, "A thread with no CUDA context"; two soaks died inside it).  A
     launch from a new thread, on a stream of its own, computes what the same plan computes here, and leaves
     the thread without a context, as it found it."""
     import threading
 
-    from cudnn_attn.plan import graph_inputs
+    from cudnn_attn.engine.plan import graph_inputs
 
     rng = np.random.default_rng(43)
     config = make_config(T=128, S=192, mask_type=MaskType.CAUSAL)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cudnn_attn import AttentionLayout, MaskType, execution, reference
+from cudnn_attn import AttentionLayout, MaskType, reference
+from cudnn_attn.fronts import execution
 from cudnn_attn.reference.inputs import random_operands
 from cudnn_attn.reference.segments import segments_of
 
@@ -97,7 +98,7 @@ def _operands(config, rng, *, poison):
 
     With ``poison`` the Q/K/V tokens outside every sequence hold a large constant.  Not NaN: cuDNN
     reads them inside its tiles and masks their contribution, so NaN there would propagate (measured
-    on the H200, cuDNN 9.19; documented in :mod:`cudnn_attn.execution`)."""
+    on the H200, cuDNN 9.19; documented in :mod:`cudnn_attn.fronts.execution`)."""
     operands = random_operands(config, rng, poison=poison)
     if poison:
         operands = operands.replace(**{name: replace_nan(getattr(operands, name), GARBAGE)
@@ -152,7 +153,7 @@ def test_dropout_matches_the_reference_with_cudnns_keep_mask(dtype, extra, rng):
 def test_dropout_seed_is_a_runtime_value(rng):
     config = make_config(dropout_rate=0.5)
     gpu = to_gpu(random_operands(config, rng, poison=False))
-    from cudnn_attn.cache import graph_cache
+    from cudnn_attn.engine.cache import graph_cache
 
     first = execution.forward(config, gpu, seed=1).output
     misses = graph_cache.stats().misses

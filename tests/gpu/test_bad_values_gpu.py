@@ -1,5 +1,5 @@
 """Bad device values on the GPU (issue #11.1): lengths past the buffers, negative lengths, offsets past the
-row, page ids outside the cache - handed to cuDNN only after :func:`cudnn_attn.values.sanitize`.
+row, page ids outside the cache - handed to cuDNN only after :func:`cudnn_attn.core.values.sanitize`.
 
 For every kind of bad value: no error escapes but the documented ones (``ValueError`` in the checked
 mode, naming the argument, the row and the value), and the results equal the NumPy reference run on the
@@ -7,7 +7,7 @@ clamped values (every element finite: results start NaN-poisoned where the test 
 negative ``kv_seqlen`` is left to the CPU tests and the probe: clamped to 0 it leaves queries without a
 key, whose result the reference does not pin down yet.
 
-* execution level: ``values.sanitize(config, operands, cupy)`` then :func:`cudnn_attn.execution.forward` /
+* execution level: ``values.sanitize(config, operands, cupy)`` then :func:`cudnn_attn.fronts.execution.forward` /
   ``backward`` - independent of how the public call is wired;
 * the public CuPy call (``cudnn_attn.dot_product_attention`` / ``paged_attention``) - once it guards its
   values (skipped until it takes ``check_values``);
@@ -24,8 +24,10 @@ import numpy as np
 import pytest
 
 import cudnn_attn
-from cudnn_attn import MaskType, execution, reference, values
-from cudnn_attn.validation import validate_call
+from cudnn_attn import MaskType, reference
+from cudnn_attn.core import values
+from cudnn_attn.core.validation import validate_call
+from cudnn_attn.fronts import execution
 
 from ._checks import assert_close, assert_lse_close, poisoned, to_gpu
 
@@ -102,8 +104,8 @@ def test_execution_on_sanitized_device_values_equals_the_clamped_reference(case,
 
 
 _GUARDED = "check_values" in inspect.signature(cudnn_attn.dot_product_attention).parameters
-public = pytest.mark.skipif(not _GUARDED, reason="the CuPy path does not guard its values yet (cudnn_attn.api "
-                                                 "must call cudnn_attn.values; see the lead's integration notes)")
+public = pytest.mark.skipif(not _GUARDED, reason="the CuPy path does not guard its values yet (cudnn_attn.fronts.cupy "
+                                                 "must call cudnn_attn.core.values; see the lead's integration notes)")
 
 
 def _public(arrays: dict, static: dict, **kw):

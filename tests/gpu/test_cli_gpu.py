@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cudnn_attn import cli
+from cudnn_attn.tools import cli
 
 pytestmark = pytest.mark.gpu
 

@@ -36,12 +36,13 @@ import numpy as np
 import pytest
 
 import cudnn_attn
-from cudnn_attn import MaskType, UnsupportedConfigurationError, execution, reference
-from cudnn_attn.cache import graph_cache
+from cudnn_attn import MaskType, UnsupportedConfigurationError, reference
+from cudnn_attn.core.types import FP8_PARAM_KEYS
+from cudnn_attn.engine.cache import graph_cache
+from cudnn_attn.fronts import execution
 from cudnn_attn.reference.inputs import fp8_scale, random_operands
 from cudnn_attn.reference.problem import load, scores, softmax
 from cudnn_attn.reference.tensors import cast
-from cudnn_attn.types import FP8_PARAM_KEYS
 
 from ._checks import assert_lse_close, make_config
 

@@ -207,10 +207,10 @@ def test_the_handler_launches_the_same_plan_as_the_public_call():
     the same cached plan, so their outputs are bit-identical."""
     cp = pytest.importorskip("cupy")
     import cudnn_attn
-    from cudnn_attn.cache import graph_cache
+    from cudnn_attn.core.validation import validate_call
+    from cudnn_attn.engine.cache import graph_cache
     from cudnn_attn.jax_bridge import cudnn_target
     from cudnn_attn.jax_bridge.call_site import AttentionCall, registry
-    from cudnn_attn.validation import validate_call
 
     rng = np.random.default_rng(41)
     (q, k, v), _ = _case("causal", rng)

@@ -13,8 +13,8 @@ import pytest
 
 import cudnn_attn
 from cudnn_attn import AuxRequest, alibi, causal, keep, padding, reference, segments, window
-from cudnn_attn.config import AttentionConfig, PackingSpec
-from cudnn_attn.config import MaskSpec as ConfigMask
+from cudnn_attn.core.config import AttentionConfig, PackingSpec
+from cudnn_attn.core.config import MaskSpec as ConfigMask
 from cudnn_attn.reference.inputs import random_operands
 
 from ._checks import assert_close, assert_lse_close, io_dtype
@@ -141,7 +141,7 @@ def test_jax_native_call_and_gradients_against_the_reference(case, rng):
 
 def _reference_grads(q, k, v, do, mask):
     """The reference backward of a native mask (validation's configuration with the mask's fields)."""
-    from cudnn_attn.validation import validate_call
+    from cudnn_attn.core.validation import validate_call
 
     arrays = mask.seed_arrays()
     padded = arrays["q_seqlen"] is not None
@@ -156,18 +156,18 @@ def _reference_grads(q, k, v, do, mask):
 def test_repeated_cupy_native_calls_take_the_direct_path(rng):
     """A repeated native call of CuPy Q/K/V with an array-free mask is remembered once and then launched
     directly; its results are the generic path's bits."""
-    from cudnn_attn import api
+    from cudnn_attn.fronts import cupy as cupy_front
 
     q, k, v = (cp.asarray(x) for x in _qkv(rng, "float16"))
     kwargs = dict(mask=causal() & window(31, 0), scale=0.125, return_aux=AuxRequest(logsumexp=True))
-    api._direct.clear()
+    cupy_front._direct.clear()
     first = cudnn_attn.attention(q, k, v, **kwargs)
-    assert len(api._direct) == 1
+    assert len(cupy_front._direct) == 1
     again = cudnn_attn.attention(q, k, v, mask=causal() & window(31, 0), scale=0.125,
                                  return_aux=AuxRequest(logsumexp=True))     # a new, equal mask object
-    assert len(api._direct) == 1
+    assert len(cupy_front._direct) == 1
     assert cp.array_equal(first.output, again.output) and cp.array_equal(first.logsumexp, again.logsumexp)
     other = cudnn_attn.attention(q, k, v, mask=causal(), scale=0.125)       # another mask: another entry
-    assert len(api._direct) == 2 and other.logsumexp is None
+    assert len(cupy_front._direct) == 2 and other.logsumexp is None
     want = reference.attention(*(cp.asnumpy(x) for x in (q, k, v)), mask=causal(), scale=0.125)
     assert_close("output", other.output, want.output, "float16")

@@ -8,7 +8,7 @@ sequence lengths (so partly filled last blocks).
 Poison.  Cache blocks that no page table references hold NaN: cuDNN never reads them, so any NaN in a
 result means a leak.  Everything cuDNN does read but masks - the tail of a sequence's last blocks and
 the query rows past ``q_seqlen`` - holds a large finite constant instead (NaN there propagates through
-the masked tile arithmetic; measured on the H200 with cuDNN 9.19, see :mod:`cudnn_attn.execution`).
+the masked tile arithmetic; measured on the H200 with cuDNN 9.19, see :mod:`cudnn_attn.fronts.execution`).
 The public call allocates its own output, so every element of it is checked finite and against the
 reference; so is the native call's output, written into a NaN-filled buffer.
 
@@ -24,9 +24,10 @@ import numpy as np
 import pytest
 
 import cudnn_attn
-from cudnn_attn import MaskType, execution, reference
+from cudnn_attn import MaskType, reference
+from cudnn_attn.core.validation import validate_call
+from cudnn_attn.fronts import execution
 from cudnn_attn.reference.inputs import random_operands
-from cudnn_attn.validation import validate_call
 
 from ._checks import assert_close, io_dtype, poisoned, replace_nan
 

@@ -1,4 +1,4 @@
-"""Replayed launches (:mod:`cudnn_attn.replay`) on the GPU: a launch replayed from a CUDA graph writes what
+"""Replayed launches (:mod:`cudnn_attn.engine.replay`) on the GPU: a launch replayed from a CUDA graph writes what
 the launch itself writes, reads the arrays' current contents, stays out of a user's own capture, and the
 JAX handler replays too.  Results are poisoned with NaN before every call, so an unwritten element shows."""
 
@@ -76,11 +76,11 @@ def test_public_calls_replay_and_stay_right():
 
 
 def test_dropped_results_come_back_at_the_same_address_and_replay():
-    """A loop that drops each result gets it back at the same address (cudnn_attn.result_blocks), so the
+    """A loop that drops each result gets it back at the same address (cudnn_attn.engine.result_blocks), so the
     launch replays; each result is poisoned with NaN before it is dropped, so a reused block that the next
     launch did not rewrite shows.  Results that are still alive are never handed out again."""
-    from cudnn_attn import api
-    from cudnn_attn.result_blocks import result_blocks
+    from cudnn_attn.engine.result_blocks import result_blocks
+    from cudnn_attn.fronts import cupy as cupy_front
 
     rng = np.random.default_rng(83)
     q, k, v = _qkv(rng, T=192, S=256, N=4, K=2)
@@ -97,7 +97,7 @@ def test_dropped_results_come_back_at_the_same_address_and_replay():
     after = result_blocks.stats()
     assert len(set(addresses[1:])) == 1, addresses            # the first call is the generic path
     assert after.reused - before.reused >= 4, (before, after)
-    direct = next(d for d in api._direct.values() if d.config.scale == pytest.approx(0.15))
+    direct = next(d for d in cupy_front._direct.values() if d.config.scale == pytest.approx(0.15))
     replays, captures = _replays(direct)
     assert captures >= 1 and replays >= 2, (captures, replays)
     held = [cudnn_attn.dot_product_attention(q, k, v, **kwargs) for _ in range(3)]
@@ -165,7 +165,7 @@ def test_graphs_updated_in_place_for_new_addresses_write_the_new_results(kind, m
     """At its bound a plan gives its least recently used graph to new addresses (cudaGraphExecUpdate): with a
     bound of 2 graphs and 5 result buffers in a cycle, every replay writes into the buffer of its own call,
     and the others keep what they held (each buffer is poisoned with NaN before its call)."""
-    from cudnn_attn import replay
+    from cudnn_attn.engine import replay
 
     monkeypatch.setattr(replay, "CAPACITY", 2)
     monkeypatch.setattr(replay, "PATIENCE", 10 ** 6)

@@ -17,10 +17,12 @@ import pytest
 from jax import lax
 
 import cudnn_attn
-from cudnn_attn import MaskType, execution, reference
-from cudnn_attn.config import BiasSpec, ScoreModSpec
+from cudnn_attn import MaskType, reference
+from cudnn_attn.core.config import BiasSpec
+from cudnn_attn.core.score_mod_spec import score_mod_spec
+from cudnn_attn.core.support import Environment, not_supported_reasons
+from cudnn_attn.fronts import execution
 from cudnn_attn.reference.inputs import random_operands
-from cudnn_attn.support import Environment, not_supported_reasons
 
 from ._checks import assert_close, assert_lse_close, io_dtype, make_config, poisoned, to_gpu
 
@@ -164,7 +166,7 @@ def _matrix_config(case):
     call, (fn, arg_shapes), _ = MATRIX[case]
     config = make_config(**call)
     scores = (config.batch, config.q_heads, config.q_len, config.kv_len)
-    config = config.replace(score_mod=ScoreModSpec.trace(fn, scores, arg_shapes))
+    config = config.replace(score_mod=score_mod_spec(fn, scores, arg_shapes))
     if case == "softcap-of-biased-score":         # a bias nobody differentiates: added inside the modification
         config = config.replace(bias=BiasSpec(config.bias.shape, differentiable=False))
     return config

@@ -21,9 +21,9 @@ import pytest
 
 import cudnn_attn
 from cudnn_attn import MaskType, UnsupportedConfigurationError, reference
-from cudnn_attn.cache import graph_cache
+from cudnn_attn.core.support import not_supported_reasons
+from cudnn_attn.engine.cache import graph_cache
 from cudnn_attn.reference.inputs import random_operands
-from cudnn_attn.support import not_supported_reasons
 
 from ._checks import RELATIVE_TOLERANCE, assert_close, assert_lse_close, io_dtype, make_config
 

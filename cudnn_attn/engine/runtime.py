@@ -3,7 +3,7 @@
 Devices
     :func:`device_context` returns the process-wide :class:`DeviceContext` of a CUDA device: one
     ``cudnn.Handle`` created while that device is current, the lock that serialises its use, the
-    device's :class:`~cudnn_attn.support.Environment` and the CuPy path's workspace buffers.  It is
+    device's :class:`~cudnn_attn.core.support.Environment` and the CuPy path's workspace buffers.  It is
     created once, by the first caller that asks with ``create=True`` - the CuPy front on its first
     call, the JAX lowering for every device of the program - and never inside an XLA FFI handler:
     creating a handle allocates device memory and may synchronise the device, which deadlocks a
@@ -70,7 +70,8 @@ import contextlib
 import threading
 from typing import Any
 
-from .errors import NoGPUError
+from cudnn_attn.core.environment import Environment
+from cudnn_attn.core.errors import NoGPUError
 
 
 def _cupy():
@@ -130,7 +131,6 @@ def stream_pointer(stream: Any, device: int) -> int:
 
 class _StreamHandle:
     """A raw ``cudaStream_t`` under the CUDA stream protocol (what ``cupy.cuda.Stream.from_external`` takes)."""
-
     __slots__ = ("ptr",)
 
     def __init__(self, ptr: int):
@@ -171,8 +171,6 @@ class DeviceContext:
     workspaces (see the module doc).  Made by :func:`device_context`."""
 
     def __init__(self, device: int):
-        from .support import Environment
-
         cupy = _cupy()
         self.device = device
         self.lock = threading.Lock()
@@ -188,7 +186,7 @@ class DeviceContext:
         self._stream = None                       # the stream the handle points at
         self._streams: dict[int, Any] = {}
         self._workspaces: dict[int, Any] = {}
-        self._capture: Any = None                 # the private stream launches are captured on (cudnn_attn.replay)
+        self._capture: Any = None                 # the private stream launches are captured on (cudnn_attn.engine.replay)
 
     def adopt_thread(self) -> bool:
         """Make the device's CUDA context current on this thread when no context is (see the module doc);
@@ -223,7 +221,7 @@ class DeviceContext:
             self._stream = stream_ptr
 
     def capture_stream(self) -> int:
-        """A private non-blocking stream of the device, on which :mod:`cudnn_attn.replay` captures launches.
+        """A private non-blocking stream of the device, on which :mod:`cudnn_attn.engine.replay` captures launches.
         Hold :attr:`lock`."""
         if self._capture is None:
             cupy = _cupy()

@@ -3,16 +3,16 @@
 A cuDNN graph costs 0.05-1.5 s to build (NVRTC compiles the kernels of a new engine configuration),
 and executing one costs microseconds, so every graph is built once per process and reused.
 
-* :class:`GraphKey` is a frozen dataclass: the :class:`~cudnn_attn.config.AttentionConfig` (shapes,
+* :class:`GraphKey` is a frozen dataclass: the :class:`~cudnn_attn.core.config.AttentionConfig` (shapes,
   dtypes, layout, mask fields, scale, ...), the graph kind (``"fwd"``/``"bwd"``), the CUDA device,
   the cuDNN version, the plan choice (cuDNN's heuristic or autotuned) and the debug ``rng_dump``
   output.  Strides are implied by the layout and the scale is in the config, so two calls share a
   graph exactly when cuDNN would build the same one.
-* An entry holds the :class:`~cudnn_attn.plan.CallPlan` of the graph: the built graph and everything a
+* An entry holds the :class:`~cudnn_attn.engine.plan.CallPlan` of the graph: the built graph and everything a
   launch needs on its device.  Evicting the entry frees them (a caller holding the plan keeps it alive).
 * :class:`GraphCache` is a bounded, thread-safe LRU with statistics.  Two threads missing the same
   key build it once (the second waits).  Failed builds are not cached.  The default builder checks
-  support (:func:`cudnn_attn.support.check_supported`) before any GPU work.
+  support (:func:`cudnn_attn.core.support.check_supported`) before any GPU work.
 * :meth:`GraphCache.live_graphs` counts the graphs the cache built that are still alive anywhere (in the
   cache, pinned by the JAX bridge, held by a caller): evicted graphs must not stay alive behind it.
 * ``entries()`` lists what is cached - a table in Jupyter (``_repr_html_``) and in a terminal
@@ -25,7 +25,7 @@ and executing one costs microseconds, so every graph is built once per process a
   (``benchmarks/probe_rebuild_memory.py``).  A ``build=`` given to one lookup (autotuning, which times on
   the caller's stream) runs on the caller's thread.
 
-``graph_cache`` is the process-wide instance used by :mod:`cudnn_attn.api` and the JAX bridge
+``graph_cache`` is the process-wide instance used by :mod:`cudnn_attn.fronts.cupy` and the JAX bridge
 (``graph_cache.plan(config, kind, device) -> CallPlan``).
 """
 
@@ -44,8 +44,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
-from .config import AttentionConfig
-from .types import Kind
+from cudnn_attn.core.config import AttentionConfig
+from cudnn_attn.core.environment import cudnn_version
+from cudnn_attn.core.errors import NoGPUError
+from cudnn_attn.core.support import check_supported
+from cudnn_attn.core.types import Kind
+from cudnn_attn.persist.store import default_store
+
+from . import runtime
+from .plan import CallPlan
 
 logger = logging.getLogger("cudnn_attn")
 
@@ -136,7 +143,7 @@ def _shapes(config: AttentionConfig) -> str:
 
 
 class CacheEntry:
-    """A cached :class:`~cudnn_attn.plan.CallPlan` (what the builder returned) with its key and bookkeeping."""
+    """A cached :class:`~cudnn_attn.engine.plan.CallPlan` (what the builder returned) with its key and bookkeeping."""
 
     __slots__ = ("key", "plan", "build_seconds", "hits")
 
@@ -166,41 +173,31 @@ Builder = Callable[[GraphKey], Any]
 
 def build_plan(key: GraphKey, *, plan_name: str | None = None) -> Any:
     """Default builder: the support check for ``key.device`` first (no GPU work for a refused
-    configuration), then the cuDNN graph and its :class:`~cudnn_attn.plan.CallPlan`.
+    configuration), then the cuDNN graph and its :class:`~cudnn_attn.engine.plan.CallPlan`.
 
     ``plan_name`` pins cuDNN's plan (an autotuned winner).  ``PlanChoice.AUTOTUNED`` needs real
-    buffers to time the plans, so it is built by :mod:`cudnn_attn.autotune` through the ``build=``
+    buffers to time the plans, so it is built by :mod:`cudnn_attn.engine.autotune` through the ``build=``
     argument of :meth:`GraphCache.entry`.
     """
     import cupy
 
-    from . import runtime
-    from .graphs.persist import build_or_load, kernel_cache_for
-    from .plan import CallPlan
-    from .plan_store import default_store
-    from .support import check_supported
+    from cudnn_attn.persist.build import build_or_load  # imports the cuDNN frontend
 
     if key.plan is not PlanChoice.HEURISTIC and plan_name is None:
-        raise ValueError(f"plan: {key.plan.value} graphs are built by cudnn_attn.autotune, not by the default builder")
+        raise ValueError(f"plan: {key.plan.value} graphs are built by cudnn_attn.engine.autotune, not by the default builder")
     context = runtime.device_context(key.device)
     check_supported(key.config, context.environment, kind=key.kind)
     store = default_store() if key.kind in PERSIST_KINDS else None
     with cupy.cuda.Device(key.device), context.planning() as handle:
         built = build_or_load(key.config, key.kind, handle, store=store, rng_dump=key.rng_dump,
-                              plan=plan_name, kernels=kernel_cache_for(key.device, store) if DYNAMIC_SHAPES else None)
+                              plan=plan_name)
     return CallPlan(built, context, rng_dump=key.rng_dump)
 
 
-DYNAMIC_SHAPES = False
-"""Build a new sequence length of a known forward structure with cuDNN's kernel cache and dynamic shapes
-(:class:`cudnn_attn.graphs.persist.KernelCache`).  Off: on the H200 (cuDNN 9.19) the GPU tests that ran
-dynamic-shape plans next to static ones ended in illegal memory accesses, and a dynamic plan timed 0.63x
-of the static one for the same engine (it cannot be doing the same work); see the closing note of #9."""
 PERSIST_KINDS = (Kind.FORWARD, Kind.BACKWARD)
-"""Graphs the persistent store keeps (:mod:`cudnn_attn.plan_store`): forward and backward plans.  A loaded
+"""Graphs the persistent store keeps (:mod:`cudnn_attn.persist.store`): forward and backward plans.  A loaded
 backward is verified on the H200 like a loaded forward: bit-identical results to the built graph, through the
-frontend and the fast launch, and for a plan built deviceless (``tests/gpu/test_plan_store_gpu.py``, every
-case; runs 10 and 12 of 2026-11-30)."""
+frontend and the fast launch, and for a plan built deviceless (``tests/gpu/test_plan_store_gpu.py``)."""
 
 
 class BuildThreads:
@@ -261,7 +258,7 @@ class GraphCache:
     # -- lookup -----------------------------------------------------------------------------------
     def plan(self, config: AttentionConfig, kind: str, device: int | None = None, *,
              plan: PlanChoice = PlanChoice.HEURISTIC, rng_dump: bool = False, build: Builder | None = None) -> Any:
-        """The :class:`~cudnn_attn.plan.CallPlan` for ``(config, kind, device)``, built on a miss.
+        """The :class:`~cudnn_attn.engine.plan.CallPlan` for ``(config, kind, device)``, built on a miss.
 
         ``device`` defaults to the current CuPy device; ``plan`` and ``rng_dump`` are the other
         :class:`GraphKey` fields; ``build`` replaces the cache's builder for this key.
@@ -277,7 +274,7 @@ class GraphCache:
             device = cupy.cuda.Device().id
         if kind not in KINDS:
             raise ValueError(f"kind: must be one of {[str(k) for k in KINDS]}, got {kind!r}")
-        return GraphKey(config, Kind(kind), device, _cudnn_version(), plan, rng_dump)
+        return GraphKey(config, Kind(kind), device, _cudnn_version_or_fail(), plan, rng_dump)
 
     def entry(self, key: GraphKey, build: Builder | None = None) -> CacheEntry:
         """The :class:`CacheEntry` of ``key``, built with ``build`` (default: the cache's builder) on a miss."""
@@ -447,26 +444,14 @@ def _plan_label(entry: CacheEntry) -> str:
     return f"{name} (autotuned)" if entry.key.plan is PlanChoice.AUTOTUNED else name
 
 
-_CUDNN_VERSION: int | None = None
-
-
-def _cudnn_version() -> int:
-    """``cudnn.backend_version()`` (read once)."""
-    global _CUDNN_VERSION
-    if _CUDNN_VERSION is None:
-        import cudnn
-
-        _CUDNN_VERSION = int(cudnn.backend_version())
-    return _CUDNN_VERSION
-
-
 graph_cache = GraphCache()
 
 
-def _release_at_exit() -> None:
-    from . import runtime
-
-    runtime.on_release(graph_cache.clear)
+runtime.on_release(graph_cache.clear)
 
 
-_release_at_exit()
+def _cudnn_version_or_fail() -> int:
+    version = cudnn_version()
+    if version is None:
+        raise NoGPUError("no cuDNN library loads here; the graph cache builds cuDNN graphs")
+    return version

@@ -19,7 +19,7 @@ engines, or ``path=FRONTEND`` is asked for, :class:`Launcher` uses the public or
 ``BuiltGraph.execute`` instead; ``Launcher.path`` says which one is in use.
 
 A launcher is not thread-safe (it reuses one pointer array): callers hold the device lock
-(:class:`cudnn_attn.runtime.DeviceContext`), as they must for the cuDNN handle anyway.
+(:class:`cudnn_attn.engine.runtime.DeviceContext`), as they must for the cuDNN handle anyway.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class Launcher:
         self._raw_execute = raw_execute
 
     def bound(self, context: Any) -> Callable[[Sequence[int], int], None] | None:
-        """``run(addresses, workspace)`` on ``context.handle`` (a :class:`~cudnn_attn.runtime.DeviceContext`'s)
+        """``run(addresses, workspace)`` on ``context.handle`` (a :class:`~cudnn_attn.engine.runtime.DeviceContext`'s)
         with every lookup done once; ``None`` when this launcher has no raw path (it then needs
         :meth:`__call__`).  The caller holds the device lock."""
         if self._raw_execute is None:

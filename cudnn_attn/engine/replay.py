@@ -49,7 +49,7 @@ import logging
 import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
-from .env import count, flag
+from cudnn_attn.core.settings import count, flag
 
 logger = logging.getLogger("cudnn_attn")
 

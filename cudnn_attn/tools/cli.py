@@ -35,8 +35,18 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
-from .cache import _bytes  # the graph cache's byte formatting (one spelling of sizes)
-from .types import Kind
+from cudnn_attn.core import support
+from cudnn_attn.core.environment import VERSION as __version__
+from cudnn_attn.core.errors import UnsupportedConfigurationError
+from cudnn_attn.core.support import format_version
+from cudnn_attn.core.types import Kind, MaskType
+from cudnn_attn.engine import runtime
+from cudnn_attn.engine.cache import _bytes  # the graph cache's byte formatting (one spelling of sizes)
+from cudnn_attn.graphs import driver_stub
+from cudnn_attn.persist.store import ENV_VAR, PlanStore
+
+from . import selftest
+from .selftest import call_config
 
 logger = logging.getLogger("cudnn_attn")
 
@@ -50,17 +60,14 @@ TARGETS = ("sm90",)
 class UsageError(Exception):
     """A bad command line or configuration file (exit status 2)."""
 
-
 class Unavailable(Exception):
     """This machine cannot do what was asked (exit status 3)."""
-
 
 # ---------------------------------------------------------------------------------------------------
 # Calls described on the command line
 # ---------------------------------------------------------------------------------------------------
 class CallSpec(NamedTuple):
     """One attention call: ``shape`` = (B, T, S, N, K, H), names as on the command line."""
-
     shape: tuple[int, int, int, int, int, int]
     dtype: str = "bf16"
     mask: str = "none"
@@ -95,10 +102,8 @@ class CallSpec(NamedTuple):
         return tuple(Kind) if self.backward else (Kind.FORWARD,)
 
     def config(self) -> Any:
-        """The :class:`~cudnn_attn.config.AttentionConfig` of this call (``training`` with ``backward``;
+        """The :class:`~cudnn_attn.core.config.AttentionConfig` of this call (``training`` with ``backward``;
         the scale defaults to ``1/sqrt(H)``, which is part of the plan)."""
-        from .selftest import call_config
-        from .types import MaskType
 
         B, T, S, N, K, H = self.shape
         try:
@@ -147,7 +152,6 @@ def _specs(args: argparse.Namespace) -> list[CallSpec]:
 # ---------------------------------------------------------------------------------------------------
 class Progress:
     """``[i/n] label: step`` rewritten in place on a terminal, one log line per step otherwise."""
-
     def __init__(self, total: int, label: str, stream: Any = None):
         self.total, self.label, self.count = total, label, 0
         self.stream = stream or sys.stderr
@@ -254,7 +258,6 @@ def _cudnn_version() -> str:
     try:
         import cudnn
 
-        from .support import format_version
 
         return format_version(int(cudnn.backend_version()))
     except Exception as exc:  # noqa: BLE001 -- the frontend without libcudnn, or neither
@@ -262,14 +265,12 @@ def _cudnn_version() -> str:
 
 
 def _store_line(store_dir: str | None) -> str:
-    from . import plan_store
-
     try:
         store = _store(store_dir, required=False)
     except UsageError as exc:
         return f"unusable: {exc}"
     if store is None:
-        return f"off ({plan_store.ENV_VAR}=off)"
+        return f"off ({ENV_VAR}=off)"
     info = store.info()
     bad = f", {info.bad_entries} unusable" if info.bad_entries else ""
     return f"{info.directory} ({info.entries} entries, {_bytes(info.bytes)}{bad})"
@@ -278,7 +279,6 @@ def _store_line(store_dir: str | None) -> str:
 def _store(directory: str | None, *, required: bool = True) -> Any:
     """The plan store of ``--dir`` (else of the environment); a path that exists and is not a folder is a
     usage error, named as the user gave it."""
-    from .plan_store import ENV_VAR, PlanStore
 
     store = PlanStore(directory) if directory else PlanStore.from_env()
     if store is None:
@@ -291,8 +291,6 @@ def _store(directory: str | None, *, required: bool = True) -> Any:
 
 
 def _store_origin(directory: str | None) -> str:
-    from .plan_store import ENV_VAR
-
     return "--dir" if directory else f"the plan store ({ENV_VAR} or the user cache directory)"
 
 
@@ -310,11 +308,9 @@ def _make_store_directory(store: Any, directory: str | None) -> None:
 # info
 # ---------------------------------------------------------------------------------------------------
 def cmd_info(args: argparse.Namespace) -> int:
-    from . import __version__
-
     spec = _specs(args)[0] if args.shape else None       # a bad call fails before anything is printed
     out = []
-    out.append(f"cudnn_attn   {__version__} ({Path(__file__).resolve().parent})")
+    out.append(f"cudnn_attn   {__version__} ({Path(__file__).resolve().parents[1]})")
     out.append(f"Python       {sys.version.split()[0]} ({sys.executable})")
     jax_dists = _distribution_versions(["jax"])
     plugins = [f"{n} {v}" for n, v in jax_dists.items() if "cuda" in n or "rocm" in n]
@@ -406,8 +402,6 @@ def _bytecode_lines(packages: Sequence[str] = FIRST_CALL_PACKAGES) -> list[str]:
 
 def _checklist(spec: CallSpec, target: str | None) -> str:
     """Each support rule that concerns the call, ok or why not, then the verdict per graph."""
-    from . import support
-
     config = spec.config()
     env = support.Environment.sm90(_installed_cudnn() or 91900) if target == "sm90" else support.Environment.detect()
     lines = [f"call: {spec.describe()}", f"  config: {config.describe()}", f"  environment: {env}"]
@@ -524,8 +518,6 @@ Planner = Callable[[Any, str, Any], Any]
 
 
 def _precompile_one(spec: CallSpec, config: Any, kind: str, store: Any, plan: Planner) -> _Outcome:
-    from .errors import UnsupportedConfigurationError
-
     try:
         built = plan(config, kind, store)
     except UnsupportedConfigurationError as exc:
@@ -541,7 +533,6 @@ def _precompile_one(spec: CallSpec, config: Any, kind: str, store: Any, plan: Pl
 
 def _deviceless_planner(store: Any) -> Planner:
     """Plans for the H200 (sm90) without using a GPU; loads the stub driver where there is none."""
-    from .graphs import driver_stub
 
     try:
         stub = driver_stub.preload(store.directory)
@@ -549,8 +540,8 @@ def _deviceless_planner(store: Any) -> Planner:
         raise Unavailable(f"--target sm90: {exc}") from None
     if stub is not None:
         logger.info("no NVIDIA driver: planning with the stub %s", stub)
-    from . import support
-    from .graphs import DevicelessTarget, build_or_load
+    from cudnn_attn.graphs.target import DevicelessTarget  # imports the cuDNN frontend
+    from cudnn_attn.persist.build import build_or_load
 
     target = DevicelessTarget.h200()
     env = support.Environment.sm90(_installed_cudnn() or 91900)
@@ -563,14 +554,11 @@ def _deviceless_planner(store: Any) -> Planner:
 
 def _device_planner() -> Planner:
     """Plans on GPU 0 of this machine."""
-    from . import runtime
-
     if not runtime.is_gpu_available():
         raise Unavailable("no usable CUDA GPU here: precompile for the H200 with --target sm90")
     import cupy
 
-    from . import support
-    from .graphs import build_or_load
+    from cudnn_attn.persist.build import build_or_load
 
     def plan(config: Any, kind: str, store: Any) -> Any:
         with cupy.cuda.Device(0):
@@ -585,8 +573,6 @@ def _device_planner() -> Planner:
 # check and bench
 # ---------------------------------------------------------------------------------------------------
 def cmd_check(args: argparse.Namespace) -> int:
-    from . import runtime, selftest
-
     if args.only:
         unknown = [name for name in args.only if name not in selftest.CASES]
         if unknown:
@@ -609,14 +595,12 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _bench_script() -> Path | None:
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_attention.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_attention.py"
     return script if script.is_file() else None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     import subprocess
-
-    from . import runtime
 
     script = _bench_script()
     if script is None:

@@ -4,15 +4,15 @@
 check of the dropout seed every front uses).  It takes real arrays only - NumPy, CuPy and JAX arrays,
 JAX tracers, and ``__dlpack__`` GPU arrays such as torch tensors; a shape/dtype description
 (``jax.ShapeDtypeStruct``, any object with ``.shape`` and ``.dtype``) is refused - and reads nothing but
-their ``.shape`` and ``.dtype`` (no value leaves the device: value rules live in :mod:`cudnn_attn.values`).
-It translates the seed's ``MaskType`` into the orthogonal :class:`~cudnn_attn.config.MaskSpec` fields,
+their ``.shape`` and ``.dtype`` (no value leaves the device: value rules live in :mod:`cudnn_attn.core.values`).
+It translates the seed's ``MaskType`` into the orthogonal :class:`~cudnn_attn.core.config.MaskSpec` fields,
 folds a ``mask`` into the additive bias and traces a ``score_mod`` (its program is its identity, see
-:mod:`cudnn_attn.graphs.score_mod_spec`).
+:mod:`cudnn_attn.core.score_mod_spec`).
 
 Every rule here is about *validity* (shapes, dtypes, ranges): a violation raises :class:`ValueError`
 naming the argument, showing the shapes/dtypes of the call and stating the rule.  Whether a valid call
 can run - on this GPU / cuDNN, on the JAX bridge, in the reference; FP8 with a bias or a padding mask,
-paged K/V with packed segments, a paged backward - is decided by :mod:`cudnn_attn.support` alone.
+paged K/V with packed segments, a paged backward - is decided by :mod:`cudnn_attn.core.support` alone.
 
 Deliberate differences from the seed:
 
@@ -34,11 +34,22 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from .config import (
-    DROPOUT_RULE, FP8_DTYPES, IO_DTYPES, SCALE_RULE, AttentionConfig, AttentionOperands, BiasSpec,
-    DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec, RealRule, ScoreModSpec,
+    DROPOUT_RULE,
+    FP8_DTYPES,
+    IO_DTYPES,
+    SCALE_RULE,
+    AttentionConfig,
+    AttentionOperands,
+    BiasSpec,
+    DiagonalAlignment,
+    MaskSpec,
+    PackingSpec,
+    PagingSpec,
+    RealRule,
+    ScoreModSpec,
 )
+from .score_mod_spec import score_mod_spec
 from .types import FP8_PARAM_KEYS, AttentionLayout, MaskType
-
 
 # The seed's stand-in for -inf in a boolean mask: cuDNN mishandles the difference of two -inf-like
 # values, so a large finite negative number of the io dtype is used instead.
@@ -371,7 +382,7 @@ def _check_score_mod(call: _ArgumentCheck, score_mod: Any, score_mod_args: Seque
         if not is_array(a):
             raise call.error(f"score_mod_args[{i}]", f"must be an array, got {type(a).__name__}")
     try:
-        return ScoreModSpec.trace(score_mod, score_shape, tuple((_shape(a), dtype_name(a)) for a in args))
+        return score_mod_spec(score_mod, score_shape, tuple((_shape(a), dtype_name(a)) for a in args))
     except ValueError as error:        # "score_mod: <rule>" from the tracer
         raise call.error("score_mod", str(error).removeprefix("score_mod: ")) from error
 

@@ -15,7 +15,13 @@ import logging
 import statistics
 from typing import Any, Callable, NamedTuple
 
-from .errors import UnsupportedConfigurationError
+from cudnn_attn.core.errors import UnsupportedConfigurationError
+from cudnn_attn.core.support import check_supported
+from cudnn_attn.persist.store import default_store
+
+from . import runtime
+from .cache import build_plan
+from .plan import CallPlan
 
 logger = logging.getLogger("cudnn_attn")
 
@@ -29,12 +35,11 @@ class PlanTiming(NamedTuple):
 def time_plans(candidates: Any, launch_arguments: Callable[[Any], tuple], *, repeats: int = 5) -> list[PlanTiming]:
     """Median device time of every plan of the all-plans graph ``candidates.built`` (fastest first).
 
-    ``candidates`` is a :class:`~cudnn_attn.plan.CallPlan` of that graph; ``launch_arguments(plan)``
+    ``candidates`` is a :class:`~cudnn_attn.engine.plan.CallPlan` of that graph; ``launch_arguments(plan)``
     returns ``(pointers, stream, scalars)`` for a launch of ``plan``.
     """
     import cupy
 
-    from .plan import CallPlan
 
     timings = []
     for info in candidates.built.plans:
@@ -56,20 +61,13 @@ def time_plans(candidates: Any, launch_arguments: Callable[[Any], tuple], *, rep
 
 def tuned_plan(key: Any, launch_arguments: Callable[[Any], tuple] | None) -> Any:
     """Cache builder for ``PlanChoice.AUTOTUNED`` keys: build every plan, time them, return the
-    :class:`~cudnn_attn.plan.CallPlan` pinned to the fastest (support checked first).  Without
+    :class:`~cudnn_attn.engine.plan.CallPlan` pinned to the fastest (support checked first).  Without
     ``launch_arguments`` the plans are timed on scratch buffers (:meth:`CallPlan.scratch`: zeros, full
     lengths); attention's run time does not depend on the values, only on the shapes and lengths."""
     import cupy
 
-    from . import runtime
-    from .cache import build_plan
-    from .graphs.builder import ALL_PLANS
-    from .plan import CallPlan
-    from .support import check_supported
-
-    from .graphs import build_graph
-    from .graphs.persist import autotuned_plan, environment_for, remember_autotuned
-    from .plan_store import default_store
+    from cudnn_attn.graphs.builder import ALL_PLANS, build_graph
+    from cudnn_attn.persist.build import autotuned_plan, environment_for, remember_autotuned
 
     context = runtime.device_context(key.device)
     check_supported(key.config, context.environment, kind=key.kind)

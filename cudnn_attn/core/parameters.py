@@ -11,8 +11,8 @@ The made function has the real parameters (``inspect.signature``, ``help()`` and
 unknown or missing arguments are those of a hand-written one) and passes them on positionally: about
 0.5 µs per call, measured, against a direct call.
 
-:func:`arguments` turns the bound arguments into :func:`cudnn_attn.validation.validate_call`'s (the arrays by
-name and the static keywords), and for the native form maps the :class:`~cudnn_attn.masks.MaskSpec` onto
+:func:`arguments` turns the bound arguments into :func:`cudnn_attn.core.validation.validate_call`'s (the arrays by
+name and the static keywords), and for the native form maps the :class:`~cudnn_attn.core.masks.MaskSpec` onto
 them; :func:`finish` applies what the seed's arguments cannot say (windows, ALiBi without the ALIBI mask
 type) to the prepared configuration.
 """
@@ -24,6 +24,7 @@ import contextlib
 import inspect
 from typing import Any, Callable, Iterator, NamedTuple
 
+from .masks import as_mask
 from .types import MaskType
 
 _REQUIRED = inspect.Parameter.empty
@@ -113,7 +114,7 @@ def front(form: Form, *extensions: str) -> Callable[[Callable[[NamedTuple], Any]
         source = (f"def {form.name}({', '.join(header)}):\n"
                   f"    return _implementation(_arguments({', '.join(names)}))\n")
         namespace = {"_implementation": implementation, "_arguments": arguments, **defaults}
-        exec(compile(source, f"<cudnn_attn.signature: {form.name}>", "exec"), namespace)
+        exec(compile(source, f"<cudnn_attn.core.parameters: {form.name}>", "exec"), namespace)
         made = namespace[form.name]
         made.__doc__, made.__module__ = implementation.__doc__, implementation.__module__
         made.__qualname__ = form.name
@@ -144,7 +145,7 @@ def is_native(call: NamedTuple) -> bool:
 
 def arguments(call: NamedTuple, *, backward: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(arrays, static)``: the bound arguments of a seed or native call as
-    :func:`cudnn_attn.validation.validate_call`'s (arrays by name, ``None`` where absent; the static keywords, with
+    :func:`cudnn_attn.core.validation.validate_call`'s (arrays by name, ``None`` where absent; the static keywords, with
     ``training`` from ``return_residual`` / ``return_aux``, always on for the backward)."""
     given = call._asdict()
     if is_native(call):
@@ -156,8 +157,6 @@ def arguments(call: NamedTuple, *, backward: bool = False) -> tuple[dict[str, An
 
 
 def _native_arguments(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    from .masks import as_mask
-
     mask = as_mask(given["mask"])
     query = given["query"]
     scale = given["scale"]

@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 
-from .env import flag
+from cudnn_attn.core.settings import flag
 
 ENV_VAR = "CUDNN_ATTN_PRELOAD"
 ENABLED = flag(ENV_VAR, default=True)

@@ -8,9 +8,9 @@ and add keyword-only extensions after them:
 * ``sink`` - float32 ``(N,)`` attention-sink logits;
 * ``deterministic`` (backward) - deterministic dQ accumulation, bit-identical reruns;
 * ``stream`` - where to run (default: the current CuPy stream of the query's device; see
-  :mod:`cudnn_attn.runtime`);
+  :mod:`cudnn_attn.engine.runtime`);
 * ``autotune`` - time every cuDNN plan once per configuration and keep the fastest (``None``: off, unless
-  ``CUDNN_ATTN_AUTOTUNE=1`` was set when the library was imported: :data:`cudnn_attn.execution.AUTOTUNE_DEFAULT`);
+  ``CUDNN_ATTN_AUTOTUNE=1`` was set when the library was imported: :data:`cudnn_attn.fronts.execution.AUTOTUNE_DEFAULT`);
 * ``fp8_dtype`` (with ``use_fp8``) - the FP8 format of the uint8 operands: ``"float8_e4m3fn"``
   (default) or ``"float8_e5m2"``;
 * ``out_type`` - the array type of the results: ``None`` (default) returns them in the query's
@@ -21,7 +21,7 @@ Inputs are CuPy arrays or any ``__dlpack__`` GPU array (torch tensors, JAX array
 array of a call lives on the query's device.  bfloat16 is CuPy's ``ml_dtypes.bfloat16``.  Rows cuDNN
 does not compute (padding, tokens outside packed segments) are returned as zeros.
 
-Speed.  Validation (:func:`cudnn_attn.validation.validate_call`) runs in full for every new call signature
+Speed.  Validation (:func:`cudnn_attn.core.validation.validate_call`) runs in full for every new call signature
 (shapes, dtypes, strides, device and every static argument) and is reused only for an identical one.
 A repeated CuPy call of Q/K/V alone (the common training and benchmarking case) takes a direct path:
 one dictionary lookup of its signature, the results allocated, one launch.  :func:`bind` goes further
@@ -34,13 +34,13 @@ names; the FP8 results (output, dq, dk, dv) come back the same way.  The scales 
 float32 arrays.
 
 Errors, before any GPU work: :class:`ValueError` for invalid arguments,
-:class:`~cudnn_attn.errors.UnsupportedConfigurationError` for valid calls this GPU / cuDNN cannot run,
-:class:`~cudnn_attn.errors.NoGPUError` without a usable GPU.
+:class:`~cudnn_attn.core.errors.UnsupportedConfigurationError` for valid calls this GPU / cuDNN cannot run,
+:class:`~cudnn_attn.core.errors.NoGPUError` without a usable GPU.
 
-:func:`attention` is the native call: masks as :class:`~cudnn_attn.masks.MaskSpec` values, named results
-(:class:`~cudnn_attn.types.AttentionOutput`).  The signatures of all four functions are written once, in
-:mod:`cudnn_attn.signature`.  On a prepared ``(AttentionConfig, AttentionOperands)`` with preallocated
-outputs: :mod:`cudnn_attn.execution`.
+:func:`attention` is the native call: masks as :class:`~cudnn_attn.core.masks.MaskSpec` values, named results
+(:class:`~cudnn_attn.core.types.AttentionOutput`).  The signatures of all four functions are written once, in
+:mod:`cudnn_attn.core.parameters`.  On a prepared ``(AttentionConfig, AttentionOperands)`` with preallocated
+outputs: :mod:`cudnn_attn.fronts.execution`.
 """
 
 from __future__ import annotations
@@ -49,14 +49,17 @@ import operator
 import weakref
 from typing import Any, Callable, Sequence
 
+from cudnn_attn.core import parameters
+from cudnn_attn.core.config import AttentionConfig, AttentionOperands
+from cudnn_attn.core.masks import MaskSpec
+from cudnn_attn.core.padded_call import lifted_config
+from cudnn_attn.core.types import AttentionGrads, AttentionOutput, MaskType
+from cudnn_attn.core.validation import check_seed, validate_backward, validate_call
+from cudnn_attn.engine import runtime
+from cudnn_attn.engine.plan import BWD, DIRECT_IDS, FWD
+from cudnn_attn.engine.result_blocks import result_blocks
 
-from . import execution, runtime, signature
-from .config import AttentionConfig, AttentionOperands
-from .masks import MaskSpec
-from .plan import BWD, FWD
-from .result_blocks import result_blocks
-from .types import AttentionGrads, AttentionOutput, MaskType
-from .validation import check_seed, validate_call, validate_backward
+from . import execution
 
 __all__ = ["BoundAttention", "attention", "bind", "dot_product_attention", "dot_product_attention_bwd", "paged_attention"]
 
@@ -65,7 +68,7 @@ __all__ = ["BoundAttention", "attention", "bind", "dot_product_attention", "dot_
 def _gpu_arrays(stream: Any, **arrays: Any) -> dict[str, Any]:
     """Every array argument as a CuPy array on the query's device (``None`` stays ``None``).
 
-    Raises :class:`~cudnn_attn.errors.NoGPUError` first when there is no GPU.
+    Raises :class:`~cudnn_attn.core.errors.NoGPUError` first when there is no GPU.
     """
     runtime.require_gpu()
     device = runtime.device_of("query", arrays["query"])
@@ -78,7 +81,7 @@ def _gpu_arrays(stream: Any, **arrays: Any) -> dict[str, Any]:
         elif name == "fp8_params":
             converted[name] = {k: runtime.as_cupy(f"fp8_params[{k!r}]", v, device, on_stream) for k, v in x.items()}
         elif name == "score_mod_args":
-            converted[name] = tuple(x)          # scalars, bound by value (see cudnn_attn.execution)
+            converted[name] = tuple(x)          # scalars, bound by value (see cudnn_attn.fronts.execution)
         else:
             converted[name] = runtime.as_cupy(name, x, device, on_stream)
     return converted
@@ -121,7 +124,7 @@ _OPERAND_FIELDS = ("query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_
 
 
 class _ValidationMemo:
-    """:func:`~cudnn_attn.validation.validate_call` for repeated call signatures, without re-running it.
+    """:func:`~cudnn_attn.core.validation.validate_call` for repeated call signatures, without re-running it.
 
     ``validate_call`` reads nothing but shapes, dtypes and the static arguments, so its verdict and its
     configuration hold for every call with the same signature (shape, dtype and strides of every array,
@@ -188,9 +191,9 @@ class _Direct:
     one allocation from CuPy's pool, 256-byte aligned: one pool allocation costs about as much as one
     ``cupy.empty`` (the pool's lock and free-list search dominate), a view only the array object.  The
     next call on the same stream reuses that block when the caller has dropped every result
-    (:mod:`cudnn_attn.result_blocks`): no allocation, and the same addresses let the launch replay.
+    (:mod:`cudnn_attn.engine.result_blocks`): no allocation, and the same addresses let the launch replay.
 
-    It refers to its :class:`~cudnn_attn.plan.CallPlan` weakly, so evicting the plan from the graph
+    It refers to its :class:`~cudnn_attn.engine.plan.CallPlan` weakly, so evicting the plan from the graph
     cache frees it; the next call fetches (or rebuilds) it.
     """
 
@@ -199,8 +202,6 @@ class _Direct:
 
     def __init__(self, config: AttentionConfig, kind: str, arrays: tuple, autotune: bool | None,
                  names: Sequence[str]):
-        from .plan import DIRECT_IDS
-
         self.config, self.kind, self.autotune = config, kind, autotune
         self.device = arrays[0].data.device_id
         self.typed = [(type(x), x.shape, x.dtype, x.strides, x.data.device_id) for x in arrays]
@@ -231,7 +232,7 @@ class _Direct:
 
     def _allocate(self, stream: int) -> list[Any]:
         """The results on the current device and ``stream``: those of an earlier call of this signature that
-        the caller has let go of (:mod:`cudnn_attn.result_blocks`), else new ones (see the class doc)."""
+        the caller has let go of (:mod:`cudnn_attn.engine.result_blocks`), else new ones (see the class doc)."""
         return result_blocks.results(self, stream, self._nbytes, self._new_results)
 
     def _new_results(self) -> list[Any]:
@@ -279,8 +280,6 @@ def _direct_signature(kind: str, arrays: tuple, static: tuple) -> tuple:
 def _remember_direct(kind: str, arrays: tuple, static: tuple, config: AttentionConfig, autotune: bool | None,
                      names: Sequence[str]) -> None:
     """After a successful generic call: make its signature take the direct path next time."""
-    from .lift import lifted_config
-
     if config.packing is not None or config.fp8 or config.score_mod is not None or config.mask.padding \
             or lifted_config(config) is not None:
         return
@@ -309,33 +308,33 @@ def _is_cupy(*arrays: Any) -> bool:
     return True
 
 
-# -- the public functions (signatures: cudnn_attn.signature) -----------------------------------------------
+# -- the public functions (signatures: cudnn_attn.core.parameters) -----------------------------------------------
 
 def _forward(call: Any) -> tuple[AttentionConfig, AttentionOutput, Callable[[Any], Any] | None]:
     """The forward of a seed or native call on the generic path: arrays imported, validated (through the
     memo), run.  Returns the configuration, the named results and how they return to the caller's framework."""
     exporter = _exporter(call.query, call.out_type)
-    arrays, static = signature.arguments(call)
+    arrays, static = parameters.arguments(call)
     arrays = _gpu_arrays(call.stream, **arrays)
     fp8_dtype = getattr(call, "fp8_dtype", None) if static["use_fp8"] else None
-    with signature.native_names(call):
+    with parameters.native_names(call):
         config, operands = _validate_on_device(arrays, static, fp8_dtype)
-    config = signature.finish(call, config)
+    config = parameters.finish(call, config)
     result = execution.forward(config, operands, seed=check_seed(call.seed), stream=call.stream,
                                autotune=call.autotune, check_values=call.check_values)
     return config, result, exporter
 
 
-@signature.front(signature.NATIVE, "fp8_dtype", "stream", "autotune", "out_type", "check_values")
+@parameters.front(parameters.NATIVE, "fp8_dtype", "stream", "autotune", "out_type", "check_values")
 def attention(call: Any) -> AttentionOutput:
     """cuDNN scaled dot-product attention with named results (the native API).
 
-    ``mask`` is a :class:`~cudnn_attn.masks.MaskSpec` built from ``causal()``, ``window(left, right)``,
+    ``mask`` is a :class:`~cudnn_attn.core.masks.MaskSpec` built from ``causal()``, ``window(left, right)``,
     ``padding(q_lengths, kv_lengths)``, ``segments(...)``, ``alibi()``, ``keep(array)`` combined with ``&``;
     ``bias`` an additive bias broadcastable to ``(B, N, T, S)``; ``scale=None`` is ``1/sqrt(H)``; ``layout``
     ``"BTNH"`` or ``"BNTH"``; ``fp8_params`` (FP8Params) runs FP8 (uint8 Q/K/V bytes of ``fp8_dtype``).
 
-    Returns :class:`~cudnn_attn.types.AttentionOutput`: ``output``, ``logsumexp`` with
+    Returns :class:`~cudnn_attn.core.types.AttentionOutput`: ``output``, ``logsumexp`` with
     ``return_aux=AuxRequest(logsumexp=True)`` (else ``None``), ``amax_s``/``amax_o`` with FP8.  The
     extensions (``stream``, ``autotune``, ``out_type``, ``check_values``) are :func:`dot_product_attention`'s,
     and so is the direct path of repeated calls (CuPy Q/K/V and a mask without arrays).
@@ -358,7 +357,7 @@ def attention(call: Any) -> AttentionOutput:
     return _export(result, exporter)
 
 
-@signature.front(signature.FORWARD, "stream", "autotune", "fp8_dtype", "out_type", "check_values")
+@parameters.front(parameters.FORWARD, "stream", "autotune", "fp8_dtype", "out_type", "check_values")
 def dot_product_attention(call: Any) -> Any:
     """cuDNN scaled dot-product attention (forward).
 
@@ -393,7 +392,7 @@ def _plain(call: Any) -> bool:
             and call.stream is None and call.out_type is None)
 
 
-@signature.front(signature.PAGED, "stream", "autotune", "out_type", "check_values")
+@parameters.front(parameters.PAGED, "stream", "autotune", "out_type", "check_values")
 def paged_attention(call: Any) -> Any:
     """cuDNN attention over paged K/V caches (forward only).
 
@@ -405,7 +404,7 @@ def paged_attention(call: Any) -> Any:
     return _export(result.seed_form(call.use_fp8, call.return_residual), exporter)
 
 
-@signature.front(signature.BACKWARD, "deterministic", "stream", "autotune", "fp8_dtype", "out_type", "check_values")
+@parameters.front(parameters.BACKWARD, "deterministic", "stream", "autotune", "fp8_dtype", "out_type", "check_values")
 def dot_product_attention_bwd(call: Any) -> AttentionGrads:
     """Backward of :func:`dot_product_attention` called with the same arguments (and the same ``seed``).
 
@@ -426,7 +425,7 @@ def dot_product_attention_bwd(call: Any) -> AttentionGrads:
         if launched is not None:
             return AttentionGrads(*launched[1])
     exporter = _exporter(call.query, call.out_type)
-    arrays, static_arguments = signature.arguments(call, backward=True)
+    arrays, static_arguments = parameters.arguments(call, backward=True)
     arrays = _gpu_arrays(call.stream, **arrays, output=call.output, grad_output=call.grad_output,
                          logsumexp=call.logsumexp)
     output, grad_output, logsumexp = (arrays.pop(n) for n in ("output", "grad_output", "logsumexp"))
@@ -447,7 +446,7 @@ class BoundAttention:
     arguments; made by :func:`bind`.
 
     ``bound(q, k, v)`` returns what :func:`dot_product_attention` returns; ``bound.backward(q, k, v, o,
-    do, lse)`` returns :class:`~cudnn_attn.types.AttentionGrads` (validated and built on its first call).
+    do, lse)`` returns :class:`~cudnn_attn.core.types.AttentionGrads` (validated and built on its first call).
     Each call only checks that the arrays are CuPy arrays of the bound signature on the bound device (a
     mismatch is a ValueError: cuDNN would read out of bounds), then allocates the results and launches on
     the current CuPy stream.
@@ -465,8 +464,6 @@ class BoundAttention:
         self.config: AttentionConfig = self._forward.config
 
     def _make(self, kind: str, arrays: tuple) -> _Direct:
-        from .lift import lifted_config
-
         static = dict(self._static)
         deterministic = static.pop("deterministic")
         return_residual = static.pop("return_residual")
@@ -476,7 +473,7 @@ class BoundAttention:
         if kind == BWD:
             validate_backward(config, *arrays[3:])
         if lifted_config(config) is not None:
-            raise ValueError(f"bind: the {kind} of {config.describe()} runs padded to even lengths (cudnn_attn.lift); "
+            raise ValueError(f"bind: the {kind} of {config.describe()} runs padded to even lengths (cudnn_attn.core.padded_call); "
                              "call dot_product_attention / dot_product_attention_bwd for it")
         return _Direct(config, kind, arrays, self._autotune, self._BWD_NAMES[:len(arrays)])
 

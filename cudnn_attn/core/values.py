@@ -1,6 +1,6 @@
 """The values cuDNN uses as addresses: sequence lengths, packed-segment offsets, page-table entries.
 
-:func:`~cudnn_attn.validation.validate_call` never reads array values.  Three of the operands are read by
+:func:`~cudnn_attn.core.validation.validate_call` never reads array values.  Three of the operands are read by
 cuDNN as positions, though - a length past ``T``/``S``, an offset past the row, a page id past the cache
 would make it read or write outside the buffers.  This module owns their rules and the two ways of
 enforcing them:
@@ -44,7 +44,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .config import AttentionConfig, AttentionOperands
-from .env import flag
+from .settings import flag
 
 ENV_VAR = "CUDNN_ATTN_CHECK_VALUES"
 FIELDS = ("q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k", "page_table_v")

@@ -4,7 +4,7 @@ A loop of eager calls (``o = dot_product_attention(q, k, v)``, use ``o``, drop i
 result before the next call allocates one.  CuPy's pool does give that memory back, but not at the same
 address: it pops an arbitrary free chunk of the size bin (``_get_chunk`` takes from a ``set``).  Two things
 pay for the new address: the allocation itself (the pool's lock and free-list search, about 2.6 us on the
-H200's host) and the replayed launch (:mod:`cudnn_attn.replay` keys a CUDA graph by every address, so a new
+H200's host) and the replayed launch (:mod:`cudnn_attn.engine.replay` keys a CUDA graph by every address, so a new
 output address means the ordinary launch, 5 us more).
 
 :class:`ResultBlocks` keeps the results of the last :data:`PER_KEY` calls of each direct-path signature and
@@ -167,4 +167,4 @@ class ResultBlocks:
 
 
 result_blocks = ResultBlocks()
-"""The process's kept results (used by :mod:`cudnn_attn.api`'s direct path and :func:`cudnn_attn.bind`)."""
+"""The process's kept results (used by :mod:`cudnn_attn.fronts.cupy`'s direct path and :func:`cudnn_attn.bind`)."""

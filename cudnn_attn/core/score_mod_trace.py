@@ -21,7 +21,7 @@ JAX's own cuDNN flex attention derives it.  Each equation becomes nodes of the p
   likewise the identity (cuDNN computes in float32).
 
 Anything else (reductions, gathers, matrix products, other bit manipulations, ...) raises
-:class:`~cudnn_attn.errors.UnsupportedConfigurationError` naming the primitive and the function.
+:class:`~cudnn_attn.core.errors.UnsupportedConfigurationError` naming the primitive and the function.
 Arguments must be scalars: cuDNN 9.19 receives them by value (see :mod:`.score_mod`).
 """
 
@@ -33,8 +33,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from cudnn_attn.errors import UnsupportedConfigurationError
-
+from .errors import UnsupportedConfigurationError
 from .score_mod_ir import BOOL, F32, I32, Program, ProgramBuilder
 
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",

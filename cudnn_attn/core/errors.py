@@ -1,7 +1,7 @@
 """The library's two kinds of error.
 
 * Invalid input raises the built-in :class:`ValueError`, naming the argument, showing shapes/dtypes
-  and stating the rule (see :mod:`cudnn_attn.validation`).
+  and stating the rule (see :mod:`cudnn_attn.core.validation`).
 * A valid call that this GPU / cuDNN / build cannot run raises :class:`UnsupportedConfigurationError`
   (a :class:`NotImplementedError`) carrying the list of ``reasons``; cuDNN's own refusals are wrapped
   in it too, together with the configuration that caused them.
@@ -17,8 +17,8 @@ class UnsupportedConfigurationError(NotImplementedError):
 
     Attributes:
         reasons: human-readable reasons, one per unmet requirement.
-        config: the :class:`~cudnn_attn.config.AttentionConfig` (or ``None``).
-        environment: the :class:`~cudnn_attn.support.Environment` that was checked (or ``None``).
+        config: the :class:`~cudnn_attn.core.config.AttentionConfig` (or ``None``).
+        environment: the :class:`~cudnn_attn.core.support.Environment` that was checked (or ``None``).
         cudnn_message: cuDNN's own message when cuDNN refused the graph.
     """
 

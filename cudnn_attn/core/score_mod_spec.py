@@ -1,4 +1,4 @@
-"""From a user ``score_mod`` function to its :class:`~cudnn_attn.config.ScoreModSpec`: the program is the identity.
+"""From a user ``score_mod`` function to its :class:`~cudnn_attn.core.config.ScoreModSpec`: the program is the identity.
 
 :func:`score_mod_spec` traces ``score_mod(score, *score_mod_args)`` with JAX once, at the call's float32
 ``(B, N, T, S)`` score shape, and keeps what was traced, never the function:
@@ -42,11 +42,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from cudnn_attn.config import ScoreModSpec
-from cudnn_attn.errors import UnsupportedConfigurationError
-
+from .config import AttentionConfig, DiagonalAlignment, ScoreModSpec
+from .errors import UnsupportedConfigurationError
 from .score_mod_ir import Program, evaluate
 from .score_mod_trace import program_dtype, translate_jaxpr
+from .types import Kind
 
 ArgShapes = tuple[tuple[tuple[int, ...], str], ...]
 
@@ -328,3 +328,39 @@ def vjp(spec: ScoreModSpec, score: np.ndarray, cotangent: np.ndarray, args: Sequ
 
     _, pullback = jax.vjp(lambda s: fn(s, *args)[0], jnp.asarray(score))
     return np.asarray(pullback(jnp.asarray(cotangent))[0])
+
+
+# -- what the translation cannot express ------------------------------------------------------------
+
+def score_mod_refusals(config: AttentionConfig, kind: str | None = None) -> list[str]:
+    """Why ``config.score_mod`` cannot run in cuDNN with the rest of ``config`` (empty: it can).
+
+    ``kind`` is a :class:`~cudnn_attn.core.types.Kind`; ``None`` means the graphs the configuration needs (the
+    backward too when ``config.training``).  The support table's ``score_mod`` rows read these reasons
+    (:mod:`cudnn_attn.core.support` decides; this function only knows what the translation cannot express).
+    """
+    if config.score_mod is None:
+        return []
+    reasons = []
+    mask = config.mask
+    if mask.alibi:
+        reasons.append("score_mod with ALiBi: cuDNN refuses its ALiBi next to score_mod; add the ALiBi bias "
+                       "inside score_mod (slopes from lax.broadcasted_iota on the head axis)")
+    if mask.alignment is DiagonalAlignment.BOTTOM_RIGHT and mask.padding and \
+            (mask.right_bound is not None or mask.left_bound is not None):
+        reasons.append("score_mod with a bottom-right diagonal and per-sequence lengths (padding, packing or "
+                       "paging): inside the modification cuDNN 9.19 computes that mask wrongly (measured on the "
+                       "H200); use the top-left diagonal, or equal lengths without padding")
+    try:
+        program = score_mod_program(config.score_mod)
+    except UnsupportedConfigurationError as error:
+        return reasons + error.reasons
+    if config.packing is not None and any(n.op == "index" and n.param == 0
+                                          for p in (program.forward, program.backward) for n in p.nodes):
+        reasons.append("score_mod reads the batch index, but cuDNN sees packed segments as the batch")
+    backward = kind == Kind.BACKWARD or (kind is None and config.training)
+    if backward and config.has_dbias and not program.is_additive:
+        reasons.append(f"a bias gradient with the non-additive score_mod {program.name!r}: the spec applies "
+                       "score_mod after the bias, so the bias goes inside the modification, where cuDNN "
+                       "cannot produce dBias")
+    return reasons

@@ -1,13 +1,13 @@
 """Run attention on the GPU from CuPy arrays: the configuration and operands in, CuPy results out.
 
-This is the native API under :mod:`cudnn_attn.api` (which adds the seed-compatible signatures, array
+This is the native API under :mod:`cudnn_attn.fronts.cupy` (which adds the seed-compatible signatures, array
 import and the per-signature fast path).  :func:`forward` and :func:`backward` take what
-:func:`cudnn_attn.validation.validate_call` returns, plus where to run (``stream``), how to pick the plan
+:func:`cudnn_attn.core.validation.validate_call` returns, plus where to run (``stream``), how to pick the plan
 (``autotune``) and, optionally, preallocated results (``out=``-style keywords, e.g. for CUDA-graph
 capture or tests).
 
-A call: the :class:`~cudnn_attn.plan.CallPlan` from the graph cache (a miss checks support before any
-GPU work, then builds) -> the operands bound as graph tensors (:func:`cudnn_attn.plan.graph_inputs`)
+A call: the :class:`~cudnn_attn.engine.plan.CallPlan` from the graph cache (a miss checks support before any
+GPU work, then builds) -> the operands bound as graph tensors (:func:`cudnn_attn.engine.plan.graph_inputs`)
 -> results allocated on the call's stream -> one launch (the plan zeroes what cuDNN leaves unwritten)
 -> the logsumexp fixed up after it (the plan's fill policy) -> named results.
 
@@ -25,12 +25,16 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import runtime
-from .cache import PlanChoice, graph_cache
-from .config import AttentionConfig, AttentionOperands
-from .env import flag
-from .plan import BWD, FWD, Fill, graph_inputs, host_scalar_values, zero_rows
-from .types import FP8_BWD_KEYS, FP8_FWD_KEYS, AttentionGrads, AttentionOutput
+from cudnn_attn.core import values
+from cudnn_attn.core.config import AttentionConfig, AttentionOperands
+from cudnn_attn.core.padded_call import lift, lifted_config
+from cudnn_attn.core.settings import flag
+from cudnn_attn.core.types import FP8_BWD_KEYS, FP8_FWD_KEYS, AttentionGrads, AttentionOutput
+from cudnn_attn.engine import runtime
+from cudnn_attn.engine.autotune import tuned_plan
+from cudnn_attn.engine.cache import PlanChoice, graph_cache
+from cudnn_attn.engine.plan import BWD, FWD, Fill, graph_inputs, host_scalar_values, zero_rows
+from cudnn_attn.graphs import packing
 
 AUTOTUNE_ENV_VAR = "CUDNN_ATTN_AUTOTUNE"
 
@@ -57,7 +61,7 @@ def plan_choice(autotune: bool | None) -> PlanChoice:
 
 
 def named_arrays(config: AttentionConfig, kind: str, operands: AttentionOperands, **residuals: Any) -> dict:
-    """The arrays of a call by operand name (those :func:`cudnn_attn.plan.graph_inputs` reads)."""
+    """The arrays of a call by operand name (those :func:`cudnn_attn.engine.plan.graph_inputs` reads)."""
     named = {name: getattr(operands, name) for name in (
         "query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k",
         "page_table_v", "sink")}
@@ -69,13 +73,12 @@ def named_arrays(config: AttentionConfig, kind: str, operands: AttentionOperands
 
 def plan_for(config: AttentionConfig, kind: str, device: int, autotune: bool | None = None,
              rng_dump: bool = False, tune_on: Any = None) -> Any:
-    """The :class:`~cudnn_attn.plan.CallPlan` of a call (built on a miss).  ``tune_on`` is a callable
+    """The :class:`~cudnn_attn.engine.plan.CallPlan` of a call (built on a miss).  ``tune_on`` is a callable
     ``(candidate plan) -> launch arguments`` for autotuning on the call's own buffers."""
     choice = plan_choice(autotune)
     key = graph_cache.key(config, kind, device, plan=choice, rng_dump=rng_dump)
     if choice is PlanChoice.HEURISTIC:
         return graph_cache.entry(key).plan
-    from .autotune import tuned_plan
 
     return graph_cache.entry(key, lambda key: tuned_plan(key, tune_on)).plan
 
@@ -118,8 +121,6 @@ def run(config: AttentionConfig, kind: str, named: Mapping[str, Any], *, seed: i
 def finish(cupy: Any, plan: Any, results: dict[str, Any], named: Mapping[str, Any], segments: Any,
            given: Mapping[str, Any]) -> dict[str, Any]:
     """Apply the after-launch part of the plan's fill policy; preallocated results receive the values."""
-    from .graphs import packing
-
     for spec in plan.results:
         if spec.fill is Fill.ROWS_AFTER:
             results[spec.name][...] = zero_rows(cupy, results[spec.name], named["q_seqlen"])
@@ -174,7 +175,7 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
         raise ValueError("logsumexp: only produced when training (return_residual=True)")
     given = dict(output=output, logsumexp=logsumexp, rng_dump=rng_dump)
     lifted = _lift(config, operands, stream)
-    if lifted is not None:          # a kernel limit lifted by padding (cudnn_attn.lift): run padded, slice back
+    if lifted is not None:          # a kernel limit lifted by padding (cudnn_attn.core.padded_call): run padded, slice back
         results = run(lifted.config, FWD, named_arrays(lifted.config, FWD, lifted.operands), seed=seed,
                       stream=stream, autotune=autotune, score_mod_args=operands.score_mod_args)
         return _into(lifted.unpad(AttentionOutput(**{n: results.get(n) for n in AttentionOutput._fields})), given)
@@ -196,7 +197,7 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
     operands = guarded(config, operands, check_values, stream)
     given = dict(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink=dsink, rng_dump=rng_dump)
     lifted = _lift(config, operands, stream)
-    if lifted is not None:          # a kernel limit lifted by padding (cudnn_attn.lift): run padded, slice back
+    if lifted is not None:          # a kernel limit lifted by padding (cudnn_attn.core.padded_call): run padded, slice back
         o, do, lse = lifted.residuals(output, grad_output, logsumexp)
         named = named_arrays(lifted.config, BWD, lifted.operands, output=o, grad_output=do, logsumexp=lse)
         results = run(lifted.config, BWD, named, seed=seed, stream=stream, autotune=autotune,
@@ -210,10 +211,9 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
 
 def guarded(config: AttentionConfig, operands: AttentionOperands, check_values: bool | None, stream: Any) -> Any:
     """``operands`` whose lengths, offsets and page ids cannot make cuDNN leave the buffers
-    (:mod:`cudnn_attn.values`): clamped on the device, on the call's stream; in the checked mode
+    (:mod:`cudnn_attn.core.values`): clamped on the device, on the call's stream; in the checked mode
     (``check_values=True`` or ``CUDNN_ATTN_CHECK_VALUES=1``) read on the host instead, a ValueError naming
     the argument, the row and the value.  Nothing to do (and no cost) without such arrays."""
-    from . import values
 
     if not values.present(operands):
         return operands
@@ -229,12 +229,9 @@ def guarded(config: AttentionConfig, operands: AttentionOperands, check_values: 
 
 
 def _lift(config: AttentionConfig, operands: AttentionOperands, stream: Any) -> Any:
-    """:func:`cudnn_attn.lift.lift` with CuPy on the call's stream and device (``None``: nothing to lift)."""
-    from .lift import lifted_config
-
+    """:func:`cudnn_attn.core.padded_call.lift` with CuPy on the call's stream and device (``None``: nothing to lift)."""
     if lifted_config(config) is None:
         return None
-    from .lift import lift
 
     cupy = _cupy()
     device = operands.query.device.id

@@ -8,14 +8,14 @@ Two tables, both data:
   found.  Every row says who enforces it: ``CUDNN`` (cuDNN 9.19 refuses the graph on sm90; verified
   with deviceless builds, see ``shared/research/cudnn_frontend_api.md`` §6.3) or ``LIBRARY`` (this
   library follows the JAX seed's policy, or has no path for it, although cuDNN might build it), the
-  graphs it concerns (:class:`~cudnn_attn.types.Kind`), the fronts it holds on
-  (:class:`~cudnn_attn.types.Front`: CuPy and JAX run cuDNN, the NumPy reference runs on the CPU) and
+  graphs it concerns (:class:`~cudnn_attn.core.types.Kind`), the fronts it holds on
+  (:class:`~cudnn_attn.core.types.Front`: CuPy and JAX run cuDNN, the NumPy reference runs on the CPU) and
   the graphs the builder cannot even declare it for (``structural``: cuDNN's API has no way to say it).
 
 This module is the only place that decides "unsupported": validation decides only whether a call is
 well formed, and every other layer asks here.  :func:`not_supported_reasons` evaluates both tables
 against an :class:`Environment` and a front, and never raises for a configuration;
-:func:`check_supported` raises :class:`~cudnn_attn.errors.UnsupportedConfigurationError` with the
+:func:`check_supported` raises :class:`~cudnn_attn.core.errors.UnsupportedConfigurationError` with the
 reasons.  Two environment-free questions have their own names: :func:`check_everywhere` (what no front
 runs - the reference refuses exactly these, so the JAX bridge asks it at trace time) and
 :func:`check_structure` (what the graph builder cannot declare).
@@ -26,13 +26,14 @@ cuDNN versions are integers as ``cudnn.backend_version()`` returns them: ``91900
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import CUDNN_DTYPES, AttentionConfig, DiagonalAlignment
+from .config import CUDNN_DTYPES, AttentionConfig, DiagonalAlignment, ragged_offset_dtype
+from .environment import Environment, format_version
 from .errors import UnsupportedConfigurationError
+from .score_mod_spec import score_mod_refusals
 from .types import AttentionLayout, Front, Kind
 
 CUDNN = "cudnn"
@@ -42,82 +43,8 @@ LIBRARY = "library"
 SCORE_MOD_MAX_ARGS = 8
 
 
-def format_version(version: int) -> str:
-    """``91900`` -> ``'9.19.0'``; ``8904`` -> ``'8.9.4'``."""
-    if version >= 90000:
-        return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
-    return f"{version // 1000}.{version // 100 % 10}.{version % 100}"
-
-
 def _sm(capability: tuple[int, int]) -> str:
     return f"sm{capability[0]}{capability[1]}"
-
-
-@dataclass(frozen=True)
-class Environment:
-    """The cuDNN library and GPU a configuration is checked against.
-
-    ``cudnn_version`` is ``None`` when no cuDNN library loads; ``compute_capability`` is ``None``
-    when there is no usable CUDA GPU.
-    """
-
-    cudnn_version: int | None
-    compute_capability: tuple[int, int] | None
-    device_name: str | None = None
-
-    def __post_init__(self):
-        version, capability = self.cudnn_version, self.compute_capability
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-            raise ValueError(f"cudnn_version: an int as cudnn.backend_version() returns it (91900 is 9.19.0) or "
-                             f"None, got {version!r}")
-        if capability is not None and not (isinstance(capability, tuple) and len(capability) == 2 and all(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in capability)):
-            raise ValueError(f"compute_capability: a (major, minor) pair of ints or None, got {capability!r}")
-        if self.device_name is not None and not isinstance(self.device_name, str):
-            raise ValueError(f"device_name: a str or None, got {self.device_name!r}")
-
-    @classmethod
-    def detect(cls) -> "Environment":
-        """The installed cuDNN and the current CuPy device (never raises: absent parts are ``None``)."""
-        return cls(_detect_cudnn_version(), *_detect_device())
-
-    @classmethod
-    def sm90(cls, cudnn_version: int = 91900) -> "Environment":
-        """The deviceless H200 target: cuDNN 9.19.0, compute capability 9.0."""
-        return cls(cudnn_version, (9, 0), "NVIDIA H200, deviceless")
-
-    def __str__(self) -> str:
-        cudnn = f"cuDNN {format_version(self.cudnn_version)}" if self.cudnn_version else "no cuDNN"
-        if self.compute_capability is None:
-            return f"{cudnn}, no CUDA GPU"
-        device = f" ({self.device_name})" if self.device_name else ""
-        return f"{cudnn}, {_sm(self.compute_capability)}{device}"
-
-
-def _detect_cudnn_version() -> int | None:
-    try:
-        import cudnn
-        return int(cudnn.backend_version())
-    except Exception:  # no frontend, no libcudnn, or a broken install: all mean "no cuDNN here"
-        return None
-
-
-@functools.lru_cache(maxsize=None)
-def _device_facts(device_id: int) -> tuple[tuple[int, int], str]:
-    import cupy
-    props = cupy.cuda.runtime.getDeviceProperties(device_id)
-    name = props["name"]
-    return (int(props["major"]), int(props["minor"])), name.decode() if isinstance(name, bytes) else str(name)
-
-
-def _detect_device() -> tuple[tuple[int, int] | None, str | None]:
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return None, None
-        return _device_facts(cupy.cuda.runtime.getDevice())
-    except Exception:  # no CuPy, no driver or no device
-        return None, None
 
 
 # -- feature requirements -----------------------------------------------------------------------------
@@ -281,11 +208,9 @@ def _window_lengths(c: AttentionConfig, env: Environment) -> str | None:
 def _score_mod_limits(c: AttentionConfig, kind: Kind) -> str | None:
     """What the score_mod translation cannot express with the rest of the configuration in the ``kind``
     graph (built-in masks are folded into the modification; see
-    :func:`cudnn_attn.graphs.score_mod.score_mod_refusals`)."""
+    :func:`cudnn_attn.core.score_mod_spec.score_mod_refusals`)."""
     if c.score_mod is None or _score_mod_args(c, _ANYWHERE):
         return None
-    from .graphs.score_mod import score_mod_refusals   # imports JAX: only when score_mod is used
-
     return "; ".join(score_mod_refusals(c, kind)) or None
 
 
@@ -409,8 +334,6 @@ def _jax_int64_offsets(c: AttentionConfig, env: Environment) -> str | None:
         return None
     import jax
 
-    from .graphs.tensors import ragged_offset_dtype
-
     if ragged_offset_dtype(c) == "int64" and not jax.config.jax_enable_x64:
         return "these packed tensors need int64 ragged offsets; enable jax_enable_x64"
     return None
@@ -441,7 +364,7 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     Restriction("sliding window", _window_lengths, CUDNN),
     Restriction("attention sink", _sink_needs_queries, CUDNN),
     # The backward at T == S == 1 (refused by cuDNN) and training with a bias at odd T or S (refused by
-    # the seed) run padded to even lengths (cudnn_attn.lift): no rule, users never meet them.
+    # the seed) run padded to even lengths (cudnn_attn.core.padded_call): no rule, users never meet them.
     Restriction("deterministic backward", _deterministic_sm100, CUDNN),
     Restriction("packed segments with dbias", _packed_dbias_sm100, CUDNN),
     Restriction("FP8 attention", _fp8_bias, CUDNN, fronts=EVERY_FRONT, structural=(Kind.BACKWARD,)),
@@ -497,7 +420,7 @@ def _front(front: str) -> Front:
 
 def _check_config(config: AttentionConfig) -> None:
     if not isinstance(config, AttentionConfig):
-        raise ValueError(f"config: expected an AttentionConfig (cudnn_attn.validation.validate_call builds one), "
+        raise ValueError(f"config: expected an AttentionConfig (cudnn_attn.core.validation.validate_call builds one), "
                          f"got {type(config).__name__}")
 
 
@@ -523,7 +446,7 @@ def not_supported_reasons(config: AttentionConfig, env: Environment | None = Non
                           front: str = Front.CUPY) -> list[str]:
     """Every reason ``config`` cannot run in ``env`` (detected when ``None``) on ``front``; empty when it can.
 
-    ``kind`` (``"fwd"``/``"bwd"``, a :class:`~cudnn_attn.types.Kind`) asks about one graph; ``None`` asks
+    ``kind`` (``"fwd"``/``"bwd"``, a :class:`~cudnn_attn.core.types.Kind`) asks about one graph; ``None`` asks
     about every graph the configuration needs (the backward too when ``config.training``): a paged
     forward that returns the logsumexp is fine, its backward is not.  ``enforced_by`` (``CUDNN`` or
     ``LIBRARY``) keeps only the rules of that kind (the missing GPU or cuDNN is reported by neither).
@@ -537,7 +460,7 @@ def not_supported_reasons(config: AttentionConfig, env: Environment | None = Non
     """
     _check_config(config)
     if env is not None and not isinstance(env, Environment):
-        raise ValueError(f"env: expected a cudnn_attn.support.Environment or None, got {type(env).__name__}")
+        raise ValueError(f"env: expected a cudnn_attn.core.support.Environment or None, got {type(env).__name__}")
     if enforced_by is not None and enforced_by not in ENFORCERS:
         raise ValueError(f"enforced_by: expected {CUDNN!r}, {LIBRARY!r} or None, got {enforced_by!r}")
     kinds, front = _kinds(config, kind), _front(front)

@@ -1,7 +1,7 @@
 """The one static description of an attention call.
 
 :class:`AttentionConfig` is frozen and hashable.  It is built once at the public boundary (see
-:func:`cudnn_attn.validation.validate_call`) and then crosses every layer unchanged: it is the graph-cache
+:func:`cudnn_attn.core.validation.validate_call`) and then crosses every layer unchanged: it is the graph-cache
 key (with device and cuDNN version), the static description the JAX primitives carry (next to their
 kernel options: the dropout seed, the backend), and the input of the support table, the reference, the
 graph builder and the batching/sharding rules.
@@ -147,8 +147,8 @@ class ScoreModSpec:
 
     Identity is the traced program - ``digest``, a hash of its operations and constants - and the
     static shapes/dtypes of its arguments (their values are runtime), never the function object: equal
-    functions give equal specs, and no spec keeps the function alive.  Built by :meth:`trace` (see
-    :mod:`cudnn_attn.graphs.score_mod_spec`), which also translates it for cuDNN: ``program`` holds the
+    functions give equal specs, and no spec keeps the function alive.  Made by
+    :func:`cudnn_attn.core.score_mod_spec.score_mod_spec`, which also translates it for cuDNN: ``program`` holds the
     pointwise programs of the forward and its VJP, or ``refusals`` why cuDNN cannot express them.
     ``jaxpr`` (for the NumPy reference, at ``score_shape``) stays in the process: pickling drops it.
     """
@@ -160,15 +160,6 @@ class ScoreModSpec:
     program: Any = field(default=None, compare=False, repr=False)
     refusals: tuple[str, ...] = field(default=(), compare=False, repr=False)
     jaxpr: Any = field(default=None, compare=False, repr=False)
-
-    @classmethod
-    def trace(cls, fn: Callable[..., Any], score_shape: tuple[int, ...],
-              arg_shapes: tuple[tuple[tuple[int, ...], str], ...] = ()) -> "ScoreModSpec":
-        """The spec of ``fn`` for scores of ``score_shape`` ``(B, N, T, S)`` and arguments ``((shape, dtype
-        name), ...)``; raises ``ValueError`` naming ``score_mod`` when ``fn`` is not a valid score_mod."""
-        from .graphs.score_mod_spec import score_mod_spec
-
-        return score_mod_spec(fn, score_shape, arg_shapes)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "jaxpr": None}
@@ -360,3 +351,14 @@ class AttentionOperands:
 
     def replace(self, **changes: Any) -> "AttentionOperands":
         return dataclasses.replace(self, **changes)
+
+
+def ragged_offset_dtype(config: AttentionConfig) -> str:
+    """``"int32"`` when every element offset of the packed tensors fits in int32, else ``"int64"``.
+
+    Static (from the config) so that the graph and the arrays agree; int32 keeps JAX usable without
+    ``jax_enable_x64`` for all but enormous inputs.
+    """
+    q_elems = config.batch * config.q_len * config.q_heads * max(config.qk_dim, config.v_dim)
+    kv_elems = config.batch * config.kv_len * config.kv_heads * max(config.qk_dim, config.v_dim)
+    return "int32" if max(q_elems, kv_elems) < 2**31 else "int64"

@@ -12,10 +12,10 @@ Location
     device description; nothing in them is secret, but nothing in them is anyone else's either).
 
 Key
-    :class:`PlanKey`: everything that changes a plan - the :class:`~cudnn_attn.config.AttentionConfig`
+    :class:`PlanKey`: everything that changes a plan - the :class:`~cudnn_attn.core.config.AttentionConfig`
     (an explicit field-by-field serialization, :func:`config_fields`; a ``score_mod`` is keyed by its
     program fingerprint, never by the function object), the graph kind, the plan choice (cuDNN's
-    heuristic, a named plan, or an autotuning record), ``rng_dump``, and the :class:`PlanEnvironment`
+    heuristic, a named plan, or an autotuning record), ``rng_dump``, and :func:`environment_fields`
     (cuDNN, frontend and library versions, a digest of the graph builder's sources, and the GPU's
     compute capability, name and SM count).  The file name is the SHA-256 of the key's canonical
     JSON; the file holds the key itself, compared on every load.
@@ -30,8 +30,7 @@ Files
     and overwrites it.  A store that cannot be written warns once and the process carries on
     without persisting.
 
-Nothing here imports cuDNN, CuPy or JAX at module import; :class:`PlanEnvironment` reads them when
-asked.
+Nothing here imports cuDNN, CuPy or JAX.
 """
 
 from __future__ import annotations
@@ -53,6 +52,9 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Protocol
+
+from cudnn_attn.core.config import ScoreModSpec
+from cudnn_attn.core.environment import VERSION, Environment
 
 ENV_VAR = "CUDNN_ATTN_CACHE_DIR"
 OFF = "off"
@@ -117,8 +119,6 @@ def _plain(value: Any, where: str) -> Any:
     if isinstance(value, (tuple, list)):
         return [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        from .config import ScoreModSpec
-
         score_mod = isinstance(value, ScoreModSpec)
         fields = {"__type__": ScoreModSpec.__name__ if score_mod else type(value).__name__}
         if score_mod:
@@ -150,62 +150,11 @@ def builder_digest() -> str:
     return digest.hexdigest()
 
 
-@dataclass(frozen=True)
-class PlanEnvironment:
-    """Everything outside the configuration that changes a serialized plan."""
-
-    cudnn_version: int
-    frontend_version: str
-    library_version: str
-    builder_digest: str
-    compute_capability: tuple[int, int]
-    device_name: str
-    sm_count: int
-
-    @classmethod
-    def for_device(cls, device: int | None = None) -> "PlanEnvironment":
-        """The installed cuDNN and CUDA ``device`` (default: the current CuPy device)."""
-        import cupy
-
-        if device is None:
-            device = cupy.cuda.Device().id
-        return _device_environment(int(device))
-
-    @classmethod
-    def for_deviceless(cls, target: Any) -> "PlanEnvironment":
-        """The installed cuDNN and a :class:`~cudnn_attn.graphs.DevicelessTarget`'s described GPU
-        (name and SM count from its device-properties JSON, which the H200's came from)."""
-        props = json.loads(target.device_properties_json)
-        return cls(*_software(), (target.sm_version // 10, target.sm_version % 10),
-                   str(props.get("deviceName", target.name)), int(props.get("multiProcessorCount", 0)))
-
-    def to_json(self) -> dict[str, Any]:
-        return {f.name: _plain(getattr(self, f.name), f.name) for f in dataclasses.fields(self)}
-
-    def describe(self) -> str:
-        from .support import format_version
-
-        cc = self.compute_capability
-        return f"{self.device_name} sm{cc[0]}{cc[1]}, cuDNN {format_version(self.cudnn_version)}"
-
-
-def _software() -> tuple[int, str, str, str]:
-    import cudnn
-
-    from . import __version__
-
-    return int(cudnn.backend_version()), str(cudnn.__version__), __version__, builder_digest()
-
-
-@functools.lru_cache(maxsize=None)
-def _device_environment(device: int) -> PlanEnvironment:
-    import cupy
-
-    props = cupy.cuda.runtime.getDeviceProperties(device)
-    name = props["name"]
-    name = name.decode() if isinstance(name, bytes) else str(name)
-    return PlanEnvironment(*_software(), (int(props["major"]), int(props["minor"])), name,
-                           int(props["multiProcessorCount"]))
+def environment_fields(environment: Environment) -> dict[str, Any]:
+    """What outside the configuration changes a serialized plan: the build target (``environment``), the
+    library's version and a digest of the graph builder's sources."""
+    fields = {f.name: _plain(getattr(environment, f.name), f.name) for f in dataclasses.fields(environment)}
+    return {**fields, "library_version": VERSION, "builder_digest": builder_digest()}
 
 
 class StoreKey(Protocol):
@@ -233,7 +182,7 @@ class PlanKey:
     config: Any
     kind: str
     choice: str
-    environment: PlanEnvironment
+    environment: Environment
     rng_dump: bool = False
 
     @property
@@ -242,21 +191,11 @@ class PlanKey:
 
     def to_json(self) -> dict[str, Any]:
         return {"entry": self.entry, "config": config_fields(self.config), "kind": self.kind,
-                "choice": self.choice, "rng_dump": self.rng_dump, "environment": self.environment.to_json()}
+                "choice": self.choice, "rng_dump": self.rng_dump, "environment": environment_fields(self.environment)}
 
     def describe(self) -> str:
         return f"{self.kind} {self.config.describe()} [{self.choice}]"
 
-
-@dataclass(frozen=True)
-class KernelCacheKey:
-    """cuDNN's kernel cache (dynamic-shape kernels) for one environment."""
-
-    environment: PlanEnvironment
-    entry: str = "kernels"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"entry": self.entry, "environment": self.environment.to_json()}
 
     def describe(self) -> str:
         return f"kernel cache for {self.environment.describe()}"

@@ -1,7 +1,7 @@
 """``python -m cudnn_attn check``: about twenty configurations on this GPU against the NumPy reference.
 
 Each case runs the forward (and, where cuDNN has one, the backward) through
-:func:`cudnn_attn.execution.forward` / :func:`~cudnn_attn.execution.backward` on fresh random inputs
+:func:`cudnn_attn.fronts.execution.forward` / :func:`~cudnn_attn.fronts.execution.backward` on fresh random inputs
 (seeded: a failing row prints its seed) and compares every result with :mod:`cudnn_attn.reference`:
 
 * fp16/bf16 tensors: relative Frobenius error ``||gpu - ref|| / ||ref||`` at most 2e-3 (fp16) or 1e-2
@@ -23,7 +23,12 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from .types import FP8_PARAM_KEYS, MaskType
+from cudnn_attn import reference
+from cudnn_attn.core.errors import UnsupportedConfigurationError
+from cudnn_attn.core.types import FP8_PARAM_KEYS, MaskType
+from cudnn_attn.core.validation import validate_call
+from cudnn_attn.fronts import execution
+from cudnn_attn.reference.inputs import random_operands
 
 RELATIVE_TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
 LSE_TOLERANCE = 1e-3
@@ -41,10 +46,9 @@ def call_config(*, B: int = 2, T: int = 128, S: int = 128, N: int = 4, K: int | 
                 Hv: int | None = None, dtype: str = "float16", layout: str = "BTNH", bias_shape: Any = None,
                 segments: int | None = None, paged: dict | None = None, training: bool = True,
                 scale: float | None = None, **call: Any):
-    """The :class:`~cudnn_attn.config.AttentionConfig` that :func:`cudnn_attn.validation.validate_call` makes of
+    """The :class:`~cudnn_attn.core.config.AttentionConfig` that :func:`cudnn_attn.core.validation.validate_call` makes of
     a call with these shapes (only shapes and dtypes are read).  ``paged=dict(block=, blocks=, spare=)``
     describes K/V caches; an FP8 ``dtype`` means ``use_fp8=True``; other keywords go to ``prepare``."""
-    from .validation import validate_call
 
     K, Hv = K or N, Hv or H
     dt = io_dtype(dtype)
@@ -135,7 +139,6 @@ def _relative(got: np.ndarray, want: np.ndarray) -> float:
 
 class _Comparison:
     """The worst error of one case as a fraction of its bound, and the first failure."""
-
     def __init__(self):
         self.worst = 0.0
         self.failures: list[str] = []
@@ -161,8 +164,6 @@ class _Comparison:
 
 
 def _operands(config: Any, rng: np.random.Generator) -> Any:
-    from .reference.inputs import random_operands
-
     operands = random_operands(config, rng, poison=False)
     if config.mask.alignment.value == "bottom_right" and operands.q_seqlen is not None and config.paging is None:
         operands = operands.replace(kv_seqlen=np.maximum(operands.kv_seqlen, operands.q_seqlen))
@@ -187,7 +188,6 @@ def _to_gpu(operands: Any) -> Any:
 def _check_fp16(config: Any, operands: Any, backward: bool, rng: np.random.Generator, seed: int) -> _Comparison:
     import cupy
 
-    from . import execution, reference
 
     gpu = _to_gpu(operands)
     io = io_dtype(config.dtype)
@@ -213,7 +213,6 @@ def _check_fp16(config: Any, operands: Any, backward: bool, rng: np.random.Gener
 def _check_fp8(config: Any, operands: Any) -> _Comparison:
     import cupy
 
-    from . import execution, reference
 
     scales = {k: float(np.asarray(v).reshape(())) for k, v in operands.fp8_scales.items()}
     result = execution.forward(config, _to_gpu(operands))
@@ -234,8 +233,6 @@ def _check_fp8(config: Any, operands: Any) -> _Comparison:
 def run(*, seed: int = 0, only: list[str] | None = None,
         progress: Callable[[str], None] = lambda _: None) -> list[CheckRow]:
     """Run the cases (all, or the names in ``only``) on the current GPU; one row per case."""
-    from .errors import UnsupportedConfigurationError
-
     rows = []
     for index, (name, (shape, backward)) in enumerate(CASES.items()):
         if only and name not in only:

@@ -2,7 +2,7 @@
 
 ``mask=causal() & window(128, 0) & padding(q_lengths, kv_lengths)``: a :class:`MaskSpec` holds orthogonal
 fields, each mapping onto one knob of cuDNN's SDPA (and one field of
-:class:`cudnn_attn.config.MaskSpec`, the static part of the configuration).  For query ``i`` and key ``j``
+:class:`cudnn_attn.core.config.MaskSpec`, the static part of the configuration).  For query ``i`` and key ``j``
 (with ``alignment="bottom_right"`` the diagonal of each sequence moves by ``S_b - T_b``):
 
 * :func:`causal` - keys ``j <= i``;
@@ -40,7 +40,7 @@ _ARRAYS = ("q_lengths", "kv_lengths", "q_offsets", "kv_offsets", "keep")
 @dataclass(frozen=True, eq=False)
 class MaskSpec:
     """A mask of the native API (module doc).  ``right_bound``/``left_bound`` are
-    :class:`cudnn_attn.config.MaskSpec`'s: key ``j`` of query ``i`` is kept iff ``j - i <= right_bound`` and
+    :class:`cudnn_attn.core.config.MaskSpec`'s: key ``j`` of query ``i`` is kept iff ``j - i <= right_bound`` and
     ``i - j < left_bound`` (``None``: unbounded).  The arrays are runtime values (``None``: absent)."""
 
     right_bound: int | None = None
@@ -112,7 +112,7 @@ class MaskSpec:
     # -- onto the configuration ------------------------------------------------------------------------
     def seed_arrays(self) -> dict[str, Any]:
         """The arrays as the seed's arguments (``q_seqlen``, ``kv_seqlen``, ``q_offsets``, ``kv_offsets``, and the
-        boolean ``mask``) for :func:`cudnn_attn.validation.validate_call`."""
+        boolean ``mask``) for :func:`cudnn_attn.core.validation.validate_call`."""
         return dict(q_seqlen=self.q_lengths, kv_seqlen=self.kv_lengths, q_offsets=self.q_offsets,
                     kv_offsets=self.kv_offsets, mask=self.keep)
 

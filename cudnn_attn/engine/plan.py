@@ -1,8 +1,8 @@
 """The call plan: everything one launch of one graph on one device needs, decided once.
 
 A :class:`CallPlan` is made once per (configuration, forward/backward, device, plan choice) next to
-the built cuDNN graph and lives in the graph-cache entry (:mod:`cudnn_attn.cache`), so eviction frees
-it.  Both fronts consume it - the CuPy path (:mod:`cudnn_attn.execution`) and the XLA FFI handler
+the built cuDNN graph and lives in the graph-cache entry (:mod:`cudnn_attn.engine.cache`), so eviction frees
+it.  Both fronts consume it - the CuPy path (:mod:`cudnn_attn.fronts.execution`) and the XLA FFI handler
 (:mod:`cudnn_attn.jax_bridge.cudnn_target`) - and nothing else binds operands to the graph:
 
 * :attr:`CallPlan.operand_ids` / :attr:`CallPlan.results` - the graph's device inputs and its results
@@ -40,12 +40,15 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from .config import AttentionConfig
-from .graphs.tensors import FP8_AMAX_IDS, FP8_SCALE_IDS, HOST_SCALAR_IDS, TensorId
+from cudnn_attn.core.config import AttentionConfig
+from cudnn_attn.core.types import FP8_BWD_AMAX, Kind
+from cudnn_attn.graphs import packing
+from cudnn_attn.graphs import tensors as tt
+from cudnn_attn.graphs.tensors import FP8_AMAX_IDS, FP8_SCALE_IDS, HOST_SCALAR_IDS, TensorId
+
 from . import replay
 from .launch import Launcher
 from .replay import Replays
-from .types import FP8_BWD_AMAX, Kind
 
 logger = logging.getLogger("cudnn_attn")
 
@@ -54,7 +57,6 @@ FWD, BWD = Kind.FORWARD, Kind.BACKWARD
 
 class Fill(enum.Enum):
     """How a result's undefined elements become zeros (see the module doc)."""
-
     NONE = "none"
     ZERO_BEFORE = "zero_before"
     ROWS_AFTER = "rows_after"
@@ -63,7 +65,6 @@ class Fill(enum.Enum):
 
 class ResultSpec(NamedTuple):
     """One result buffer of a graph: its API name, tensor id, physical shape and dtype, fill policy."""
-
     name: str
     tid: TensorId
     shape: tuple[int, ...]
@@ -140,7 +141,6 @@ def graph_inputs(xp: Any, config: AttentionConfig, kind: str, named: Mapping[str
     ignored.  Packed segments become cuDNN's ragged batch (:mod:`cudnn_attn.graphs.packing`) with
     ``xp``, and the backward's logsumexp its token-major statistics.
     """
-    from .graphs import packing
 
     packed = config.packing is not None
     bound = {OPERAND_IDS[name]: x for name, x in named.items()
@@ -185,7 +185,7 @@ class CallPlan:
 
     Args:
         built: the :class:`~cudnn_attn.graphs.builder.BuiltGraph`.
-        context: the device's :class:`~cudnn_attn.runtime.DeviceContext`.
+        context: the device's :class:`~cudnn_attn.engine.runtime.DeviceContext`.
         rng_dump: the graph also writes cuDNN's dropout keep-mask (a result; tests only).
         plan_index: run this entry of ``built.plans`` instead of the selected plan (autotuning).
     """
@@ -219,7 +219,7 @@ class CallPlan:
         self._warm = False
         self._warm_lock = threading.Lock()
         self._fast: Any = None                # :meth:`run`'s launch sequence, made by its first call
-        # The CUDA graphs of each live launch sequence (cudnn_attn.replay), weakly: a sequence (the direct path's,
+        # The CUDA graphs of each live launch sequence (cudnn_attn.engine.replay), weakly: a sequence (the direct path's,
         # or a JAX call site's) owns its graphs, and they go when it goes, even while the plan stays cached.
         self.replays: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -234,7 +234,7 @@ class CallPlan:
         :attr:`scalar_ids` (:func:`host_scalar_values`).  Results with ``Fill.ZERO_BEFORE`` are zeroed
         first, on the same stream.  Nothing is allocated except a grown context workspace.  Afterwards the
         handle goes back to the default stream unless ``keep_stream`` (XLA's streams, which live as long as
-        the process; see :mod:`cudnn_attn.runtime` on streams a handle may not outlive).
+        the process; see :mod:`cudnn_attn.engine.runtime` on streams a handle may not outlive).
         """
         context = self.context
         with context.lock:
@@ -285,7 +285,7 @@ class CallPlan:
     def _raw_sequence(self, keep_stream: bool) -> Callable[..., None] | None:
         """The launch sequence as a closure over the context and the launcher's raw call - never over the
         plan, so that keeping it on the plan makes no reference cycle (evicted graphs are freed at once).
-        Repeated addresses replay a CUDA graph of the launch (:mod:`cudnn_attn.replay`)."""
+        Repeated addresses replay a CUDA graph of the launch (:mod:`cudnn_attn.engine.replay`)."""
         raw = None if self._zeroed or self._scalars else self.launcher.bound(self.context)
         if raw is None:
             return None
@@ -393,8 +393,6 @@ class CallPlan:
 
 def _declared_bytes(config: AttentionConfig, kind: str, tid: TensorId) -> int:
     """Bytes of input ``tid`` as the graph declares it (covers every element cuDNN may read)."""
-    from .graphs import tensors as tt
-
     layouts = {TensorId.Q: tt.q_tensor, TensorId.K: tt.k_tensor, TensorId.V: tt.v_tensor,
                TensorId.O: tt.o_tensor, TensorId.DO: tt.o_tensor, TensorId.BIAS: tt.bias_tensor,
                TensorId.SINK: tt.sink_tensor, TensorId.SEQ_LEN_Q: tt.seq_len_tensor,

@@ -1,4 +1,4 @@
-"""A short tour: ``python -m cudnn_attn.demo`` (or ``./scripts/demo.sh``).
+"""A short tour: ``python -m cudnn_attn.tools.demo`` (or ``./scripts/demo.sh``).
 
 On a machine with an NVIDIA GPU it runs cuDNN's fused attention on CuPy arrays (forward, backward,
 a padded/causal variant, the graph cache listing) and checks each result against the NumPy reference.
@@ -15,7 +15,7 @@ import numpy as np
 
 import cudnn_attn
 from cudnn_attn import MaskType, reference
-from cudnn_attn.support import Environment
+from cudnn_attn.core.support import Environment
 
 
 def _inputs(rng, B=2, T=256, S=256, N=8, K=2, H=64, dtype="float16"):

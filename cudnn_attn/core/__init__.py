@@ -1,0 +1,1 @@
+"""What a call is: types, errors, settings, the configuration, masks, parameters, validation, values, support."""

@@ -1,0 +1,1 @@
+"""Running prepared calls: device contexts, launches, CUDA-graph replay, the graph cache."""

@@ -1,0 +1,1 @@
+"""The array-library fronts: the CuPy/DLPack call."""
