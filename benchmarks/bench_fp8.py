@@ -8,7 +8,7 @@ and not; ``--quick`` keeps 4k.  Per shape, ``cudnn_attn`` with bf16 operands and
 
 * forward (inference) through ``cudnn_attn.dot_product_attention``;
 * backward through ``cudnn_attn.dot_product_attention_bwd`` (cache hit), from a training forward
-  (FP8: the native ``execution.forward``, since the seed's FP8 form returns no logsumexp) and with the
+  (FP8: the native ``prepared.forward``, since the seed's FP8 form returns no logsumexp) and with the
   backward's output scales set from a first backward's amax values (delayed scaling);
 * TFLOP/s with forward ``4 B H T S D`` (halved when causal) and backward 2.5x that, the FP8 / bf16
   speed-up, and the forward against the ~1,000 TFLOP/s NVIDIA publishes for cuDNN FP8 on the H200.
@@ -112,7 +112,7 @@ def bench_fp8(shape: Shape, inputs: Inputs, row: Row) -> None:
     from cudnn_attn import MaskType
     from cudnn_attn.core.types import FP8_PARAM_KEYS
     from cudnn_attn.core.validation import validate_call
-    from cudnn_attn.fronts import execution
+    from cudnn_attn.engine import prepared
 
     q, k, v, d_out = inputs.fp8
     values = {name: 1.0 for name in FP8_PARAM_KEYS}
@@ -128,7 +128,7 @@ def bench_fp8(shape: Shape, inputs: Inputs, row: Row) -> None:
     row.fwd_ms = event_ms(lambda: cudnn_attn.dot_product_attention(q, k, v, fp8_params=fp8_params, **kwargs))
 
     config, operands = validate_call(q, k, v, fp8_params=fp8_params, training=True, fp8_dtype=FP8.name, xp=cp, **kwargs)
-    forward = execution.forward(config, operands)
+    forward = prepared.forward(config, operands)
     first = cudnn_attn.dot_product_attention_bwd(q, k, v, forward.output, d_out, forward.logsumexp,
                                                  fp8_params=fp8_params, **kwargs)
     for name, amax in (("dQ", first.amax_dQ), ("dK", first.amax_dK), ("dV", first.amax_dV), ("dP", first.amax_dP)):

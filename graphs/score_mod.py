@@ -58,9 +58,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from cudnn_attn.core.config import AttentionConfig, DiagonalAlignment
-from cudnn_attn.core.errors import UnsupportedConfigurationError
 from cudnn_attn.core.score_mod_ir import F32, I32, Program, ProgramBuilder, evaluate
-from cudnn_attn.core.score_mod_spec import ScoreModProgram, score_mod_program, score_mod_refusals
+from cudnn_attn.core.score_mod_spec import ScoreModProgram, score_mod_program
 from cudnn_attn.core.support import check_structure
 from cudnn_attn.core.types import Kind
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 
-from cudnn_attn.core.config import AttentionConfig, ragged_offset_dtype
+from cudnn_attn.core.config import AttentionConfig
 from cudnn_attn.core.types import AttentionLayout
 
 Dims = tuple[int, int, int, int]

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -69,8 +69,10 @@ import numpy as np
 
 from cudnn_attn.core import parameters, values
 from cudnn_attn.core.config import AttentionConfig, AttentionOperands
+from cudnn_attn.core.masks import MaskSpec
+from cudnn_attn.core.parameters import AuxRequest
 from cudnn_attn.core.support import check_everywhere
-from cudnn_attn.core.types import FP8_PARAM_KEYS, AttentionOutput
+from cudnn_attn.core.types import FP8_PARAM_KEYS, AttentionOutput, FP8Params, MaskType
 from cudnn_attn.core.validation import check_seed, validate_call
 
 from . import context_parallel as sequence_split
@@ -242,7 +244,11 @@ def forward_call(call: Any, names: Mapping[str, str] | None = None) -> Attention
 
 
 @parameters.front(parameters.NATIVE, "deterministic", "cuda_graph", "backend", "context_parallel", "check_values")
-def attention(call: Any) -> AttentionOutput:
+def attention(query: Any, key: Any, value: Any, *, mask: MaskSpec | None = None, bias: Any = None,
+              scale: float | None = None, dropout_rate: float = 0.0, seed: int = 42, layout: str = "BTNH",
+              sink: Any = None, fp8_params: FP8Params | None = None, return_aux: AuxRequest | None = None,
+              deterministic: bool = False, cuda_graph: bool | None = None, backend: str = "ffi",
+              context_parallel: Any = None, check_values: bool | None = None) -> AttentionOutput:
     """Scaled dot-product attention with named results (the native API; :func:`cudnn_attn.attention` on JAX
     arrays), differentiable, under ``jit``, ``vmap`` and sharding like :func:`dot_product_attention`.
 
@@ -252,11 +258,21 @@ def attention(call: Any) -> AttentionOutput:
     :class:`~cudnn_attn.core.types.AttentionOutput`: ``output``, ``logsumexp`` with
     ``return_aux=AuxRequest(logsumexp=True)`` (else ``None``), ``amax_s``/``amax_o`` with FP8.
     """
+    call = attention.arguments(**locals())
     return forward_call(call)
 
 
 @parameters.front(parameters.FORWARD, "deterministic", "cuda_graph", "backend", "context_parallel", "check_values")
-def dot_product_attention(call: Any) -> Any:
+def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, q_seqlen: Any = None,
+                          kv_seqlen: Any = None, q_offsets: Any = None, kv_offsets: Any = None,
+                          fp8_params: FP8Params | None = None, score_mod_args: Sequence[Any] = (), *,
+                          scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK, seed: int = 42,
+                          dropout_rate: float = 0.0, qkv_layout: str = "BTNH",
+                          sliding_window_length: int | None = None, score_mod: Callable[..., Any] | None = None,
+                          use_fp8: bool = False, return_residual: bool = False, diagonal_alignment: str = "top_left",
+                          sink: Any = None, deterministic: bool = False, cuda_graph: bool | None = None,
+                          backend: str = "ffi", context_parallel: Any = None,
+                          check_values: bool | None = None) -> Any:
     """Scaled dot-product attention (JAX's cuDNN ``dot_product_attention``; module doc for the extras).
 
     Shapes: Q ``(B, T, N, H)`` / K, V ``(B, S, K, H)`` in BTNH (``(B, N, T, H)`` in BNTH); ``bias`` and
@@ -267,11 +283,18 @@ def dot_product_attention(call: Any) -> Any:
     ``return_residual`` (float32 ``(B, N, T)``, ``(B*M, N, T)`` packed), or ``(output, amax_s, amax_o)``
     with ``use_fp8``.
     """
+    call = dot_product_attention.arguments(**locals())
     return forward_call(call).seed_form(call.use_fp8, call.return_residual)
 
 
 @parameters.front(parameters.PAGED, "cuda_graph", "backend", "check_values")
-def paged_attention(call: Any) -> Any:
+def paged_attention(query: Any, key: Any, value: Any, q_seqlen: Any, kv_seqlen: Any, page_table_k: Any,
+                    page_table_v: Any, bias: Any = None, mask: Any = None, fp8_params: FP8Params | None = None, *,
+                    scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK, seed: int = 42,
+                    dropout_rate: float = 0.0, qkv_layout: str = "BTNH", sliding_window_length: int | None = None,
+                    use_fp8: bool = False, return_residual: bool = False, diagonal_alignment: str = "top_left",
+                    sink: Any = None, cuda_graph: bool | None = None, backend: str = "ffi",
+                    check_values: bool | None = None) -> Any:
     """Attention over paged K/V caches (forward only; JAX's cuDNN ``paged_attention``).
 
     K/V are caches of blocks ``(num_blocks, block_size, K, H)`` (BTNH) or ``(num_blocks, K, block_size, H)``
@@ -279,4 +302,5 @@ def paged_attention(call: Any) -> Any:
     logical blocks to cache blocks.  Returns the output, or ``(output, logsumexp)`` with ``return_residual``.
     Differentiating it raises :class:`~cudnn_attn.core.errors.UnsupportedConfigurationError`.
     """
+    call = paged_attention.arguments(**locals())
     return forward_call(call).seed_form(call.use_fp8, call.return_residual)

@@ -10,7 +10,7 @@ Lowering (once per compiled call site): everything a run needs is decided here
     program whose other GPUs wait in a collective for this one).  The plan is kept for the handler as a
     :class:`SiteLaunch` (host scalars bound, the workspace the last result).  Then :func:`lower` emits one
     FFI call whose operands and results are the plan's (packed segments are converted with
-    ``jax.numpy`` around the call, :func:`cudnn_attn.engine.plan.graph_inputs`); the workspace is an extra
+    ``jax.numpy`` around the call, :meth:`cudnn_attn.engine.call.CallSpec.bind`); the workspace is an extra
     ``uint8`` result that XLA allocates.  After the call, the logsumexp gets the after-launch part of the
     plan's fill policy.
 
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -52,8 +51,7 @@ from cudnn_attn.core.support import check_supported
 from cudnn_attn.core.types import Front
 from cudnn_attn.engine import runtime
 from cudnn_attn.engine.cache import graph_cache
-from cudnn_attn.engine.plan import Fill, graph_inputs, host_scalar_values, zero_rows
-from cudnn_attn.graphs import packing
+from cudnn_attn.engine.call import CallSpec
 
 from . import ffi
 from .call_site import EAGER_TARGET, TARGET, AttentionCall, Holds, registry
@@ -78,7 +76,7 @@ class SiteLaunch(NamedTuple):
 
 
 def _site_launch(plan: Any, scalars: tuple) -> SiteLaunch:
-    launch, uses_workspace = plan.specialized(scalars, keep_stream=True), bool(plan.workspace_size)
+    launch, uses_workspace = plan.sequence(scalars, keep_stream=True), bool(plan.workspace_size)
 
     def run(addresses: list, stream: int, capturable: bool) -> None:
         workspace = addresses.pop()                   # XLA's uint8 result, last
@@ -126,7 +124,7 @@ def plan_devices(site: AttentionCall, key: int, devices: list[int]) -> list[Any]
             plan.warm_up()
             with _lock:
                 found = _launches.setdefault((key, device), _site_launch(
-                    plan, host_scalar_values(site.config, site.seed)))
+                    plan, CallSpec.of(site.config, site.kind).host_scalars(site.seed)))
         plans.append(found.plan)
     with _lock:
         _planned[key] = tuple(sorted(set(_planned.get(key, ())) | set(devices)))
@@ -171,8 +169,6 @@ def _handler(capturable: bool) -> Callable[[ffi.Call], None]:
     being captured, and the replay of the launch does not ask, :mod:`cudnn_attn.engine.replay`)."""
 
     def run(call: ffi.Call) -> None:
-        if stages is not None:
-            return _run_timed(call, capturable)
         key, addresses, stream, device = call.snapshot(only_device)
         found = _launches.get((key, device))
         if found is None:
@@ -182,18 +178,6 @@ def _handler(capturable: bool) -> Callable[[ffi.Call], None]:
         found.launch(addresses, stream, capturable)
 
     return run
-
-
-def _run_timed(call: ffi.Call, capturable: bool) -> None:
-    """A handler's run recording its stages (benchmarks): read the call frame, find the call site, launch."""
-    now = time.perf_counter_ns
-    start = now()
-    key, addresses, stream, device = call.snapshot(only_device)
-    read = now()
-    found = _launches.get((key, device)) or _missing_site(key, device)
-    found_at = now()
-    found.launch(addresses, stream, capturable)
-    stages.append(HandlerStages(read - start, found_at - read, now() - found_at, found.plan.kind))
 
 
 _run = _handler(capturable=True)            # TARGET: XLA may record it into its command buffers
@@ -228,22 +212,6 @@ def _missing_site(key: int, device: int | None) -> SiteLaunch:
 only_device: int | None = None
 """The ordinal of the process's only GPU, when it has exactly one (set at the first lowering): the handler then
 skips XLA's device query - no execution can run on another device."""
-
-class HandlerStages(NamedTuple):
-    """One handler run's stages in nanoseconds (benchmarks), and the kind of its call site's plan."""
-    read: int             # the call frame: key, addresses, stream, device
-    find: int             # the call site's launch
-    launch: int           # the launch itself (replayed, or the cuDNN call)
-    kind: str             # "fwd" or "bwd"
-
-    @property
-    def total(self) -> int:
-        return self.read + self.find + self.launch
-
-
-stages: list[HandlerStages] | None = None
-"""When a list (benchmarks): the :class:`HandlerStages` of every run."""
-
 
 HANDLERS = (ffi.make_handler(TARGET, _run, command_buffer_compatible=True, instantiate=_instantiate),
             ffi.make_handler(EAGER_TARGET, _run_eager, instantiate=_instantiate))
@@ -296,32 +264,21 @@ def lower(ctx: Any, *args: Any, kind: str, config: AttentionConfig, options: Any
     site = AttentionCall(config, kind, options.seed)
     _check_expressible(site)
     key = registry.key(site)
-    plans = plan_devices(site, key, _lowering_devices(ctx))
-    # The traced function below captures plain data only, never the plans: whatever JAX keeps of a
-    # lowering must not keep cuDNN graphs alive (the handler finds the pinned plan by key and device).
-    operand_ids, result_specs = plans[0].operand_ids, plans[0].results
+    # Plain data only, never the plans: whatever JAX keeps of a lowering must not keep cuDNN graphs alive (the
+    # handler finds the pinned plan by key and device).
+    workspace = max(plan.workspace_size for plan in plan_devices(site, key, _lowering_devices(ctx)))
+    spec = CallSpec.of(config, kind)
     target = TARGET if options.cuda_graph else EAGER_TARGET
-    workspace = max(p.workspace_size for p in plans)
-    del plans
 
     def call(*arrays: Any) -> list[Any]:
-        named = dict(zip(site.operands, arrays))
-        bound, segments = graph_inputs(jnp, config, kind, named)
-        if set(bound) != set(operand_ids):
-            raise RuntimeError(f"the JAX bridge binds {sorted(t.name for t in bound)} but the cuDNN {kind} graph of "
-                               f"{config.describe()} reads {sorted(t.name for t in operand_ids)}")
-        outs = jax.ffi.ffi_call(
-            target, [jax.ShapeDtypeStruct(spec.shape, spec.dtype) for spec in result_specs]
+        named = dict(zip(spec.operands, arrays))
+        bound, segments = spec.bind(jnp, named)
+        buffers = jax.ffi.ffi_call(
+            target, [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in spec.graph_results]
             + [jax.ShapeDtypeStruct((max(workspace, 1),), jnp.uint8)],
-        )(*(bound[t] for t in operand_ids), key=np.int64(key))
-        results = {}
-        for spec, value in zip(result_specs, outs):
-            if spec.fill is Fill.ROWS_AFTER:
-                value = zero_rows(jnp, value, named["q_seqlen"])
-            elif spec.fill is Fill.SEGMENTS:
-                value = packing.lse_from_tokens(jnp, value, segments, config.q_len)
-            results[spec.name] = value
-        return [results[name] for name in site.results]
+        )(*(bound[t] for t in spec.graph_operands), key=np.int64(key))
+        results = spec.finish(jnp, {r.name: x for r, x in zip(spec.graph_results, buffers)}, named, segments)
+        return [results[name] for name in spec.result_names]
 
     # The conversions above are traced on plain avals: the call is per device, so the operands' mesh
     # shardings and shard_map axes (which sharding-in-types checks would apply to them) do not matter here.

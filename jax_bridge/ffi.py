@@ -43,14 +43,11 @@ import functools
 import struct
 import sys
 import threading
-import time
 import traceback
 from typing import Any, Callable, NamedTuple
 
 import ml_dtypes
 import numpy as np
-
-from cudnn_attn.core import settings
 
 # -- the C structures (field order and types as in c_api.h) -------------------------------------------
 
@@ -324,78 +321,10 @@ _QW_OUT = _ContextArgs.out.offset // _W
 _QW_ORDINAL = _DeviceOrdinalArgs.device_ordinal.offset // _W
 assert _DeviceOrdinalArgs.ctx.offset == _ContextArgs.ctx.offset and _DeviceOrdinalArgs.device_ordinal.offset % _W == 0
 
-# By OS thread id, not threading.local: a thread beyond :data:`KEPT_THREADS_MAX`, and any thread on its first
-# call, enters with a fresh thread state (see below), whose thread-local data starts empty.
+# By OS thread id, not threading.local: ctypes enters a callback on a thread Python did not start (XLA's) with a
+# fresh Python thread state each time, whose thread-local data would start empty on every call.
 _query_args: dict[int, _QueryArgs] = {}
 _get_ident = threading.get_ident
-
-
-# -- XLA's threads keep their Python thread state ----------------------------------------------------------
-#
-# ctypes enters a callback through ``PyGILState_Ensure``.  On a thread Python did not start there is no thread
-# state, so every call makes one and deletes it on return (allocating and freeing its frame stack each time):
-# 7.9 us per entry against 0.5 us with a state kept, on the 2-core CPU runner (``benchmarks/bench_handler_cpu.py``,
-# the foreign-thread rows), more than the handler's own Python.  Where XLA runs a handler depends on the program:
-# with one GPU, jaxlib 0.11 runs it on the thread that called the executable (a Python thread; measured on the
-# H200, no state to keep), on several devices on per-device threads of its own (issue #8's two-GPU training
-# rebuilt its per-thread data on every call), and the CPU backend on the caller's thread.  So on a thread's
-# second call the handler takes one more ``PyGILState_Ensure`` reference, never given back: the thread's state
-# then lives as long as the thread (or the interpreter), and ctypes' later entries only take the GIL.  The first
-# call never keeps (a thread that runs one callback and exits leaves nothing behind); at most
-# ``KEPT_THREADS_MAX`` threads keep one (XLA's pools are small and live with the backend; a kept thread that
-# exits leaves its state to the interpreter's finalization).  A thread Python started keeps its own state anyway
-# and is only marked.  ``CUDNN_ATTN_KEEP_THREAD_STATES=0`` turns keeping off.
-
-KEPT_THREADS_MAX = 64
-
-
-class _ThreadMark(threading.local):
-    kept = False          # True on a thread state that outlives the call (kept, or a Python thread's own)
-
-
-_mark = _ThreadMark()
-_seen: set[int] = set()                # native ids of threads that made a call (a first call is never kept)
-_SEEN_MAX = 4096
-_kept_states: list[int] = []           # native ids of the threads whose state was kept
-_keep_lock = threading.Lock()
-_fresh_entries = 0                     # handler entries on a state without the mark
-
-
-def _keep_thread_state() -> None:
-    """A handler entered on a thread state without the mark: keep it when the thread has called before."""
-    global _fresh_entries
-    _mark.kept = True                     # persists if this state does (a Python thread's, or one kept below)
-    ident = threading.get_native_id()     # (the kernel's thread ids are not reused soon, unlike pthread_t's)
-    with _keep_lock:
-        _fresh_entries += 1
-        if ident not in _seen:
-            if len(_seen) >= _SEEN_MAX:       # bounded: a thread forgotten here is kept one call later
-                _seen.clear()
-            _seen.add(ident)
-            return
-        if len(_kept_states) >= KEPT_THREADS_MAX:
-            return
-        _kept_states.append(ident)
-    C.pythonapi.PyGILState_Ensure()      # GIL held: PyGILState_LOCKED, one more reference to this state
-
-
-class ThreadStates(NamedTuple):
-    """What the handlers found of their callers' Python thread states (see above)."""
-
-    fresh_entries: int    # entries on a state without the mark: a thread's first, a foreign thread's second (then
-                          # kept), and every entry of a thread beyond the cap or with keeping off
-    kept: int             # threads Python did not start whose state is kept
-
-
-def thread_states() -> ThreadStates:
-    """Counts for tests and benchmarks: once every calling thread has called twice, ``fresh_entries`` stops growing
-    (unless a thread is beyond the cap or keeping is off)."""
-    return ThreadStates(_fresh_entries, len(_kept_states))
-
-
-keep_thread_states: bool = settings.flag("CUDNN_ATTN_KEEP_THREAD_STATES", True)
-"""Whether handlers keep the thread states of the threads that call them (see above): read at import, switchable
-for benchmarks (a state once kept stays kept)."""
 
 
 def _thread_query_args() -> _QueryArgs:
@@ -470,15 +399,6 @@ class Call:
     def rets(self) -> tuple[Buffer, ...]:
         return _buffers(self._frame + _FRAME_RETS)
 
-    def arg_addresses(self) -> list[int]:
-        """The argument addresses only (much cheaper than :attr:`args` when the shapes are known)."""
-        _, _, count, items, _, _, _, _ = _read_frame(_MEMORY, self._frame)
-        return _data_addresses(count, items)
-
-    def ret_addresses(self) -> list[int]:
-        _, _, _, _, count, items, _, _ = _read_frame(_MEMORY, self._frame)
-        return _data_addresses(count, items)
-
     def attributes(self) -> dict[str, Any]:
         """The scalar attributes of the call site, by name."""
         attrs = _Attrs.from_address(self._frame + _FRAME_ATTRS)
@@ -533,12 +453,6 @@ class Call:
         # tuple.__new__ skips the named tuple's Python-level __new__ (0.3 us of a 4.5 us read on a 2-core CPU)
         return _new_tuple(Snapshot, (key, addresses, stream, device))
 
-    def addresses_and_key(self) -> tuple[int, list[int], list[int]]:
-        """The platform-independent part of :meth:`snapshot`: ``(key, argument addresses, result addresses)``."""
-        _, _, n_args, args, n_rets, rets, n_attrs, attrs = _read_frame(_MEMORY, self._frame)
-        return (self._key(attrs) if n_attrs == 1 else self.int64_attribute("key"),
-                _data_addresses(n_args, args), _data_addresses(n_rets, rets))
-
     @staticmethod
     def _key(attrs: int) -> int:
         """The value of a call site's only attribute, an int64 scalar; ``attrs`` is the frame's table of
@@ -569,47 +483,6 @@ def _buffers(items: int) -> tuple[Buffer, ...]:
         b = _Buffer.from_address(address)
         found.append(Buffer(int(b.data or 0), tuple(b.dims[j] for j in range(b.rank)), DTYPES[b.dtype]))
     return tuple(found)
-
-
-# -- a call frame in host memory ---------------------------------------------------------------------
-
-def _zero_function() -> int:
-    """Address of a C function of one pointer argument that returns 0 (XLA's "no error")."""
-    libc = C.CDLL(None)
-    if libc.geteuid() == 0:
-        return C.cast(libc.geteuid, C.c_void_p).value
-    return C.cast(libc.sched_yield, C.c_void_p).value      # returns 0; a syscall, so it overstates the cost
-
-
-class HostCallFrame:
-    """An execution call frame laid out as XLA passes it, built in host memory (tests and benchmarks):
-    ``n_args`` + ``n_rets`` bf16 buffers at addresses ``0x1000 * (i + 1)`` (never dereferenced), the one
-    int64 attribute ``key``, an execution context ``0x77`` and an API table whose functions all return 0
-    (no error; the stream and device ordinal read as 0)."""
-
-    def __init__(self, key: int, n_args: int, n_rets: int):
-        zero = _zero_function()
-        self.api = _Api(C.sizeof(_Api), None, _ApiVersion(C.sizeof(_ApiVersion), None, 0, 4), None,
-                        *[zero] * len(_FUNCTIONS))
-        self.buffers = [_Buffer(C.sizeof(_Buffer), None, 16, 0x1000 * (i + 1), 0, None)
-                        for i in range(n_args + n_rets)]
-        self.arg_table = (C.c_void_p * n_args)(*[C.addressof(b) for b in self.buffers[:n_args]])
-        self.ret_table = (C.c_void_p * n_rets)(*[C.addressof(b) for b in self.buffers[n_args:]])
-        self.types = (C.c_int * max(n_args, n_rets))()
-        self.value = C.c_int64(key)
-        self.scalar = _Scalar(_S64, C.addressof(self.value))
-        self.name = b"key"
-        self.span = _ByteSpan(C.cast(C.c_char_p(self.name), C.c_void_p).value, 3)
-        self.attr_types = (C.c_int * 1)(_ATTR_SCALAR)
-        self.attr_names = (C.POINTER(_ByteSpan) * 1)(C.pointer(self.span))
-        self.attr_values = (C.c_void_p * 1)(C.addressof(self.scalar))
-        args = _List(C.sizeof(_List), None, n_args, self.types, self.arg_table)
-        rets = _List(C.sizeof(_List), None, n_rets, self.types, self.ret_table)
-        attrs = _Attrs(C.sizeof(_Attrs), None, 1, self.attr_types, self.attr_names,
-                       C.cast(self.attr_values, C.POINTER(C.c_void_p)))
-        self.frame = _CallFrame(C.sizeof(_CallFrame), None, C.addressof(self.api), 0x77, _STAGE_EXECUTE,
-                                args, rets, attrs, None)
-        self.address = C.addressof(self.frame)
 
 
 # -- handlers --------------------------------------------------------------------------------------
@@ -721,10 +594,7 @@ def make_handler(name: str, fn: Callable[[Call], None], *, command_buffer_compat
     state_type = _TypeId(0) if instantiate is not None else None
 
     def handler(frame: int) -> int | None:
-        start = time.perf_counter_ns() if _timings is not None else 0
         try:
-            if keep_thread_states and not _mark.kept:
-                _keep_thread_state()
             extension = _WORDS[(frame >> 3) + _FW_EXTENSION]
             if extension and _WORDS[(extension >> 3) + _EW_TYPE] & _LOW32 == _EXTENSION_METADATA:
                 metadata = _MetadataExtension.from_address(extension).metadata.contents
@@ -739,8 +609,6 @@ def make_handler(name: str, fn: Callable[[Call], None], *, command_buffer_compat
                     _set_state(frame, state_type, instantiate(Call(frame)))
                 return None
             fn(Call(frame))
-            if start:
-                _timings.append((name, time.perf_counter_ns() - start))
             return None
         except BaseException as exc:      # nothing may unwind through XLA's C++ frames
             try:
@@ -760,16 +628,6 @@ def make_handler(name: str, fn: Callable[[Call], None], *, command_buffer_compat
 
 
 _registered: list[Handler] = []        # XLA holds raw function pointers: their callbacks must never be freed
-_timings: list[tuple[str, int]] | None = None
-
-
-def record_handler_times(enabled: bool = True) -> list[tuple[str, int]]:
-    """Start (or stop) recording the host time of every handler execution: ``(target name, nanoseconds)``
-    entries, from the handler's entry to its return (for benchmarks; off by default).  Returns the list
-    being filled (empty when stopping)."""
-    global _timings
-    _timings = [] if enabled else None
-    return _timings if _timings is not None else []
 
 
 def register(handler: Handler, platform: str) -> bool:

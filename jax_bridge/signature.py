@@ -1,9 +1,12 @@
-"""The named operands and results of the two attention primitives, derived from the configuration.
+"""The named operands and results of the two attention primitives, and the role of each of their dimensions.
 
 A primitive binds a flat list of arrays; which arrays, in which order, follows from the
-:class:`~cudnn_attn.core.config.AttentionConfig` and the kind (``"fwd"``/``"bwd"``) alone, so the config is
-all the rules need to name every position.  Names are the fields of
-:class:`~cudnn_attn.core.config.AttentionOperands` (``query``, ``bias``, ``q_seqlen``, ...), the FP8Params
+:class:`~cudnn_attn.core.config.AttentionConfig` and the kind (``"fwd"``/``"bwd"``) alone: the call's
+:class:`~cudnn_attn.engine.call.CallSpec`, the one derivation every front reads.  This module adds what the
+JAX rules need on top: the role of every dimension (batching, partitioning), which result is which operand's
+gradient, and the conversion between :class:`~cudnn_attn.core.config.AttentionOperands` and named arrays.
+
+Names are the fields of :class:`~cudnn_attn.core.config.AttentionOperands` (``query``, ``bias``, ``q_seqlen``, ...), the FP8Params
 keys (``descale_q``, ...), ``score_mod_arg_<i>``, and for the backward the residuals ``output``,
 ``grad_output``, ``logsumexp``.  Result names are the fields of
 :class:`~cudnn_attn.core.types.AttentionOutput` / :class:`~cudnn_attn.core.types.AttentionGrads`.
@@ -16,71 +19,32 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from cudnn_attn.core.config import AttentionConfig, AttentionOperands
-from cudnn_attn.core.types import FP8_BWD_AMAX, FP8_BWD_KEYS, FP8_FWD_KEYS, Kind
-
-FWD, BWD = Kind.FORWARD, Kind.BACKWARD
-KINDS = tuple(Kind)
-
-RESIDUALS = ("output", "grad_output", "logsumexp")
-FP8_FWD_AMAX = ("amax_s", "amax_o")
-AMAX_SHAPE = (1, 1, 1, 1)
-
-
-def score_mod_arg_name(index: int) -> str:
-    return f"score_mod_arg_{index}"
+from cudnn_attn.core.types import FP8_BWD_AMAX, FP8_BWD_KEYS, FP8_FWD_KEYS
+from cudnn_attn.engine.call import (  # noqa: F401 (names the bridge's modules import from here)
+    AMAX_SHAPE,
+    BWD,
+    FP8_FWD_AMAX,
+    FWD,
+    KINDS,
+    RESIDUALS,
+    CallSpec,
+    score_mod_arg_name,
+)
 
 
 def operand_names(config: AttentionConfig, kind: str) -> tuple[str, ...]:
-    """The operands of the ``kind`` primitive of ``config``, in binding order."""
-    names = ["query", "key", "value"]
-    if config.bias is not None:
-        names.append("bias")
-    if config.mask.padding:
-        names += ["q_seqlen", "kv_seqlen"]
-    if config.packing is not None:
-        names += ["q_offsets", "kv_offsets"]
-    if config.paging is not None:
-        names += ["page_table_k", "page_table_v"]
-    if config.sink:
-        names.append("sink")
-    if config.score_mod is not None:
-        names += [score_mod_arg_name(i) for i in range(len(config.score_mod.arg_shapes))]
-    if config.fp8:
-        names += FP8_FWD_KEYS if kind == FWD else FP8_BWD_KEYS
-    if kind == BWD:
-        names += RESIDUALS
-    return tuple(names)
+    """The operands of the ``kind`` primitive of ``config``, in binding order (:attr:`CallSpec.operands`)."""
+    return CallSpec.of(config, kind).operands
 
 
 def result_names(config: AttentionConfig, kind: str) -> tuple[str, ...]:
-    """The results of the ``kind`` primitive of ``config``, in order."""
-    if kind == FWD:
-        names = ["output"]
-        if config.training:
-            names.append("logsumexp")
-        if config.fp8:
-            names += FP8_FWD_AMAX
-        return tuple(names)
-    names = ["dq", "dk", "dv"]
-    if config.has_dbias:
-        names.append("dbias")
-    if config.sink:
-        names.append("dsink")
-    if config.fp8:
-        names += FP8_BWD_AMAX
-    return tuple(names)
+    """The results of the ``kind`` primitive of ``config``, in order (:attr:`CallSpec.results`)."""
+    return CallSpec.of(config, kind).result_names
 
 
 def result_shapes(config: AttentionConfig, kind: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """``name -> (shape, dtype)`` of every result."""
-    io = np.dtype(_io_dtype(config.dtype))
-    f32 = np.dtype(np.float32)
-    known = {
-        "output": (config.o_shape, io), "logsumexp": (config.lse_shape, f32),
-        "dq": (config.q_shape, io), "dk": (config.k_shape, io), "dv": (config.v_shape, io),
-        "dbias": (tuple(config.bias.shape) if config.bias else None, io), "dsink": ((config.q_heads,), f32),
-    }
-    return {name: known.get(name, (AMAX_SHAPE, f32)) for name in result_names(config, kind)}
+    return CallSpec.of(config, kind).result_shapes()
 
 
 # -- what each dimension is ---------------------------------------------------------------------------
@@ -126,12 +90,6 @@ GRADIENT_OF = {"query": "dq", "key": "dk", "value": "dv", "bias": "dbias", "sink
 COTANGENT_OF = {**GRADIENT_OF, **{name: name for name in FP8_BWD_AMAX}}
 # Which operand a result takes its shard_map axes and sharding from.
 RESULT_FOLLOWS = {"output": "query", "logsumexp": "query", **{grad: x for x, grad in GRADIENT_OF.items()}}
-
-
-def _io_dtype(name: str) -> Any:
-    import ml_dtypes
-
-    return getattr(ml_dtypes, name) if name.startswith(("bfloat", "float8")) else np.dtype(name)
 
 
 # -- between AttentionOperands and named arrays ------------------------------------------------------

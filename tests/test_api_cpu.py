@@ -11,12 +11,12 @@ import pytest
 
 import cudnn_attn
 from cudnn_attn import MaskType, NoGPUError, UnsupportedConfigurationError
+from cudnn_attn.core import settings
 from cudnn_attn.core.config import AttentionConfig
 from cudnn_attn.core.support import Environment
 from cudnn_attn.core.types import AttentionOutput
-from cudnn_attn.engine import launch, runtime
+from cudnn_attn.engine import launch, prepared, runtime
 from cudnn_attn.engine.cache import GraphKey, PlanChoice
-from cudnn_attn.fronts import execution
 from cudnn_attn.graphs.tensors import TensorId
 
 needs_no_gpu = pytest.mark.skipif(runtime.is_gpu_available(), reason="a GPU is present: NoGPUError cannot happen")
@@ -245,22 +245,22 @@ def test_unsupported_configuration_is_refused_before_building(monkeypatch, build
     (True, False, PlanChoice.HEURISTIC),
     (False, True, PlanChoice.AUTOTUNED),
 ])
-def test_autotune_option_and_its_whole_program_default(default, per_call, expected, monkeypatch):
-    monkeypatch.setattr(execution, "AUTOTUNE_DEFAULT", default)
-    assert execution.plan_choice(per_call) is expected
+def test_autotune_option_and_its_whole_program_default(default, per_call, expected):
+    with settings.override(autotune=default):
+        assert prepared.plan_choice(per_call) is expected
 
 
 @pytest.mark.parametrize("value, on", [("1", True), ("true", True), (" ON ", True), ("yes", True), ("0", False),
                                        ("", False), ("off", False), (None, False)])
 def test_autotune_environment_variable(value, on):
-    environ = {} if value is None else {execution.AUTOTUNE_ENV_VAR: value}
-    assert execution.autotune_from_environment(environ) is on
+    environ = {} if value is None else {settings.AUTOTUNE: value}
+    assert settings.Settings.from_environment(environ).autotune is on
 
 
 @pytest.mark.parametrize("bad", [1, "yes", 0.0])
 def test_autotune_must_be_a_bool_or_none(bad):
     with pytest.raises(ValueError, match="autotune: must be True, False or None"):
-        execution.plan_choice(bad)
+        prepared.plan_choice(bad)
 
 
 def test_seed_return_forms():
@@ -276,13 +276,15 @@ def _memo_call(memo, rng, **static):
     q, k, v = _qkv(rng)
     seqlen = np.full((2,), 64, np.int32)
     arrays = dict(query=q, key=k, value=v, q_seqlen=seqlen, kv_seqlen=seqlen)
-    return arrays, memo.validate(arrays, dict(scale=0.125, mask_type=MaskType.CAUSAL, **static))
+    return arrays, _validate(memo, arrays, dict(scale=0.125, mask_type=MaskType.CAUSAL, **static))
+
+
+def _validate(memo, arrays, static):
+    return prepared.validated(arrays, static, xp=np, table=memo)
 
 
 def test_validation_memo_reuses_the_config_and_binds_new_arrays():
-    from cudnn_attn.fronts.cupy import _ValidationMemo
-
-    memo, rng = _ValidationMemo(), np.random.default_rng(2)
+    memo, rng = prepared.Calls(), np.random.default_rng(2)
     _, (config, _) = _memo_call(memo, rng)
     arrays, (again, operands) = _memo_call(memo, rng)
     assert again is config
@@ -293,25 +295,21 @@ def test_validation_memo_reuses_the_config_and_binds_new_arrays():
 
 
 def test_validation_memo_checks_every_new_signature():
-    from cudnn_attn.fronts.cupy import _ValidationMemo
-
-    memo, rng = _ValidationMemo(), np.random.default_rng(3)
+    memo, rng = prepared.Calls(), np.random.default_rng(3)
     _memo_call(memo, rng)
     q, k, v = _qkv(rng)
     with pytest.raises(ValueError, match="dtype"):
-        memo.validate(dict(query=q, key=k.astype(np.float32), value=v), dict(scale=0.125))
+        _validate(memo, dict(query=q, key=k.astype(np.float32), value=v), dict(scale=0.125))
     with pytest.raises(ValueError, match="sliding_window_length"):
-        memo.validate(dict(query=q, key=k, value=v), dict(sliding_window_length=0))
+        _validate(memo, dict(query=q, key=k, value=v), dict(sliding_window_length=0))
 
 
 def test_validation_memo_skips_calls_whose_arrays_prepare_transforms():
-    from cudnn_attn.fronts.cupy import _ValidationMemo
-
-    memo, rng = _ValidationMemo(), np.random.default_rng(4)
+    memo, rng = prepared.Calls(), np.random.default_rng(4)
     q, k, v = _qkv(rng)
     small_bias = rng.standard_normal((64, 64)).astype(np.float16)   # broadcast to 4-D by prepare
-    first = memo.validate(dict(query=q, key=k, value=v, bias=small_bias), {})
-    second = memo.validate(dict(query=q, key=k, value=v, bias=small_bias), {})
+    first = _validate(memo, dict(query=q, key=k, value=v, bias=small_bias), {})
+    second = _validate(memo, dict(query=q, key=k, value=v, bias=small_bias), {})
     assert first[0] == second[0] and first[0] is not second[0]
     assert second[1].bias.shape == (1, 1, 64, 64)
 
@@ -322,20 +320,20 @@ def test_direct_results_are_aligned_disjoint_views_of_one_allocation(monkeypatch
     """The backward's dq, dk, dv (odd byte sizes here) come from one pool allocation at 256-byte-aligned,
     disjoint offsets; a later call reuses that block once its results are dropped, and not while one of
     them is alive."""
-    from cudnn_attn.engine.plan import ResultSpec
+    from cudnn_attn.engine.call import ResultSpec
     from cudnn_attn.engine.result_blocks import ResultBlocks
-    from cudnn_attn.fronts import cupy as cupy_front
 
     specs = [ResultSpec(name, None, shape, np.dtype(np.float16), None)
              for name, shape in (("dq", (1, 3, 5, 7)), ("dk", (1, 11, 5, 7)), ("dv", (1, 11, 5, 7)))]
-    class Plan:                                       # referred to weakly by the direct path
+    class Plan:                                       # referred to weakly by the prepared call
         results = tuple(specs)
 
     plan = Plan()
-    monkeypatch.setattr(cupy_front.execution, "plan_for", lambda *a: plan)
-    monkeypatch.setattr(cupy_front, "result_blocks", ResultBlocks())
-    direct = cupy_front._Direct.__new__(cupy_front._Direct)
-    direct.config, direct.kind, direct.device, direct.autotune = None, "bwd", 0, None
+    monkeypatch.setattr(prepared, "plan_for", lambda *a: plan)
+    blocks = ResultBlocks()
+    config = AttentionConfig(batch=1, q_heads=5, kv_heads=5, q_len=3, kv_len=11, qk_dim=7, v_dim=7,
+                             dtype="float16", training=True)
+    direct = prepared.PreparedCall(config, "bwd", 0)
     direct.plan()
     allocations = []
 
@@ -358,8 +356,11 @@ def test_direct_results_are_aligned_disjoint_views_of_one_allocation(monkeypatch
 
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(alloc=lambda n: MemoryPointer(Memory(n), 0)),
                                  ndarray=Array)
-    monkeypatch.setattr(cupy_front, "_CUPY", fake)
-    results = direct._allocate(stream=7)
+    monkeypatch.setattr(runtime, "cupy", lambda: fake)
+
+    def allocate(stream):
+        return blocks.results(direct, stream, direct._nbytes, direct._new_results)
+    results = allocate(stream=7)
     sizes = [spec.nbytes for spec in specs]
     assert len(allocations) == 1 and [(r.shape, r.dtype) for r in results] == [(s.shape, s.dtype) for s in specs]
     starts = [r.data.ptr - allocations[0][0] for r in results]
@@ -367,13 +368,13 @@ def test_direct_results_are_aligned_disjoint_views_of_one_allocation(monkeypatch
     assert all(a + n <= b for a, n, b in zip(starts, sizes, starts[1:])) and starts[-1] + sizes[-1] <= allocations[0][1]
     dv = results[2]
     del results
-    assert direct._allocate(stream=7)[0].data.ptr == allocations[1][0]    # dv alive: a new block
+    assert allocate(stream=7)[0].data.ptr == allocations[1][0]    # dv alive: a new block
     del dv
-    again = direct._allocate(stream=7)                         # the second block, now dropped
+    again = allocate(stream=7)                         # the second block, now dropped
     assert len(allocations) == 2 and again[0].data.ptr == allocations[1][0]
     del again
-    assert direct._allocate(stream=8)[0].data.ptr == allocations[2][0]    # another stream: its own block
-    assert direct._allocate(stream=7)[0].data.ptr == allocations[1][0] and len(allocations) == 3
+    assert allocate(stream=8)[0].data.ptr == allocations[2][0]    # another stream: its own block
+    assert allocate(stream=7)[0].data.ptr == allocations[1][0] and len(allocations) == 3
 
 
 def test_bound_check_names_the_array_that_differs(monkeypatch):

@@ -19,7 +19,8 @@ import pytest
 from cudnn_attn import MaskType
 from cudnn_attn.core.types import FP8_PARAM_KEYS
 from cudnn_attn.core.validation import validate_call
-from cudnn_attn.engine import plan as call_plan
+from cudnn_attn.engine import call as call_plan
+from cudnn_attn.engine.call import CallSpec
 from cudnn_attn.graphs import declare_graph
 from cudnn_attn.graphs import tensors as tt
 from cudnn_attn.graphs.tensors import HOST_SCALAR_IDS, TensorId
@@ -89,7 +90,7 @@ def test_bound_tensors_are_the_graphs_tensors(case, kind, training):
         else:
             value = getattr(operands, name)
             named[name] = _sds(value.shape, value.dtype)
-    bound = jax.eval_shape(lambda named: call_plan.graph_inputs(jnp, config, kind, named)[0], named)
+    bound = jax.eval_shape(lambda named: CallSpec.of(config, kind).bind(jnp, named)[0], named)
     results = {spec.tid: (spec.shape, spec.dtype) for spec in call_plan.result_specs(config, kind)}
     expected = declare_graph(config, kind).uids
     host = {t for t in expected if t in HOST_SCALAR_IDS}
@@ -108,7 +109,7 @@ def test_bound_tensors_are_the_graphs_tensors(case, kind, training):
             assert results[TensorId.STATS][0] == (B * T, N)              # token-major statistics
     if config.has_dropout:
         assert host == {TensorId.SEED, TensorId.OFFSET}
-        assert call_plan.host_scalar_values(config, 7) == (7, 0)
+        assert CallSpec.of(config, 'fwd').host_scalars(7) == (7, 0)
     expected_results = result_shapes(config, kind)
     assert len(results) == len(expected_results)
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ffi_frames import HostCallFrame
 
 from cudnn_attn import jax_bridge
 from cudnn_attn.jax_bridge import cudnn_target, ffi
@@ -85,7 +86,7 @@ def test_a_run_without_instantiation_stops_releasing(monkeypatch, caplog):
     monkeypatch.setattr(cudnn_target.plan_holds, "releasing", True)
     monkeypatch.setattr(registry.holds, "releasing", True)
     key = 2 ** 41
-    frame = ffi.HostCallFrame(key, 2, 2)
+    frame = HostCallFrame(key, 2, 2)
     launched = []
     cudnn_target._launches[(key, 0)] = cudnn_target.SiteLaunch(None, lambda a, s, c: launched.append(a))
     try:

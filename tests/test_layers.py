@@ -156,3 +156,30 @@ def test_function_local_imports_are_the_deferred_ones():
 def test_layer_packages_import_nothing(package):
     """These layers' ``__init__`` hold a docstring only, so importing one module of a layer imports no other."""
     assert not GRAPH[package], GRAPH[package]
+
+
+def test_front_signatures_are_written_out_and_match_the_parameter_table():
+    """Every public front function has its signature in its source (no function made at run time), and
+    ``parameters.front`` checked it against the one table when the module was imported."""
+    import inspect
+
+    import cudnn_attn
+    from cudnn_attn import jax_bridge, reference
+    from cudnn_attn.core import parameters
+
+    fronts = [cudnn_attn.attention, cudnn_attn.dot_product_attention, cudnn_attn.paged_attention,
+              cudnn_attn.dot_product_attention_bwd, jax_bridge.attention, jax_bridge.dot_product_attention,
+              jax_bridge.paged_attention, reference.attention, reference.dot_product_attention,
+              reference.paged_attention, reference.dot_product_attention_bwd]
+    for function in fronts:
+        source = inspect.getsource(function)
+        assert f"def {function.__name__}(" in source and function.__code__.co_filename.endswith(".py"), function
+        form = function.arguments.form
+        assert [p.name for p in inspect.signature(function).parameters.values()][:len(form.positional)] == \
+            list(form.positional)
+
+    def drifted(query, key, value, *, mask=None):     # the table's native form has more parameters
+        return None
+
+    with pytest.raises(TypeError, match="differs from the parameter table"):
+        parameters.front(parameters.NATIVE)(drifted)

@@ -4,10 +4,12 @@ tier checks replayed results against launched ones: tests/gpu/test_api_gpu.py)."
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 
 import pytest
 
+from cudnn_attn.core import settings
 from cudnn_attn.engine import replay
 
 
@@ -109,7 +111,7 @@ def test_no_replay_or_capture_into_a_stream_being_captured(fake):
 def test_at_capacity_the_least_recently_used_graph_is_updated_in_place(fake, monkeypatch):
     """A plan at CAPACITY gives its least recently used executable graph to the new addresses
     (cudaGraphExecUpdate): nothing is instantiated or destroyed, and the old addresses no longer replay."""
-    monkeypatch.setattr(replay, "CAPACITY", 2)
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay_graphs_per_plan=2))
     launches = []
     replays = _replays(fake, launches)
     for address in (1, 2, 3):
@@ -123,7 +125,7 @@ def test_at_capacity_the_least_recently_used_graph_is_updated_in_place(fake, mon
 
 
 def test_a_refused_update_destroys_the_graph_and_instantiates_a_new_one(fake, monkeypatch):
-    monkeypatch.setattr(replay, "CAPACITY", 2)
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay_graphs_per_plan=2))
     fake.refuse_update = True
     replays = _replays(fake, [])
     for address in (1, 2, 3):
@@ -134,8 +136,8 @@ def test_a_refused_update_destroys_the_graph_and_instantiates_a_new_one(fake, mo
 
 
 def test_without_recycling_the_least_recently_used_graph_is_destroyed(fake, monkeypatch):
-    monkeypatch.setattr(replay, "CAPACITY", 2)
-    monkeypatch.setattr(replay, "RECYCLE", False)
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay_graphs_per_plan=2))
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay_recycle=False))
     replays = _replays(fake, [])
     for address in (1, 2, 3):
         for _ in range(3):
@@ -145,8 +147,8 @@ def test_without_recycling_the_least_recently_used_graph_is_destroyed(fake, monk
 
 
 def test_addresses_cycling_beyond_capacity_stop_capturing(fake, monkeypatch):
-    monkeypatch.setattr(replay, "CAPACITY", 2)
-    monkeypatch.setattr(replay, "PATIENCE", 4)
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay_graphs_per_plan=2))
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay_patience=4))
     launches = []
     replays = _replays(fake, launches)
     for _ in range(6):                         # five address sets in a cycle, two graphs: every capture is wasted
@@ -177,7 +179,7 @@ def test_the_device_bound_holds_over_all_plans(fake, monkeypatch):
     """At DEVICE_CAPACITY graphs on a device, a plan with graphs gives its own least recently used one to the new
     addresses, a plan without any captures nothing (and launches itself), another device is not affected, and graphs
     destroyed with their plan free the bound."""
-    monkeypatch.setattr(replay, "DEVICE_CAPACITY", 3)
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay_graphs=3))
     first, second, other = (_replays(fake, [], device) for device in (0, 0, 1))
 
     def twice(replays, address):

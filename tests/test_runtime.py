@@ -4,15 +4,18 @@ threads, never made on the execution path, closed at release; the call plan's la
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import sys
 import threading
 import types
 
 import pytest
 
+from cudnn_attn.core import settings
 from cudnn_attn.core.config import AttentionConfig, MaskSpec
 from cudnn_attn.engine import plan as call_plan
 from cudnn_attn.engine import runtime
+from cudnn_attn.engine.call import CallSpec
 from cudnn_attn.graphs.tensors import TensorId
 
 
@@ -52,7 +55,7 @@ def test_one_context_per_device_across_many_short_lived_threads(fake_contexts):
         for t in threads:
             t.join()
     assert sorted(fake_contexts) == [0, 1]      # two handles for 128 threads, not one per thread
-    assert len({id(c) for c in seen}) == 2 and runtime.prepared_devices() == (0, 1)
+    assert len({id(c) for c in seen}) == 2 and sorted(runtime._contexts) == [0, 1]
 
 
 def test_the_execution_path_never_creates_a_context(fake_contexts):
@@ -70,7 +73,7 @@ def test_release_runs_hooks_then_closes_every_context(fake_contexts):
     contexts = [runtime.device_context(d) for d in (0, 1)]
     runtime.release()
     assert order == ["last registered", "first registered"]
-    assert all(c.closed for c in contexts) and runtime.prepared_devices() == ()
+    assert all(c.closed for c in contexts) and not runtime._contexts
 
 
 # -- the call plan's launch ------------------------------------------------------------------------------
@@ -137,7 +140,7 @@ def test_launch_binds_operands_results_and_host_scalars_by_id(monkeypatch):
     assert plan.operand_ids == (TensorId.Q, TensorId.K, TensorId.V)
     assert [s.tid for s in plan.results] == [TensorId.O, TensorId.STATS]
     assert plan.scalar_ids == (TensorId.SEED, TensorId.OFFSET)
-    plan.launch([1, 2, 3, 4, 5], stream=0x55, scalars=call_plan.host_scalar_values(config, 1234))
+    plan.launch([1, 2, 3, 4, 5], stream=0x55, scalars=CallSpec.of(config, 'fwd').host_scalars(1234))
     (bound, workspace), = plan.launcher.calls
     assert {t: bound[t] for t in plan.operand_ids + (TensorId.O, TensorId.STATS)} == {
         TensorId.Q: 1, TensorId.K: 2, TensorId.V: 3, TensorId.O: 4, TensorId.STATS: 5}
@@ -203,7 +206,7 @@ def test_create_handle_falls_back_to_the_frontend(monkeypatch):
 
 
 def test_the_direct_sequence_launches_then_captures_then_replays(monkeypatch):
-    """``CallPlan.run`` (the CuPy direct path; the JAX handler's ``specialized`` is the same sequence): a first
+    """``CallPlan.launch`` (the CuPy direct path; the JAX handler runs its own ``sequence``): a first
     sighting of the addresses launches through cuDNN on the caller's stream, the second captures that launch
     on the context's private stream and launches the graph, later ones only launch the graph - no handle
     stream change, no cuDNN call."""
@@ -214,24 +217,24 @@ def test_the_direct_sequence_launches_then_captures_then_replays(monkeypatch):
         streamCaptureModeThreadLocal=1, streamBeginCapture=lambda stream, mode: None,
         streamEndCapture=lambda stream: 0x6, graphInstantiate=lambda graph: 0xE0, graphDestroy=lambda graph: None,
         graphExecDestroy=lambda executable: None)
-    monkeypatch.setattr(replay, "ENABLED", True)
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay=True))
     monkeypatch.setattr(replay, "_runtime", lambda: runtime_calls)
     monkeypatch.setattr(replay, "_graph_launch", lambda executable, stream: graph_launches.append((executable, stream)))
     monkeypatch.setattr(replay, "_capturing", lambda stream: False)
     config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16, dtype="float16")
     plan = _plan(monkeypatch, config, "fwd", (TensorId.Q, TensorId.K, TensorId.V, TensorId.O))
     pointers = [1, 2, 3, 4]
-    plan.run(pointers, 0x55)
+    plan.launch(pointers, 0x55)
     assert len(plan.launcher.calls) == 1 and plan.context.streams == [0x55, 0] and graph_launches == []
-    plan.run(pointers, 0x55)                                      # captured on 0xCA, launched on 0x55
+    plan.launch(pointers, 0x55)                                      # captured on 0xCA, launched on 0x55
     assert len(plan.launcher.calls) == 2 and plan.context.streams == [0x55, 0, 0xCA]
     assert graph_launches == [(0xE0, 0x55)]
-    plan.run(pointers, 0x66)                                      # replayed: nothing but the graph launch
+    plan.launch(pointers, 0x66)                                      # replayed: nothing but the graph launch
     assert len(plan.launcher.calls) == 2 and plan.context.streams == [0x55, 0, 0xCA]
     assert graph_launches == [(0xE0, 0x55), (0xE0, 0x66)]
     (replays,) = plan.replays
     assert (replays.captures, replays.replays) == (1, 1)
-    plan.run([1, 2, 3, 5], 0x55)                                  # another output: cuDNN again
+    plan.launch([1, 2, 3, 5], 0x55)                                  # another output: cuDNN again
     assert len(plan.launcher.calls) == 3 and plan.context.streams[-2:] == [0x55, 0]
 
 
@@ -241,14 +244,14 @@ def test_a_launch_on_a_thread_without_a_cuda_context_adopts_the_device_context_a
     afterwards - also when the launch raises - and leave a thread that had a context alone."""
     from cudnn_attn.engine import replay
 
-    monkeypatch.setattr(replay, "ENABLED", False)
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay=False))
     config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16, dtype="float16")
     dropout = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16,
                               dtype="float16", dropout_rate=0.1, training=True)
     raw = _plan(monkeypatch, config, "fwd", (TensorId.Q, TensorId.K, TensorId.V, TensorId.O))
     scalars = _plan(monkeypatch, dropout, "fwd", (TensorId.Q, TensorId.K, TensorId.V, TensorId.O, TensorId.STATS,
                                                   TensorId.SEED, TensorId.OFFSET))
-    launches = {"raw sequence": lambda: raw.run([1, 2, 3, 4], 0x55),
+    launches = {"raw sequence": lambda: raw.launch([1, 2, 3, 4], 0x55),
                 "launch": lambda: scalars.launch([1, 2, 3, 4, 5], 0x55, scalars=(1, 0))}
     for name, launch in launches.items():
         context = (raw if name == "raw sequence" else scalars).context
@@ -263,10 +266,15 @@ def test_a_launch_on_a_thread_without_a_cuda_context_adopts_the_device_context_a
     failing.threads.clear()
     failing.has_cuda_context = False
 
-    def refuse(addresses, workspace, handle):
-        raise RuntimeError("cuDNN refused")
+    class Refusing:                                # a launcher without a raw path, whose launch fails
+        def bound(self, context):
+            return None
 
-    scalars.launcher = refuse
+        def __call__(self, addresses, workspace, handle):
+            raise RuntimeError("cuDNN refused")
+
+    scalars.launcher = Refusing()
+    scalars._launches.clear()                     # a sequence binds the launcher when it is made
     with pytest.raises(RuntimeError, match="cuDNN refused"):
         scalars.launch([1, 2, 3, 4, 5], 0x55, scalars=(1, 0))
     assert failing.threads == ["adopt", "release"] and not failing.has_cuda_context
@@ -289,11 +297,11 @@ def test_device_context_makes_its_cuda_context_current_only_where_none_is():
 def test_no_replay_when_switched_off(monkeypatch):
     from cudnn_attn.engine import replay
 
-    monkeypatch.setattr(replay, "ENABLED", False)
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay=False))
     config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16, dtype="float16")
     plan = _plan(monkeypatch, config, "fwd", (TensorId.Q, TensorId.K, TensorId.V, TensorId.O))
     for _ in range(4):
-        plan.run([1, 2, 3, 4], 0x55)
+        plan.launch([1, 2, 3, 4], 0x55)
     assert len(plan.launcher.calls) == 4 and len(plan.replays) == 0
 
 
@@ -304,10 +312,10 @@ def test_a_dropped_sequence_takes_its_graphs_along(monkeypatch):
 
     from cudnn_attn.engine import replay
 
-    monkeypatch.setattr(replay, "ENABLED", True)
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay=True))
     config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16, dtype="float16")
     plan = _plan(monkeypatch, config, "fwd", (TensorId.Q, TensorId.K, TensorId.V, TensorId.O))
-    sites = [plan.specialized((), keep_stream=True) for _ in range(3)]
+    sites = [plan.sequence((), keep_stream=True) for _ in range(3)]
     assert len(plan.replays) == 3
     del sites
     gc.collect()

@@ -37,7 +37,7 @@ def test_dry_run_has_no_errors_and_no_mismatches(tmp_path, capsys):
     assert phases == ["warm-up", "settled", "after 49 calls", "after 89 calls", "final (after gc)"], phases
     assert all(row["live_graphs"] == 0 for row in report["phases"])    # the reference path builds no graph
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith(("PASS", "FAIL"))   # the table comes last
-    assert cudnn_attn.graph_cache is cache and cudnn_attn.fronts.execution.graph_cache is cache     # put back
+    assert cudnn_attn.graph_cache is cache and cudnn_attn.engine.prepared.graph_cache is cache     # put back
 
 
 def test_dry_run_with_recompilation_releases_dead_executables(tmp_path):

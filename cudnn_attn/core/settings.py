@@ -1,14 +1,32 @@
-"""Reading the library's environment variables, one rule for each kind.
+"""The library's settings: every ``CUDNN_ATTN_*`` environment variable and every switch, in one object.
 
-On/off (:func:`flag`): ``1``/``true``/``yes``/``on`` turn a flag on, ``0``/``false``/``no``/``off`` turn it off
-(any case, spaces ignored); unset, empty or anything else leaves the flag's default.  Counts (:func:`count`): a
-non-negative integer; unset or empty leaves the default, anything else is a ``ValueError`` naming the variable.
+:data:`current` is a :class:`Settings`, read from the environment when :mod:`cudnn_attn` is imported; the modules
+that act on a setting read it from there when they act (``settings.current.replay``).  Tests and benchmarks change
+settings for a block with :func:`override`.  Two variables are read at each use instead, because a program may set
+them after the import: ``CUDNN_ATTN_CHECK_VALUES`` (:func:`check_values`) and ``CUDNN_ATTN_CACHE_DIR``
+(:mod:`cudnn_attn.persist.store`).
+
+Variables, one rule for each kind: on/off (:func:`flag`) - ``1``/``true``/``yes``/``on`` turn a flag on,
+``0``/``false``/``no``/``off`` turn it off (any case, spaces ignored); unset, empty or anything else leaves the
+flag's default.  Counts (:func:`count`) - a non-negative integer; unset or empty leaves the default, anything else
+is a ``ValueError`` naming the variable.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+AUTOTUNE = "CUDNN_ATTN_AUTOTUNE"
+CACHE_DIR = "CUDNN_ATTN_CACHE_DIR"
+CHECK_VALUES = "CUDNN_ATTN_CHECK_VALUES"
+PRELOAD = "CUDNN_ATTN_PRELOAD"
+PRELOAD_ENGINES = "CUDNN_ATTN_PRELOAD_ENGINES"
+REPLAY = "CUDNN_ATTN_REPLAY"
+REPLAY_GRAPHS = "CUDNN_ATTN_REPLAY_GRAPHS"
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
@@ -32,3 +50,56 @@ def count(name: str, default: int, environ: Mapping[str, str] = os.environ) -> i
     if not (value.isascii() and value.isdigit()):
         raise ValueError(f"${name}: expected a non-negative integer, got {environ[name]!r}")
     return int(value)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every switch of the library (see the module doc)."""
+
+    autotune: bool = False
+    """What ``autotune=None`` (every call's default, :func:`cudnn_attn.bind` included) means: ``$CUDNN_ATTN_AUTOTUNE``,
+    for a program whose calls cannot pass ``autotune=True`` (a training script, a third-party model)."""
+    replay: bool = True
+    """Whether plans replay repeated launches as CUDA graphs (``$CUDNN_ATTN_REPLAY``; :mod:`cudnn_attn.engine.replay`)."""
+    replay_graphs: int = 64
+    """Replay graphs kept per device over all plans (``$CUDNN_ATTN_REPLAY_GRAPHS``)."""
+    replay_graphs_per_plan: int = 16
+    """Replay graphs kept per plan."""
+    replay_patience: int = 32
+    """Captures after which a plan whose graphs are replayed fewer times than captured stops capturing."""
+    replay_recycle: bool = True
+    """Whether a plan at its bound updates its least recently used graph in place (``False``: destroys it and
+    instantiates a new one)."""
+    preload: bool = True
+    """Whether ``import cudnn_attn`` imports the cuDNN frontend on a thread (``$CUDNN_ATTN_PRELOAD``;
+    :mod:`cudnn_attn.engine.preload`)."""
+    preload_engines: bool = True
+    """Whether that thread also loads cuDNN's engine libraries (``$CUDNN_ATTN_PRELOAD_ENGINES``)."""
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
+        """The settings the environment gives (a bad count raises ``ValueError`` naming its variable)."""
+        return cls(autotune=flag(AUTOTUNE, False, environ), replay=flag(REPLAY, True, environ),
+                   replay_graphs=count(REPLAY_GRAPHS, 64, environ), preload=flag(PRELOAD, True, environ),
+                   preload_engines=flag(PRELOAD_ENGINES, True, environ))
+
+
+current = Settings.from_environment()
+"""The process's settings (read when the library is imported)."""
+
+
+@contextlib.contextmanager
+def override(**changes: object) -> Iterator[Settings]:
+    """``current`` with ``changes`` for the block (tests, benchmarks); unknown names raise ``TypeError``."""
+    global current
+    before = current
+    current = dataclasses.replace(before, **changes)
+    try:
+        yield current
+    finally:
+        current = before
+
+
+def check_values(environ: Mapping[str, str] = os.environ) -> bool:
+    """``$CUDNN_ATTN_CHECK_VALUES`` now: the checked mode for every call that does not say (read at each use)."""
+    return flag(CHECK_VALUES, False, environ)

@@ -43,10 +43,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from . import settings
 from .config import AttentionConfig, AttentionOperands
-from .settings import flag
 
-ENV_VAR = "CUDNN_ATTN_CHECK_VALUES"
+ENV_VAR = settings.CHECK_VALUES
 FIELDS = ("q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k", "page_table_v")
 
 
@@ -58,7 +58,7 @@ def checking(check_values: bool | None) -> bool:
         ValueError: ``check_values`` is neither a bool nor ``None``.
     """
     if check_values is None:
-        return flag(ENV_VAR, default=False)
+        return settings.check_values()
     if not isinstance(check_values, (bool, np.bool_)):
         raise ValueError(f"check_values: must be True, False or None (then ${ENV_VAR} decides), got {check_values!r}")
     return bool(check_values)

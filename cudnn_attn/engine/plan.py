@@ -1,176 +1,46 @@
-"""The call plan: everything one launch of one graph on one device needs, decided once.
+"""The call plan: a built cuDNN graph bound for launches on one device, and its one launch sequence.
 
-A :class:`CallPlan` is made once per (configuration, forward/backward, device, plan choice) next to
-the built cuDNN graph and lives in the graph-cache entry (:mod:`cudnn_attn.engine.cache`), so eviction frees
-it.  Both fronts consume it - the CuPy path (:mod:`cudnn_attn.fronts.execution`) and the XLA FFI handler
-(:mod:`cudnn_attn.jax_bridge.cudnn_target`) - and nothing else binds operands to the graph:
+A :class:`CallPlan` is made once per (configuration, forward/backward, device, plan choice) next to the built
+cuDNN graph and lives in the graph-cache entry (:mod:`cudnn_attn.engine.cache`), so eviction frees it.  What a
+call binds and returns is :class:`~cudnn_attn.engine.call.CallSpec`'s; the plan adds what the built graph and
+the device decide:
 
-* :attr:`CallPlan.operand_ids` / :attr:`CallPlan.results` - the graph's device inputs and its results
-  by :class:`~cudnn_attn.graphs.tensors.TensorId`, in the order every caller passes their addresses
-  (the JAX lowering emits its FFI call in this order); :attr:`CallPlan.scalar_ids` the pass-by-value
-  host scalars (dropout seed and offset, ``score_mod`` arguments), whose values a call passes;
-* :func:`result_specs` - shape, dtype and the **one zero-fill policy** (:class:`Fill`) of every result;
-* :func:`graph_inputs` - the arrays of a call as graph tensors (packed segments converted to cuDNN's
-  ragged batch), for any array namespace (``cupy`` or ``jax.numpy``);
-* :meth:`CallPlan.launch` - under the device lock: point the handle at the stream, take the
-  workspace, zero what the policy zeroes before the launch, write the host scalars, launch;
-* :meth:`CallPlan.warm_up` - one launch on scratch buffers before any real one (the JAX lowering calls
-  it for every device): lazy CUDA module loading then never happens while XLA runs the program.
-
-The zero-fill policy (cuDNN 9.19 on the H200, the library's convention that rows cuDNN does not
-compute come back as zeros):
-
-* ``ZERO_BEFORE`` - cuDNN leaves the rows of padded queries (O, dQ) and keys (dK, dV), and the tokens
-  outside packed segments, unwritten; it *accumulates* into dbias and dsink.  One
-  ``cudaMemsetAsync`` of the buffer before the launch.
-* ``ROWS_AFTER`` - cuDNN *writes* non-finite values into the logsumexp rows of padded queries, so
-  they are set to 0 after the launch (:func:`zero_rows`).
-* ``SEGMENTS`` - the packed statistics are token-major; the conversion to the API's ``(B*M, N, T)``
-  logsumexp (:func:`cudnn_attn.graphs.packing.lse_from_tokens`) zeroes everything outside a segment.
+* :attr:`CallPlan.operand_ids` / :attr:`CallPlan.results` - the graph's device inputs and the buffers it writes,
+  by :class:`~cudnn_attn.graphs.tensors.TensorId`, in the order every caller passes their addresses (checked
+  once against the built graph); :attr:`CallPlan.scalar_ids` the pass-by-value host scalars (dropout seed and
+  offset, ``score_mod`` arguments);
+* :meth:`CallPlan.sequence` - **the one launch sequence**, a closure made once per caller: under the device
+  lock, make the device's CUDA context current on a thread without one, take the workspace, replay a CUDA
+  graph of the launch when its addresses repeat (:mod:`cudnn_attn.engine.replay`), else point the handle at
+  the stream, zero what the fill policy zeroes before the launch, write the host scalars and launch;
+  :meth:`CallPlan.launch` runs it;
+* :meth:`CallPlan.warm_up` - one launch on scratch buffers before any real one (the JAX lowering calls it for
+  every device): lazy CUDA module loading then never happens while XLA runs the program.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import threading
 import weakref
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from cudnn_attn.core import settings
 from cudnn_attn.core.config import AttentionConfig
-from cudnn_attn.core.types import FP8_BWD_AMAX, Kind
-from cudnn_attn.graphs import packing
 from cudnn_attn.graphs import tensors as tt
-from cudnn_attn.graphs.tensors import FP8_AMAX_IDS, FP8_SCALE_IDS, HOST_SCALAR_IDS, TensorId
+from cudnn_attn.graphs.tensors import HOST_SCALAR_IDS, TensorId
 
-from . import replay
+from .call import BWD, FWD, CallSpec, Fill, ResultSpec, io_dtype, result_specs  # noqa: F401 (FWD/BWD, ResultSpec)
 from .launch import Launcher
 from .replay import Replays
 
 logger = logging.getLogger("cudnn_attn")
 
-FWD, BWD = Kind.FORWARD, Kind.BACKWARD
-
-
-class Fill(enum.Enum):
-    """How a result's undefined elements become zeros (see the module doc)."""
-    NONE = "none"
-    ZERO_BEFORE = "zero_before"
-    ROWS_AFTER = "rows_after"
-    SEGMENTS = "segments"
-
-
-class ResultSpec(NamedTuple):
-    """One result buffer of a graph: its API name, tensor id, physical shape and dtype, fill policy."""
-    name: str
-    tid: TensorId
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    fill: Fill
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
-
-def io_dtype(config: AttentionConfig) -> np.dtype:
-    """The NumPy dtype of Q/K/V/O (``ml_dtypes`` for bfloat16 and FP8)."""
-    import ml_dtypes
-
-    name = config.dtype
-    return np.dtype(getattr(ml_dtypes, name) if name.startswith(("bfloat", "float8")) else name)
-
-
-_F32 = np.dtype(np.float32)
-_AMAX = (1, 1, 1, 1)
-
-
-def result_specs(config: AttentionConfig, kind: str, *, rng_dump: bool = False) -> tuple[ResultSpec, ...]:
-    """The results of ``config``'s ``kind`` graph, sorted by tensor id (the policy is the module doc's)."""
-    io = io_dtype(config)
-    padded = config.mask.padding
-    zero_if_padded = Fill.ZERO_BEFORE if padded else Fill.NONE
-    specs = []
-    if kind == FWD:
-        specs.append(ResultSpec("output", TensorId.O, config.o_shape, io, zero_if_padded))
-        if config.training:
-            if config.packing is not None:
-                specs.append(ResultSpec("logsumexp", TensorId.STATS, (config.batch * config.q_len, config.q_heads),
-                                        _F32, Fill.SEGMENTS))
-            else:
-                specs.append(ResultSpec("logsumexp", TensorId.STATS, config.lse_shape, _F32,
-                                        Fill.ROWS_AFTER if padded else Fill.NONE))
-        if config.fp8:
-            specs += [ResultSpec(name, FP8_AMAX_IDS[name], _AMAX, _F32, Fill.NONE) for name in ("amax_s", "amax_o")]
-    else:
-        specs += [ResultSpec("dq", TensorId.DQ, config.q_shape, io, zero_if_padded),
-                  ResultSpec("dk", TensorId.DK, config.k_shape, io, zero_if_padded),
-                  ResultSpec("dv", TensorId.DV, config.v_shape, io, zero_if_padded)]
-        if config.has_dbias:
-            specs.append(ResultSpec("dbias", TensorId.DBIAS, tuple(config.bias.shape), io, Fill.ZERO_BEFORE))
-        if config.sink:
-            specs.append(ResultSpec("dsink", TensorId.DSINK, (config.q_heads,), _F32, Fill.ZERO_BEFORE))
-        if config.fp8:
-            specs += [ResultSpec(name, FP8_AMAX_IDS[name], _AMAX, _F32, Fill.NONE) for name in FP8_BWD_AMAX]
-    if rng_dump:
-        shape = (config.segments, config.q_heads, config.q_len, config.kv_len)
-        specs.append(ResultSpec("rng_dump", TensorId.RNG_DUMP, shape, _F32, Fill.NONE))
-    return tuple(sorted(specs, key=lambda spec: spec.tid))
-
-
-# -- operands -------------------------------------------------------------------------------------------
-
-OPERAND_IDS = {"query": TensorId.Q, "key": TensorId.K, "value": TensorId.V, "bias": TensorId.BIAS,
-               "sink": TensorId.SINK, "page_table_k": TensorId.PAGE_TABLE_K, "page_table_v": TensorId.PAGE_TABLE_V,
-               "q_seqlen": TensorId.SEQ_LEN_Q, "kv_seqlen": TensorId.SEQ_LEN_KV,
-               "output": TensorId.O, "grad_output": TensorId.DO, **FP8_SCALE_IDS}
-# Where each array of a call without packed segments goes (the backward's logsumexp is the statistics).
-DIRECT_IDS = {**OPERAND_IDS, "logsumexp": TensorId.STATS}
-
-
-def graph_inputs(xp: Any, config: AttentionConfig, kind: str, named: Mapping[str, Any]) -> tuple[dict, Any]:
-    """The graph's device inputs by :class:`TensorId` from a call's named arrays, and the packed
-    segments (``None`` unless packed).
-
-    ``named`` holds the operand names of :mod:`cudnn_attn.jax_bridge.signature` (``query``, ``bias``,
-    ``q_offsets``, the FP8Params keys, and for the backward ``output``, ``grad_output`` and
-    ``logsumexp``); names the graph does not read (``score_mod`` arguments, bound by value) are
-    ignored.  Packed segments become cuDNN's ragged batch (:mod:`cudnn_attn.graphs.packing`) with
-    ``xp``, and the backward's logsumexp its token-major statistics.
-    """
-
-    packed = config.packing is not None
-    bound = {OPERAND_IDS[name]: x for name, x in named.items()
-             if name in OPERAND_IDS and x is not None and not (packed and name in ("q_seqlen", "kv_seqlen"))}
-    segments = None
-    if packed:
-        segments = packing.segments(xp, named["q_seqlen"], named["kv_seqlen"], named["q_offsets"],
-                                    named["kv_offsets"], config.q_len, config.kv_len)
-        bound.update(packing.cudnn_buffers(xp, config, segments))
-        if kind == FWD and not config.training:
-            del bound[TensorId.RAGGED_STATS]                 # an inference graph has no statistics
-    if kind == BWD:
-        lse = named["logsumexp"]
-        if packed:
-            lse = packing.lse_to_tokens(xp, lse, segments, config.batch * config.q_len)
-        bound[TensorId.STATS] = lse
-    return bound, segments
-
-
-def zero_rows(xp: Any, lse: Any, q_seqlen: Any) -> Any:
-    """The ``(B, N, T)`` logsumexp with the rows of padded queries (``t >= q_seqlen[b]``) set to 0."""
-    rows = xp.arange(lse.shape[-1], dtype=xp.int32)[None, None, :]
-    return xp.where(rows < q_seqlen.reshape(-1, 1, 1), lse, xp.zeros((), lse.dtype))
-
-
-def host_scalar_values(config: AttentionConfig, seed: int, score_mod_args: Sequence[float] = ()) -> tuple:
-    """The values of a plan's :attr:`~CallPlan.scalar_ids`, in order: dropout seed and offset (0),
-    then the ``score_mod`` arguments."""
-    values: tuple = (int(seed), 0) if config.has_dropout else ()
-    return values + tuple(float(a) for a in score_mod_args)
+Launch = Callable[..., None]
+"""``run(pointers, stream, workspace=None, capturable=True, scalars=<fixed>)``: :meth:`CallPlan.sequence`."""
 
 
 # -- the plan -------------------------------------------------------------------------------------------
@@ -194,6 +64,7 @@ class CallPlan:
         self.built = built
         self.config: AttentionConfig = built.config
         self.kind: str = built.kind
+        self.spec = CallSpec.of(self.config, self.kind)
         self.context = context
         self.device: int = context.device
         self.results = result_specs(self.config, self.kind, rng_dump=rng_dump)
@@ -201,9 +72,11 @@ class CallPlan:
         self.scalar_ids = tuple(sorted(t for t in built.uids if t in HOST_SCALAR_IDS))
         self.operand_ids = tuple(sorted(t for t in built.uids if t not in result_ids and t not in HOST_SCALAR_IDS))
         missing = result_ids - set(built.uids)
-        if missing:
-            raise RuntimeError(f"the {self.kind} graph of {self.config.describe()} lacks the results "
-                               f"{sorted(t.name for t in missing)}")
+        if missing or self.operand_ids != self.spec.graph_operands:
+            raise RuntimeError(f"the {self.kind} graph of {self.config.describe()} reads "
+                               f"{[t.name for t in self.operand_ids]} and lacks the results "
+                               f"{sorted(t.name for t in missing)}; its call binds "
+                               f"{[t.name for t in self.spec.graph_operands]}")
         self.workspace_size: int = built.workspace_size if plan_index is None else \
             next(info.workspace_size for info in built.plans if info.index == plan_index)
         count = len(self.operand_ids)
@@ -218,85 +91,45 @@ class CallPlan:
         self.launcher = Launcher(built, ids, plan_index=plan_index)
         self._warm = False
         self._warm_lock = threading.Lock()
-        self._fast: Any = None                # :meth:`run`'s launch sequence, made by its first call
-        # The CUDA graphs of each live launch sequence (cudnn_attn.engine.replay), weakly: a sequence (the direct path's,
-        # or a JAX call site's) owns its graphs, and they go when it goes, even while the plan stays cached.
+        self._launches: dict[bool, Launch] = {}     # :meth:`launch`'s sequences, by keep_stream
+        # The CUDA graphs of each live launch sequence (cudnn_attn.engine.replay), weakly: a sequence owns its
+        # graphs, and they go when it goes, even while the plan stays cached.
         self.replays: weakref.WeakSet[Any] = weakref.WeakSet()
 
     # -- launching ----------------------------------------------------------------------------------
-    def launch(self, pointers: list[int], stream: int, workspace: int | None = None,
-               scalars: Sequence[Any] = (), keep_stream: bool = False) -> None:
-        """Launch on ``stream`` (a ``cudaStream_t``).
+    def sequence(self, scalars: Sequence[Any] = (), keep_stream: bool = False) -> Launch:
+        """The launch sequence of this plan, for one caller: ``run(pointers, stream, workspace=None,
+        capturable=True, scalars=scalars)``.
 
         ``pointers`` are the device addresses of :attr:`operand_ids` then :attr:`results`, in order;
-        ``workspace`` a device buffer of at least :attr:`workspace_size` bytes ordered on ``stream``
-        (``None``: the device context's workspace for that stream); ``scalars`` the values of
-        :attr:`scalar_ids` (:func:`host_scalar_values`).  Results with ``Fill.ZERO_BEFORE`` are zeroed
-        first, on the same stream.  Nothing is allocated except a grown context workspace.  Afterwards the
-        handle goes back to the default stream unless ``keep_stream`` (XLA's streams, which live as long as
-        the process; see :mod:`cudnn_attn.engine.runtime` on streams a handle may not outlive).
+        ``workspace`` a device buffer of at least :attr:`workspace_size` bytes ordered on ``stream`` (``None``:
+        the device context's workspace for that stream); ``scalars`` the values of :attr:`scalar_ids`
+        (:meth:`~cudnn_attn.engine.call.CallSpec.host_scalars`).  Results with ``Fill.ZERO_BEFORE`` are zeroed
+        first, on the same stream.  Nothing is allocated except a grown context workspace.  Afterwards the handle
+        goes back to the default stream unless ``keep_stream`` (XLA's streams, which live as long as the process;
+        see :mod:`cudnn_attn.engine.runtime` on streams a handle may not outlive).  ``capturable=False``:
+        ``stream`` is never being captured, so a replay does not ask (:class:`~cudnn_attn.engine.replay.Replays`).
+
+        A plan without zero-fills and host scalars replays repeated addresses; the replay graphs belong to the
+        sequence.  The closure holds the context and the launcher, never the plan, so that keeping it on the
+        plan makes no reference cycle (evicted graphs are freed at once).
         """
-        context = self.context
-        with context.lock:
-            adopted = context.adopt_thread()           # a thread with no CUDA context (runtime module doc)
-            try:
-                context.bind_stream(stream)
-                if workspace is None:
-                    workspace = context.workspace(stream, self.workspace_size) if self.workspace_size else 0
-                if self._zeroed:
-                    _memset_zero(pointers, self._zeroed, stream)
-                if self._scalars:
-                    for buffer, value in zip(self._scalars, scalars):
-                        buffer[0] = value
-                    pointers = pointers + self._scalar_addresses
-                self.launcher(pointers, workspace, context.handle)
-                if stream and not keep_stream:
-                    context.bind_stream(0)
-            finally:
-                if adopted:
-                    context.release_thread()
-
-    def specialized(self, scalars: Sequence[Any] = (), keep_stream: bool = False) -> Callable[..., None]:
-        """:meth:`launch` with ``scalars`` and ``keep_stream`` fixed: ``run(pointers, stream, workspace=None,
-        capturable=True)`` (``capturable=False``: ``stream`` is never being captured, :class:`~.replay.Replays`).
-
-        A plan that zeroes results or passes host scalars runs :meth:`launch` itself; the others run the
-        same sequence (device lock, handle stream, workspace, the raw cuDNN call) with every attribute
-        looked up once, here.  The JAX handler launches through this.
-        """
-        fast = self._raw_sequence(keep_stream)
-        if fast is not None:
-            return fast
-        launch = self.launch
-        return lambda pointers, stream, workspace=None, capturable=True: launch(
-            pointers, stream, workspace, scalars, keep_stream)
-
-    def run(self, pointers: Sequence[int], stream: int, workspace: int | None = None) -> None:
-        """:meth:`launch` of a plan without host scalars, through :meth:`specialized`'s sequence (the CuPy
-        direct path)."""
-        fast = self._fast
-        if fast is None:
-            fast = self._fast = self._raw_sequence(keep_stream=False) or False
-        if fast:
-            fast(pointers, stream, workspace)
-        else:
-            self.launch(pointers, stream, workspace)
-
-    def _raw_sequence(self, keep_stream: bool) -> Callable[..., None] | None:
-        """The launch sequence as a closure over the context and the launcher's raw call - never over the
-        plan, so that keeping it on the plan makes no reference cycle (evicted graphs are freed at once).
-        Repeated addresses replay a CUDA graph of the launch (:mod:`cudnn_attn.engine.replay`)."""
-        raw = None if self._zeroed or self._scalars else self.launcher.bound(self.context)
-        if raw is None:
-            return None
-        context, size = self.context, self.workspace_size
+        context, size, launcher = self.context, self.workspace_size, self.launcher
         lock, bind_stream, workspace_for = context.lock, context.bind_stream, context.workspace
         adopt_thread, release_thread = context.adopt_thread, context.release_thread
-        replays = Replays(raw, bind_stream, context.capture_stream, context.device) if replay.ENABLED else None
-        if replays is not None:
+        zeroed, buffers, addresses = self._zeroed, self._scalars, self._scalar_addresses
+        raw = launcher.bound(context)
+        if raw is None:                                   # the frontend's execute (Launcher.path == FRONTEND)
+            def raw(pointers: Sequence[int], workspace: int) -> None:
+                launcher(pointers, workspace, context.handle)
+        replays = None
+        if settings.current.replay and not zeroed and not buffers:
+            replays = Replays(raw, bind_stream, context.capture_stream, context.device)
             self.replays.add(replays)
+        fixed = tuple(scalars)
 
-        def run(pointers: Sequence[int], stream: int, workspace: int | None = None, capturable: bool = True) -> None:
+        def run(pointers: Sequence[int], stream: int, workspace: int | None = None, capturable: bool = True,
+                scalars: Sequence[Any] = fixed) -> None:
             with lock:
                 adopted = adopt_thread()               # a thread with no CUDA context (runtime module doc)
                 try:
@@ -305,6 +138,12 @@ class CallPlan:
                     if replays is not None and replays.launch(pointers, workspace, stream, capturable):
                         return
                     bind_stream(stream)
+                    if zeroed:
+                        _memset_zero(pointers, zeroed, stream)
+                    if buffers:
+                        for buffer, value in zip(buffers, scalars):
+                            buffer[0] = value
+                        pointers = [*pointers, *addresses]
                     raw(pointers, workspace)
                     if stream and not keep_stream:
                         bind_stream(0)
@@ -313,6 +152,14 @@ class CallPlan:
                         release_thread()
 
         return run
+
+    def launch(self, pointers: Sequence[int], stream: int, workspace: int | None = None,
+               scalars: Sequence[Any] = (), keep_stream: bool = False) -> None:
+        """One launch through this plan's own :meth:`sequence` (one per ``keep_stream``; see there)."""
+        run = self._launches.get(keep_stream)
+        if run is None:
+            run = self._launches.setdefault(keep_stream, self.sequence(keep_stream=keep_stream))
+        run(pointers, stream, workspace, True, scalars)
 
     def warm_up(self) -> None:
         """Launch once on scratch buffers and wait (see the module doc); at most once per plan.

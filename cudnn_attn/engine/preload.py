@@ -47,12 +47,10 @@ import sys
 import threading
 import time
 
-from cudnn_attn.core.settings import flag
+from cudnn_attn.core import settings
 
-ENV_VAR = "CUDNN_ATTN_PRELOAD"
-ENABLED = flag(ENV_VAR, default=True)
-ENGINES_ENV_VAR = "CUDNN_ATTN_PRELOAD_ENGINES"
-ENGINES_ENABLED = flag(ENGINES_ENV_VAR, default=True)
+ENV_VAR = settings.PRELOAD
+ENGINES_ENV_VAR = settings.PRELOAD_ENGINES
 
 # The libraries an SDPA plan loads (next to libcudnn.so.*, same suffix), in dependency order: measured with the
 # process's memory map around a deserialization (cuDNN 9.19; ops, cnn and adv are not used).
@@ -75,9 +73,9 @@ _registered = False
 
 def start() -> bool:
     """Start importing ``cudnn`` on a background thread, unless it is imported (or being imported) already
-    or :data:`ENABLED` is off.  Returns whether a thread was started."""
+    or ``settings.current.preload`` is off.  Returns whether a thread was started."""
     global _thread, _registered
-    if not ENABLED or "cudnn" in sys.modules:
+    if not settings.current.preload or "cudnn" in sys.modules:
         return False
     with _lock:
         if _thread is not None:
@@ -100,7 +98,7 @@ def _import() -> None:
         import cudnn  # noqa: F401
     except BaseException:            # the caller's own import raises it again, with its traceback
         return
-    if ENGINES_ENABLED and os.path.exists(_DRIVER_DEVICE):
+    if settings.current.preload_engines and os.path.exists(_DRIVER_DEVICE):
         start = time.perf_counter()
         engines_loaded = load_engine_libraries()
         engines_seconds = time.perf_counter() - start

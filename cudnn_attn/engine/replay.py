@@ -20,7 +20,7 @@ passes the same few address sets (the JAX handler without command buffers sees X
   stream, or ``cudaStreamLegacy``) cannot be captured, so it is not asked (0.6 us a call); nor is the stream
   of a caller that is never recorded (``capturable=False``: the JAX target without the command-buffer
   trait, which XLA does not record).
-* **Bounded**: at most :data:`CAPACITY` graphs per plan, and at most :data:`DEVICE_CAPACITY` per device over
+* **Bounded**: at most ``settings.current.replay_graphs_per_plan`` graphs per plan, and at most ``settings.current.replay_graphs`` per device over
   all plans.  At either bound a plan gives its own least recently used graph to the new addresses: the new
   capture updates that executable graph in place (``cudaGraphExecUpdate``: the plan's kernels are the same,
   only their arguments differ), so no executable graph is made or destroyed (a fallback instantiates a new one
@@ -28,15 +28,15 @@ passes the same few address sets (the JAX handler without command buffers sees X
   plans' graphs are destroyed.  Each executable graph holds
   device and host memory of its own; without the device bound, plans that live long (those a compiled JAX
   program holds) filled up to 64 graphs each, which a 93k-call soak measured as +90 MiB of device and
-  +16 MiB of host memory (run A of 2026-12-01; +4 / +0.3 MiB with replay off).  A graph holds about
+  +16 MiB of host memory (+4 / +0.3 MiB with replay off).  A graph holds about
   123 KiB of device and 31 KiB of host memory (``benchmarks/probe_graph_memory.py``), so the default
   bound of 64 holds at most ~8 MiB of device memory per GPU.  Where XLA records the JAX call into its
   own command buffers (its default under ``jit``), the handler does not replay at all.  Address sets that cycle
   through more than a plan's capacity would capture on every call; a plan whose captures reach
-  :data:`PATIENCE` without as many replays stops capturing for good.  :func:`live_graphs` counts the graphs,
+  ``settings.current.replay_patience`` without as many replays stops capturing for good.  :func:`live_graphs` counts the graphs,
   :func:`churn` how many were made, destroyed and updated in place.
 * A failed capture turns replay off for the plan (logged), and the call launches the ordinary way.
-* ``CUDNN_ATTN_REPLAY=0`` turns it off for the process (read at import).
+* ``CUDNN_ATTN_REPLAY=0`` turns it off for the process (:mod:`cudnn_attn.core.settings`).
 
 Graphs are destroyed with their plan (CUDA frees an executable graph that is still running when its
 launches complete).
@@ -49,22 +49,9 @@ import logging
 import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
-from cudnn_attn.core.settings import count, flag
+from cudnn_attn.core import settings
 
 logger = logging.getLogger("cudnn_attn")
-
-CAPACITY = 16
-"""Graphs kept per plan."""
-DEVICE_CAPACITY = count("CUDNN_ATTN_REPLAY_GRAPHS", default=64)
-"""Graphs kept per device over all plans (``$CUDNN_ATTN_REPLAY_GRAPHS``, read at import)."""
-RECYCLE = True
-"""Whether a plan at its bound updates its least recently used graph in place (``False``: destroys it and
-instantiates a new one; ``benchmarks/probe_graph_memory.py`` compares the two)."""
-PATIENCE = 32
-"""Captures after which a plan whose graphs are replayed fewer times than captured stops capturing."""
-ENABLED = flag("CUDNN_ATTN_REPLAY", default=True)
-"""Whether plans replay at all (``$CUDNN_ATTN_REPLAY``, read at import)."""
-
 
 class Replays:
     """The CUDA graphs of one plan's launches (see the module doc).
@@ -73,7 +60,7 @@ class Replays:
         raw: ``raw(addresses, workspace)`` - the plan's launch on the handle's current stream.
         bind_stream: points the handle at a stream (the device context's).
         capture_stream: ``() -> cudaStream_t`` of a private stream of the plan's device.
-        device: the plan's device (whose :data:`DEVICE_CAPACITY` its graphs count against).
+        device: the plan's device (whose ``settings.current.replay_graphs`` its graphs count against).
     """
 
     __slots__ = ("_raw", "_bind_stream", "_capture_stream", "_graphs", "_seen", "captures", "replays",
@@ -86,7 +73,7 @@ class Replays:
         self._graphs: collections.OrderedDict[tuple, int] = collections.OrderedDict()
         self._seen: dict[tuple, None] = {}
         self.captures = self.replays = 0
-        self.enabled = ENABLED
+        self.enabled = settings.current.replay
 
     def launch(self, addresses: Sequence[int], workspace: int, stream: int, capturable: bool = True) -> bool:
         """Launch by replay when the addresses allow it; ``False`` when the caller must launch itself.
@@ -97,12 +84,12 @@ class Replays:
         graph = self._graphs.get(key)
         if graph is None:
             if key not in self._seen:
-                if len(self._seen) >= 4 * CAPACITY:
+                if len(self._seen) >= 4 * settings.current.replay_graphs_per_plan:
                     self._seen.clear()
                 self._seen[key] = None
                 return False
-            if self.captures >= PATIENCE and self.replays < self.captures:
-                self.disable()              # addresses do not repeat within CAPACITY: capturing only costs
+            if self.captures >= settings.current.replay_patience and self.replays < self.captures:
+                self.disable()              # addresses do not repeat within the bound: capturing only costs
                 return False
             graph = self._capture(key, addresses, workspace)
             if graph is None:
@@ -116,7 +103,8 @@ class Replays:
     def _capture(self, key: tuple, addresses: Sequence[int], workspace: int) -> int | None:
         runtime = _runtime()
         recycled = None                     # the plan's least recently used graph, given to these addresses
-        if len(self._graphs) >= CAPACITY or _live[self.device] >= DEVICE_CAPACITY:
+        if len(self._graphs) >= settings.current.replay_graphs_per_plan \
+                or _live[self.device] >= settings.current.replay_graphs:
             if not self._graphs:
                 return None                 # the device's bound is held by other plans' graphs
             recycled = self._graphs.popitem(last=False)[1]
@@ -129,7 +117,7 @@ class Replays:
                 self._raw(addresses, workspace)
             finally:
                 graph = runtime.streamEndCapture(side)
-            if recycled is not None and RECYCLE and _update(recycled, graph):
+            if recycled is not None and settings.current.replay_recycle and _update(recycled, graph):
                 executable, recycled = recycled, None
                 _count(self.device, 0)
             else:

@@ -68,18 +68,23 @@ from __future__ import annotations
 import atexit
 import contextlib
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 from cudnn_attn.core.environment import Environment
 from cudnn_attn.core.errors import NoGPUError
 
 
-def _cupy():
+def cupy() -> Any:
+    """The ``cupy`` module (:class:`NoGPUError` without it).  Imported on first use: ``import cudnn_attn`` does not
+    import CuPy."""
     try:
         import cupy
     except ImportError as exc:  # pragma: no cover - cupy is a dependency
         raise NoGPUError(f"the cuDNN path needs CuPy ({exc}); use cudnn_attn.reference on a CPU") from exc
     return cupy
+
+
+_cupy = cupy
 
 
 _gpu_found = False
@@ -127,6 +132,19 @@ def stream_pointer(stream: Any, device: int) -> int:
         return int(protocol()[1])
     raise ValueError(f"stream: expected None, an int cudaStream_t, a CuPy or torch stream, or an object with "
                      f"__cuda_stream__; got {type(stream).__name__}")
+
+
+@contextlib.contextmanager
+def stream_scope(stream: Any, device: int) -> Iterator[int]:
+    """Make ``stream`` (see :func:`stream_pointer`; ``None``: the current CuPy stream) CuPy's current stream of
+    ``device`` for the block - CuPy allocates results on it, so its pool reuses their memory in that stream's
+    order - and give its ``cudaStream_t``.  The one place a call's stream is scoped."""
+    pointer = stream_pointer(stream, device)
+    if stream is None:
+        yield pointer
+        return
+    with device_context(device).stream(pointer):
+        yield pointer
 
 
 class _StreamHandle:
@@ -296,10 +314,6 @@ def device_context(device: int, *, create: bool = True) -> DeviceContext:
             context = _contexts[device] = DeviceContext(device)
     return context
 
-
-def prepared_devices() -> tuple[int, ...]:
-    """The devices that have a context."""
-    return tuple(sorted(_contexts))
 
 
 _release_hooks: list[Any] = []

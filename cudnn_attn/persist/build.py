@@ -32,8 +32,7 @@ from typing import Any, Mapping
 import cudnn
 
 from cudnn_attn.core.environment import Environment
-from cudnn_attn.core.errors import UnsupportedConfigurationError
-from cudnn_attn.graphs.builder import ALL_PLANS, FWD, BuiltGraph, PlanInfo, build_graph
+from cudnn_attn.graphs.builder import ALL_PLANS, BuiltGraph, PlanInfo, build_graph
 from cudnn_attn.graphs.target import DevicelessTarget, graph_options
 from cudnn_attn.graphs.tensors import TensorId
 from cudnn_attn.persist.store import AUTOTUNED, HEURISTIC, NotPersistable, PlanKey, PlanStore

@@ -53,10 +53,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Protocol
 
+from cudnn_attn.core import settings
 from cudnn_attn.core.config import ScoreModSpec
 from cudnn_attn.core.environment import VERSION, Environment
 
-ENV_VAR = "CUDNN_ATTN_CACHE_DIR"
+ENV_VAR = settings.CACHE_DIR
 OFF = "off"
 FORMAT_VERSION = 1
 MAGIC = b"CUDNNATTN-STORE\n"
@@ -195,10 +196,6 @@ class PlanKey:
 
     def describe(self) -> str:
         return f"{self.kind} {self.config.describe()} [{self.choice}]"
-
-
-    def describe(self) -> str:
-        return f"kernel cache for {self.environment.describe()}"
 
 
 def key_digest(key: StoreKey) -> str:

@@ -9,12 +9,14 @@ to use instead of drawing one from ``seed``).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from cudnn_attn.core import parameters
-from cudnn_attn.core.types import AttentionGrads, AttentionOutput
+from cudnn_attn.core.masks import MaskSpec
+from cudnn_attn.core.parameters import AuxRequest
+from cudnn_attn.core.types import AttentionGrads, AttentionOutput, FP8Params, MaskType
 from cudnn_attn.core.validation import validate_backward, validate_call
 
 from .core import backward, forward
@@ -28,34 +30,61 @@ def _forward(call: NamedTuple) -> AttentionOutput:
 
 
 @parameters.front(parameters.NATIVE, "deterministic", "dropout_mask")
-def attention(call: NamedTuple) -> AttentionOutput:
+def attention(query: Any, key: Any, value: Any, *, mask: MaskSpec | None = None, bias: Any = None,
+              scale: float | None = None, dropout_rate: float = 0.0, seed: int = 42, layout: str = "BTNH",
+              sink: Any = None, fp8_params: FP8Params | None = None, return_aux: AuxRequest | None = None,
+              deterministic: bool = False, dropout_mask: Any = None) -> AttentionOutput:
     """Reference of the native :func:`cudnn_attn.attention`: an :class:`AttentionOutput` (``logsumexp`` with
     ``return_aux=AuxRequest(logsumexp=True)``, ``amax_s``/``amax_o`` with FP8)."""
+    call = attention.arguments(**locals())
     return _forward(call)
 
 
 @parameters.front(parameters.FORWARD, "dropout_mask")
-def dot_product_attention(call: NamedTuple) -> Any:
+def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, q_seqlen: Any = None,
+                          kv_seqlen: Any = None, q_offsets: Any = None, kv_offsets: Any = None,
+                          fp8_params: FP8Params | None = None, score_mod_args: Sequence[Any] = (), *,
+                          scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK, seed: int = 42,
+                          dropout_rate: float = 0.0, qkv_layout: str = "BTNH",
+                          sliding_window_length: int | None = None, score_mod: Callable[..., Any] | None = None,
+                          use_fp8: bool = False, return_residual: bool = False, diagonal_alignment: str = "top_left",
+                          sink: Any = None, dropout_mask: Any = None) -> Any:
     """Reference ``dot_product_attention``: returns the output, ``(output, logsumexp)`` with
     ``return_residual``, or ``(output, amax_s, amax_o)`` with ``use_fp8`` (as the seed)."""
+    call = dot_product_attention.arguments(**locals())
     return _forward(call).seed_form(call.use_fp8, call.return_residual)
 
 
 @parameters.front(parameters.PAGED, "dropout_mask")
-def paged_attention(call: NamedTuple) -> Any:
+def paged_attention(query: Any, key: Any, value: Any, q_seqlen: Any, kv_seqlen: Any, page_table_k: Any,
+                    page_table_v: Any, bias: Any = None, mask: Any = None, fp8_params: FP8Params | None = None, *,
+                    scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK, seed: int = 42,
+                    dropout_rate: float = 0.0, qkv_layout: str = "BTNH", sliding_window_length: int | None = None,
+                    use_fp8: bool = False, return_residual: bool = False, diagonal_alignment: str = "top_left",
+                    sink: Any = None, dropout_mask: Any = None) -> Any:
     """Reference ``paged_attention``: K/V are block caches read through the page tables; returns the
     output, or ``(output, logsumexp)`` with ``return_residual``."""
+    call = paged_attention.arguments(**locals())
     return _forward(call).seed_form(call.use_fp8, call.return_residual)
 
 
 @parameters.front(parameters.BACKWARD, "dropout_mask", "deterministic")
-def dot_product_attention_bwd(call: NamedTuple) -> AttentionGrads:
+def dot_product_attention_bwd(query: Any, key: Any, value: Any, output: Any, grad_output: Any, logsumexp: Any,
+                              bias: Any = None, mask: Any = None, q_seqlen: Any = None, kv_seqlen: Any = None,
+                              q_offsets: Any = None, kv_offsets: Any = None, fp8_params: FP8Params | None = None,
+                              score_mod_args: Sequence[Any] = (), *, scale: float = 1.0,
+                              mask_type: MaskType = MaskType.NO_MASK, seed: int = 42, dropout_rate: float = 0.0,
+                              qkv_layout: str = "BTNH", sliding_window_length: int | None = None,
+                              score_mod: Callable[..., Any] | None = None, use_fp8: bool = False,
+                              return_residual: bool = False, diagonal_alignment: str = "top_left", sink: Any = None,
+                              dropout_mask: Any = None, deterministic: bool = False) -> AttentionGrads:
     """Reference backward of :func:`dot_product_attention` called with the same arguments.
 
     ``output`` and ``logsumexp`` are the forward's results (``return_residual=True``), ``grad_output``
     the gradient of the output.  ``return_residual`` and ``deterministic`` are accepted for signature
     parity with the forward and the GPU backward; they change nothing here.
     """
+    call = dot_product_attention_bwd.arguments(**locals())
     arrays, static = parameters.arguments(call, backward=True)
     config, operands = validate_call(**arrays, **static, xp=np)
     validate_backward(config, call.output, call.grad_output, call.logsumexp)

@@ -1,7 +1,7 @@
 """``python -m cudnn_attn check``: about twenty configurations on this GPU against the NumPy reference.
 
 Each case runs the forward (and, where cuDNN has one, the backward) through
-:func:`cudnn_attn.fronts.execution.forward` / :func:`~cudnn_attn.fronts.execution.backward` on fresh random inputs
+:func:`cudnn_attn.engine.prepared.forward` / :func:`~cudnn_attn.engine.prepared.backward` on fresh random inputs
 (seeded: a failing row prints its seed) and compares every result with :mod:`cudnn_attn.reference`:
 
 * fp16/bf16 tensors: relative Frobenius error ``||gpu - ref|| / ||ref||`` at most 2e-3 (fp16) or 1e-2
@@ -27,7 +27,7 @@ from cudnn_attn import reference
 from cudnn_attn.core.errors import UnsupportedConfigurationError
 from cudnn_attn.core.types import FP8_PARAM_KEYS, MaskType
 from cudnn_attn.core.validation import validate_call
-from cudnn_attn.fronts import execution
+from cudnn_attn.engine import prepared
 from cudnn_attn.reference.inputs import random_operands
 
 RELATIVE_TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
@@ -194,7 +194,7 @@ def _check_fp16(config: Any, operands: Any, backward: bool, rng: np.random.Gener
     rng_dump = None
     if config.has_dropout:
         rng_dump = cupy.zeros((config.segments, config.q_heads, config.q_len, config.kv_len), cupy.float32)
-    result = execution.forward(config, gpu, seed=seed, rng_dump=rng_dump)
+    result = prepared.forward(config, gpu, seed=seed, rng_dump=rng_dump)
     keep = None if rng_dump is None else cupy.asnumpy(rng_dump)
     expected = reference.forward(config, operands, dropout_mask=keep)
     compare = _Comparison()
@@ -203,7 +203,7 @@ def _check_fp16(config: Any, operands: Any, backward: bool, rng: np.random.Gener
         compare.lse(result.logsumexp, expected.logsumexp)
     if backward:
         d_out = rng.standard_normal(config.o_shape).astype(io)
-        grads = execution.backward(config, gpu, result.output, cupy.asarray(d_out), result.logsumexp, seed=seed)
+        grads = prepared.backward(config, gpu, result.output, cupy.asarray(d_out), result.logsumexp, seed=seed)
         want = reference.backward(config, operands, expected.output, d_out, expected.logsumexp, dropout_mask=keep)
         for name in ("dq", "dk", "dv") + (("dbias",) if config.has_dbias else ()) + (("dsink",) if config.sink else ()):
             compare.tensor(name, getattr(grads, name), getattr(want, name), config.dtype)
@@ -215,7 +215,7 @@ def _check_fp8(config: Any, operands: Any) -> _Comparison:
 
 
     scales = {k: float(np.asarray(v).reshape(())) for k, v in operands.fp8_scales.items()}
-    result = execution.forward(config, _to_gpu(operands))
+    result = prepared.forward(config, _to_gpu(operands))
     got = cupy.asnumpy(result.output).view(io_dtype(config.dtype)).astype(np.float64) / scales["scale_o"]
     emulated = reference.forward(config, operands).output.astype(np.float64) / scales["scale_o"]
     exact_config = config.replace(dtype="float64")

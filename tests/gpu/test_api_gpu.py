@@ -11,7 +11,7 @@ from cudnn_attn import MaskType, UnsupportedConfigurationError, reference
 from cudnn_attn.core.validation import validate_call
 from cudnn_attn.engine import launch
 from cudnn_attn.engine.cache import PlanChoice, graph_cache
-from cudnn_attn.fronts import execution
+from cudnn_attn.engine import prepared
 from cudnn_attn.reference.inputs import random_operands
 
 from ._checks import assert_close, assert_lse_close, make_config, poisoned, replace_nan, to_gpu
@@ -129,10 +129,10 @@ def test_non_contiguous_inputs_are_copied(rng):
 def test_cache_hits_listing_and_dump(rng):
     config = make_config(T=192, S=192, mask_type=MaskType.CAUSAL)
     gpu = to_gpu(random_operands(config, rng, poison=False))
-    execution.forward(config, gpu)
+    prepared.forward(config, gpu)
     before = graph_cache.stats()
     for _ in range(3):
-        execution.forward(config, gpu)
+        prepared.forward(config, gpu)
     after = graph_cache.stats()
     assert (after.hits - before.hits, after.misses - before.misses) == (3, 0)
     rows = [r for r in graph_cache.entries() if r.features.startswith(config.describe())]
@@ -146,11 +146,11 @@ def test_cache_hits_listing_and_dump(rng):
 def test_both_execute_paths_give_identical_results(path, monkeypatch, rng):
     config = make_config(dropout_rate=0.2, mask_type=MaskType.PADDING_CAUSAL, T=160, S=160)
     gpu = to_gpu(random_operands(config, rng, poison=False))
-    reference_run = execution.forward(config, gpu, seed=5)
+    reference_run = prepared.forward(config, gpu, seed=5)
     plan = graph_cache.plan(config, "fwd", gpu.query.device.id)
     assert plan.launcher.path == launch.FAST
     monkeypatch.setattr(plan, "launcher", launch.Launcher(plan.built, plan.launcher.ids, path=path))
-    again = execution.forward(config, gpu, seed=5)
+    again = prepared.forward(config, gpu, seed=5)
     assert plan.launcher.path == path
     assert cp.array_equal(again.output, reference_run.output)
     assert cp.array_equal(again.logsumexp, reference_run.logsumexp)
@@ -159,7 +159,7 @@ def test_both_execute_paths_give_identical_results(path, monkeypatch, rng):
 def test_autotune_keeps_a_timed_plan(rng):
     config = make_config(T=256, S=256, mask_type=MaskType.CAUSAL, dtype="bfloat16")
     operands = random_operands(config, rng, poison=False)
-    result = execution.forward(config, to_gpu(operands), autotune=True,
+    result = prepared.forward(config, to_gpu(operands), autotune=True,
                                output=poisoned(config.o_shape, operands.query.dtype))
     key = graph_cache.key(config, "fwd", 0, plan=PlanChoice.AUTOTUNED)
     assert key in graph_cache
@@ -222,12 +222,12 @@ def test_fill_policy_matches_what_cudnn_writes(case):
     operands = random_operands(config, rng, poison=False)
     valid = segments_of(config, operands)
     gpu = to_gpu(operands)
-    forward = execution.forward(config, gpu)
+    forward = prepared.forward(config, gpu)
     output, lse = forward.output, forward.logsumexp
     grad_output = cp.asarray(rng.standard_normal(config.o_shape).astype(np.float16))
     for kind, residuals in (("fwd", {}), ("bwd", dict(output=output, grad_output=grad_output, logsumexp=lse))):
         plan = graph_cache.plan(config, kind, 0)
-        inputs, _ = graph_inputs(cp, config, kind, execution.named_arrays(config, kind, gpu, **residuals))
+        inputs, _ = graph_inputs(cp, config, kind, prepared.named_arrays(config, kind, gpu, **residuals))
         inputs = {t: cp.ascontiguousarray(x) for t, x in inputs.items()}
         results = [poisoned(spec.shape, spec.dtype) for spec in plan.results]
         context, stream = plan.context, cp.cuda.get_current_stream().ptr
@@ -373,9 +373,9 @@ def test_a_launch_from_a_thread_with_no_cuda_context():
     rng = np.random.default_rng(43)
     config = make_config(T=128, S=192, mask_type=MaskType.CAUSAL)
     gpu = to_gpu(random_operands(config, rng, poison=False))
-    expected = execution.forward(config, gpu).output
+    expected = prepared.forward(config, gpu).output
     plan = graph_cache.plan(config, "fwd", 0)
-    inputs, _ = graph_inputs(cp, config, "fwd", execution.named_arrays(config, "fwd", gpu))
+    inputs, _ = graph_inputs(cp, config, "fwd", prepared.named_arrays(config, "fwd", gpu))
     inputs = {t: cp.ascontiguousarray(x) for t, x in inputs.items()}
     results = [poisoned(spec.shape, spec.dtype) for spec in plan.results]
     workspace = cp.empty(max(plan.workspace_size, 1), cp.uint8)
@@ -387,7 +387,7 @@ def test_a_launch_from_a_thread_with_no_cuda_context():
     def launch_from_a_new_thread():
         try:
             seen["before"] = cp.cuda.driver.ctxGetCurrent()
-            plan.run(pointers, stream.ptr, workspace.data.ptr)
+            plan.launch(pointers, stream.ptr, workspace.data.ptr)
             seen["after"] = cp.cuda.driver.ctxGetCurrent()
         except Exception as error:      # noqa: BLE001 -- re-raised below, in the test's thread
             errors.append(error)

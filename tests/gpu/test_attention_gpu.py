@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cudnn_attn import AttentionLayout, MaskType, reference
-from cudnn_attn.fronts import execution
+from cudnn_attn.engine import prepared
 from cudnn_attn.reference.inputs import random_operands
 from cudnn_attn.reference.segments import segments_of
 
@@ -58,7 +58,7 @@ def _run(config, operands, rng, *, seed=11, dropout_mask=None, rng_dump=None):
     gpu = to_gpu(operands)
     io = io_dtype(config.dtype)
     output, lse = poisoned(config.o_shape, io), poisoned(config.lse_shape, np.float32)
-    result = execution.forward(config, gpu, seed=seed, output=output, logsumexp=lse, rng_dump=rng_dump)
+    result = prepared.forward(config, gpu, seed=seed, output=output, logsumexp=lse, rng_dump=rng_dump)
     assert result.output is output
     keep = None if rng_dump is None else cp.asnumpy(rng_dump)
     expected = reference.forward(config, operands, dropout_mask=keep)
@@ -69,7 +69,7 @@ def _run(config, operands, rng, *, seed=11, dropout_mask=None, rng_dump=None):
         results["dbias"] = poisoned(config.bias.shape, io)
     if config.sink:
         results["dsink"] = poisoned((config.q_heads,), np.float32)
-    grads = execution.backward(config, gpu, result.output, cp.asarray(grad_output), result.logsumexp, seed=seed,
+    grads = prepared.backward(config, gpu, result.output, cp.asarray(grad_output), result.logsumexp, seed=seed,
                                **results)
     expected_grads = reference.backward(config, operands, expected.output, grad_output, expected.logsumexp,
                                         dropout_mask=keep)
@@ -155,10 +155,10 @@ def test_dropout_seed_is_a_runtime_value(rng):
     gpu = to_gpu(random_operands(config, rng, poison=False))
     from cudnn_attn.engine.cache import graph_cache
 
-    first = execution.forward(config, gpu, seed=1).output
+    first = prepared.forward(config, gpu, seed=1).output
     misses = graph_cache.stats().misses
-    again = execution.forward(config, gpu, seed=1).output
-    other = execution.forward(config, gpu, seed=2).output
+    again = prepared.forward(config, gpu, seed=1).output
+    other = prepared.forward(config, gpu, seed=2).output
     assert graph_cache.stats().misses == misses
     assert cp.array_equal(first, again) and not cp.array_equal(first, other)
 
@@ -167,9 +167,9 @@ def test_deterministic_backward_is_bit_identical(rng):
     config = make_config(N=8, K=2, T=256, S=256, mask_type=MaskType.CAUSAL, deterministic=True)
     operands = random_operands(config, rng, poison=False)
     gpu = to_gpu(operands)
-    result = execution.forward(config, gpu)
+    result = prepared.forward(config, gpu)
     grad_output = cp.asarray(rng.standard_normal(config.o_shape).astype(np.float16))
-    runs = [execution.backward(config, gpu, result.output, grad_output, result.logsumexp) for _ in range(3)]
+    runs = [prepared.backward(config, gpu, result.output, grad_output, result.logsumexp) for _ in range(3)]
     for name in ("dq", "dk", "dv"):
         assert all(cp.array_equal(getattr(runs[0], name), getattr(r, name)) for r in runs[1:]), name
     expected = reference.forward(config, operands)
@@ -180,6 +180,6 @@ def test_deterministic_backward_is_bit_identical(rng):
 def test_inference_forward_has_no_logsumexp(rng):
     config = make_config(training=False, mask_type=MaskType.CAUSAL)
     operands = random_operands(config, rng, poison=False)
-    result = execution.forward(config, to_gpu(operands), output=poisoned(config.o_shape, np.float16))
+    result = prepared.forward(config, to_gpu(operands), output=poisoned(config.o_shape, np.float16))
     assert result.logsumexp is None
     assert_close("output", result.output, reference.forward(config, operands).output, "float16")

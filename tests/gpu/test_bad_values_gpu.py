@@ -27,7 +27,7 @@ import cudnn_attn
 from cudnn_attn import MaskType, reference
 from cudnn_attn.core import values
 from cudnn_attn.core.validation import validate_call
-from cudnn_attn.fronts import execution
+from cudnn_attn.engine import prepared
 
 from ._checks import assert_close, assert_lse_close, poisoned, to_gpu
 
@@ -88,7 +88,7 @@ def test_execution_on_sanitized_device_values_equals_the_clamped_reference(case,
         np.testing.assert_array_equal(cp.asnumpy(x), getattr(clamped, name), err_msg=name)
     output = poisoned(config.o_shape, np.float16)
     lse = poisoned(config.lse_shape, np.float32) if training else None
-    result = execution.forward(config, gpu, output=output, logsumexp=lse)
+    result = prepared.forward(config, gpu, output=output, logsumexp=lse)
     expected = reference.forward(config, clamped)
     assert_close("output", result.output, expected.output, "float16")
     if not training:
@@ -97,7 +97,7 @@ def test_execution_on_sanitized_device_values_equals_the_clamped_reference(case,
     grad = rng.standard_normal(config.o_shape).astype(np.float16)
     given = dict(dq=poisoned(config.q_shape, np.float16), dk=poisoned(config.k_shape, np.float16),
                  dv=poisoned(config.v_shape, np.float16))
-    grads = execution.backward(config, gpu, result.output, cp.asarray(grad), result.logsumexp, **given)
+    grads = prepared.backward(config, gpu, result.output, cp.asarray(grad), result.logsumexp, **given)
     want = reference.backward(config, clamped, expected.output, grad, expected.logsumexp)
     for name in ("dq", "dk", "dv"):
         assert_close(name, getattr(grads, name), getattr(want, name), "float16")

@@ -39,7 +39,7 @@ import cudnn_attn
 from cudnn_attn import MaskType, UnsupportedConfigurationError, reference
 from cudnn_attn.core.types import FP8_PARAM_KEYS
 from cudnn_attn.engine.cache import graph_cache
-from cudnn_attn.fronts import execution
+from cudnn_attn.engine import prepared
 from cudnn_attn.reference.inputs import fp8_scale, random_operands
 from cudnn_attn.reference.problem import load, scores, softmax
 from cudnn_attn.reference.tensors import cast
@@ -194,7 +194,7 @@ def test_forward_through_the_public_api(case, rng):
     assert output.dtype == np.uint8 and output.shape == config.o_shape
     assert amax_s.shape == amax_o.shape == (1, 1, 1, 1) and amax_s.dtype == amax_o.dtype == np.float32
     sc = scales_of(operands)
-    native = execution.forward(config, gpu, output=poisoned_bytes(config.o_shape))
+    native = prepared.forward(config, gpu, output=poisoned_bytes(config.o_shape))
     same = relative_error(dequantised(native.output, config.dtype, 1.0), dequantised(output, config.dtype, 1.0))
     assert same <= ROUNDING[config.dtype], f"the native call into a NaN-filled buffer differs by {same:.3e}"
     emulated = reference.forward(config, operands)
@@ -254,7 +254,7 @@ def test_backward_through_the_public_api(case, rng):
     config = fp8_config(BACKWARD[case], training=True)
     operands = random_operands(config, rng, poison=False)
     gpu = device_operands(operands)
-    forward = execution.forward(config, gpu, output=poisoned_bytes(config.o_shape),
+    forward = prepared.forward(config, gpu, output=poisoned_bytes(config.o_shape),
                                 logsumexp=cp.full(config.lse_shape, np.nan, cp.float32))
     output, logsumexp = host_fp8(forward.output, config.dtype), cp.asnumpy(forward.logsumexp)
     dequantised(output, config.dtype, 1.0)                       # every element written
@@ -278,7 +278,7 @@ def test_backward_through_the_public_api(case, rng):
         got, want = value(cp.asnumpy(getattr(grads, name))), value(getattr(emulated, name))
         assert abs(got - want) <= ROUNDING[config.dtype] * want, f"{name}: {got:.6g} != emulation {want:.6g}"
 
-    native = execution.backward(config, device_operands(operands), forward.output, device_bytes(d_out),
+    native = prepared.backward(config, device_operands(operands), forward.output, device_bytes(d_out),
                                 forward.logsumexp, **{name: poisoned_bytes(getattr(config, shape))
                                                       for name, _, shape in GRADIENTS})
     for name, scale, _ in GRADIENTS:    # every element written; equal up to the order of cuDNN's dQ accumulation

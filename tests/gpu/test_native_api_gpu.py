@@ -156,18 +156,18 @@ def _reference_grads(q, k, v, do, mask):
 def test_repeated_cupy_native_calls_take_the_direct_path(rng):
     """A repeated native call of CuPy Q/K/V with an array-free mask is remembered once and then launched
     directly; its results are the generic path's bits."""
-    from cudnn_attn.fronts import cupy as cupy_front
+    from cudnn_attn.engine.prepared import calls
 
     q, k, v = (cp.asarray(x) for x in _qkv(rng, "float16"))
     kwargs = dict(mask=causal() & window(31, 0), scale=0.125, return_aux=AuxRequest(logsumexp=True))
-    cupy_front._direct.clear()
+    calls.clear()
     first = cudnn_attn.attention(q, k, v, **kwargs)
-    assert len(cupy_front._direct) == 1
+    assert len(calls.direct()) == 1
     again = cudnn_attn.attention(q, k, v, mask=causal() & window(31, 0), scale=0.125,
                                  return_aux=AuxRequest(logsumexp=True))     # a new, equal mask object
-    assert len(cupy_front._direct) == 1
+    assert len(calls.direct()) == 1
     assert cp.array_equal(first.output, again.output) and cp.array_equal(first.logsumexp, again.logsumexp)
     other = cudnn_attn.attention(q, k, v, mask=causal(), scale=0.125)       # another mask: another entry
-    assert len(cupy_front._direct) == 2 and other.logsumexp is None
+    assert len(calls.direct()) == 2 and other.logsumexp is None
     want = reference.attention(*(cp.asnumpy(x) for x in (q, k, v)), mask=causal(), scale=0.125)
     assert_close("output", other.output, want.output, "float16")

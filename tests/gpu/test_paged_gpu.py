@@ -26,7 +26,7 @@ import pytest
 import cudnn_attn
 from cudnn_attn import MaskType, reference
 from cudnn_attn.core.validation import validate_call
-from cudnn_attn.fronts import execution
+from cudnn_attn.engine import prepared
 from cudnn_attn.reference.inputs import random_operands
 
 from ._checks import assert_close, io_dtype, poisoned, replace_nan
@@ -109,5 +109,5 @@ def test_paged_attention_matches_the_reference_and_never_reads_unused_blocks(cas
     rows = cp.asnumpy(output) if config.layout.name == "BTNH" else cp.asnumpy(output).transpose(0, 2, 1, 3)
     for b, length in enumerate(operands.q_seqlen):
         assert (rows[b, length:] == 0).all(), f"sequence {b}: output rows past q_seqlen = {length} are not 0"
-    native = execution.forward(config, gpu, output=poisoned(config.o_shape, output.dtype))
+    native = prepared.forward(config, gpu, output=poisoned(config.o_shape, output.dtype))
     assert_close("output (native call, NaN-filled buffer)", native.output, expected, config.dtype)

@@ -23,8 +23,8 @@ def _qkv(rng, T=256, S=256, N=8, K=8, H=64):
     return [cp.asarray(rng.standard_normal(shape).astype(dt)) for shape in ((2, T, N, H), (2, S, K, H), (2, S, K, H))]
 
 
-def _replays(bound_direct):
-    plan = bound_direct.plan()
+def _replays(call):
+    plan = call.plan()
     return sum(r.replays for r in plan.replays), sum(r.captures for r in plan.replays)
 
 
@@ -37,7 +37,7 @@ def test_replayed_forward_equals_the_launch_and_reads_current_contents():
     for _ in range(4):                                   # seen, captured, then replayed
         out.fill(np.nan)
         assert cp.array_equal(bound(q, k, v, out=out), first)
-    replays, captures = _replays(bound._forward)
+    replays, captures = _replays(bound._forward.call)
     assert captures == 1 and replays >= 2, (captures, replays)
     q[...] = cp.asarray(rng.standard_normal(q.shape).astype(q.dtype))   # same address, new values
     out.fill(np.nan)
@@ -63,7 +63,7 @@ def test_replayed_backward_matches_the_reference():
         for name in ("dq", "dk", "dv"):
             assert_close(name, getattr(grads, name), getattr(ref, name), "bfloat16")
         del grads                                        # the pool hands the same block back: same addresses
-    replays, captures = _replays(bound._backward)
+    replays, captures = _replays(bound._backward.call)
     assert captures >= 1 and replays >= 1, (captures, replays)
 
 
@@ -80,7 +80,7 @@ def test_dropped_results_come_back_at_the_same_address_and_replay():
     launch replays; each result is poisoned with NaN before it is dropped, so a reused block that the next
     launch did not rewrite shows.  Results that are still alive are never handed out again."""
     from cudnn_attn.engine.result_blocks import result_blocks
-    from cudnn_attn.fronts import cupy as cupy_front
+    from cudnn_attn.engine.prepared import calls
 
     rng = np.random.default_rng(83)
     q, k, v = _qkv(rng, T=192, S=256, N=4, K=2)
@@ -97,7 +97,7 @@ def test_dropped_results_come_back_at_the_same_address_and_replay():
     after = result_blocks.stats()
     assert len(set(addresses[1:])) == 1, addresses            # the first call is the generic path
     assert after.reused - before.reused >= 4, (before, after)
-    direct = next(d for d in cupy_front._direct.values() if d.config.scale == pytest.approx(0.15))
+    direct = next(d for d in calls.direct() if d.config.scale == pytest.approx(0.15))
     replays, captures = _replays(direct)
     assert captures >= 1 and replays >= 2, (captures, replays)
     held = [cudnn_attn.dot_product_attention(q, k, v, **kwargs) for _ in range(3)]

@@ -21,7 +21,7 @@ from cudnn_attn import MaskType, reference
 from cudnn_attn.core.config import BiasSpec
 from cudnn_attn.core.score_mod_spec import score_mod_spec
 from cudnn_attn.core.support import Environment, not_supported_reasons
-from cudnn_attn.fronts import execution
+from cudnn_attn.engine import prepared
 from cudnn_attn.reference.inputs import random_operands
 
 from ._checks import assert_close, assert_lse_close, io_dtype, make_config, poisoned, to_gpu
@@ -183,7 +183,7 @@ def test_modification_with_masks_and_bias_matches_the_reference(case, rng):
                                                      zip(MATRIX[case][2], config.score_mod.arg_shapes)))
     gpu, io = to_gpu(operands), io_dtype(config.dtype)
     output, lse = poisoned(config.o_shape, io), poisoned(config.lse_shape, np.float32)
-    result = execution.forward(config, gpu, output=output, logsumexp=lse)
+    result = prepared.forward(config, gpu, output=output, logsumexp=lse)
     expected = reference.forward(config, operands)
     assert_close("output", result.output, expected.output, config.dtype)
     assert_lse_close(result.logsumexp, expected.logsumexp)
@@ -191,7 +191,7 @@ def test_modification_with_masks_and_bias_matches_the_reference(case, rng):
     results = dict(dq=poisoned(config.q_shape, io), dk=poisoned(config.k_shape, io), dv=poisoned(config.v_shape, io))
     if config.has_dbias:
         results["dbias"] = poisoned(config.bias.shape, io)
-    grads = execution.backward(config, gpu, result.output, cp.asarray(grad), result.logsumexp, **results)
+    grads = prepared.backward(config, gpu, result.output, cp.asarray(grad), result.logsumexp, **results)
     expected_grads = reference.backward(config, operands, expected.output, grad, expected.logsumexp)
     for name in ("dq", "dk", "dv") + (("dbias",) if config.has_dbias else ()):
         assert_close(name, getattr(grads, name), getattr(expected_grads, name), config.dtype)
