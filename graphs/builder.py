@@ -27,7 +27,7 @@ from typing import Any, Iterator, Mapping, NamedTuple
 import cudnn
 from cudnn.engines.engine_ids import is_python_engine
 
-from cudnn_attn.core.config import AttentionConfig, DiagonalAlignment
+from cudnn_attn.core.config import AttentionConfig, DiagonalAlignment, ragged_offset_dtype
 from cudnn_attn.core.errors import UnsupportedConfigurationError
 from cudnn_attn.core.support import check_structure
 from cudnn_attn.core.types import FP8_BWD_AMAX, FP8_BWD_KEYS, FP8_FWD_KEYS, Kind
@@ -226,7 +226,7 @@ def _ragged(config: AttentionConfig, t: _Declared, *, stats: bool) -> _Ragged:
     """The ragged-offset tensors of a packed graph (the statistics' one only where they are present)."""
     if config.packing is None:
         return _Ragged()
-    dtype = _DT.INT64 if tt.ragged_offset_dtype(config) == "int64" else _DT.INT32
+    dtype = _DT.INT64 if ragged_offset_dtype(config) == "int64" else _DT.INT32
     layout = tt.ragged_offset_tensor(config)
     ids = [TensorId.RAGGED_Q, TensorId.RAGGED_K, TensorId.RAGGED_V, TensorId.RAGGED_O]
     return _Ragged(*(t.input(tid, layout, dtype) for tid in ids + [TensorId.RAGGED_STATS] * stats))

@@ -22,7 +22,9 @@ from typing import Any, NamedTuple
 
 from cudnn_attn.core.config import AttentionConfig
 
-from .tensors import TensorId, ragged_offset_dtype
+from cudnn_attn.core.config import ragged_offset_dtype
+
+from .tensors import TensorId
 
 
 class Segments(NamedTuple):

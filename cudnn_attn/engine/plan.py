@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from cudnn_attn.core import settings
-from cudnn_attn.core.config import AttentionConfig
+from cudnn_attn.core.config import AttentionConfig, ragged_offset_dtype
 from cudnn_attn.graphs import tensors as tt
 from cudnn_attn.graphs.tensors import HOST_SCALAR_IDS, TensorId
 
@@ -252,7 +252,7 @@ def _declared_bytes(config: AttentionConfig, kind: str, tid: TensorId) -> int:
     if tid == TensorId.STATS:
         return config.segments * config.q_heads * config.q_len * 4
     if tid in (TensorId.RAGGED_Q, TensorId.RAGGED_K, TensorId.RAGGED_V, TensorId.RAGGED_O, TensorId.RAGGED_STATS):
-        return (config.segments + 1) * (8 if tt.ragged_offset_dtype(config) == "int64" else 4)
+        return (config.segments + 1) * (8 if ragged_offset_dtype(config) == "int64" else 4)
     return 4                                            # FP8 scale factors: one float32
 
 
