@@ -115,7 +115,7 @@ class replay_switched_off:
 
 def direct_calls(q, k, v, do) -> tuple[dict, Any, Any, Any]:
     """The eager call kinds the host table times, by row name -> ``(forward, backward or None)``, with the bound
-    call and the forward's ``o, lse`` they use (``probe_host_sequence.py`` runs the same calls in sequence)."""
+    call and the forward's ``o, lse`` they use."""
     o, lse = cudnn_attn.dot_product_attention(q, k, v, scale=SCALE, return_residual=True)
     bound = cudnn_attn.bind(q, k, v, scale=SCALE)
     out = cp.empty_like(q)

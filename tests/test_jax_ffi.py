@@ -268,11 +268,11 @@ def test_gpu_handler_from_foreign_threads_each_with_a_fresh_thread_state():
 # -- XLA's threads keep their Python thread state -----------------------------------------------------------
 
 def _foreign_thread():
-    """benchmarks/foreign_thread.py: a compiled caller that calls a function pointer from a new POSIX thread."""
+    """tests/_foreign_thread.py: a compiled caller that calls a function pointer from a new POSIX thread."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "foreign_thread.py"
+    path = Path(__file__).resolve().parent / "_foreign_thread.py"
     spec = importlib.util.spec_from_file_location("foreign_thread", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,11 +1,11 @@
-"""Calling a C function pointer from a thread Python did not start, as XLA calls an FFI handler (not a test).
+"""Calling a C function pointer from a thread Python did not start, as XLA calls an FFI handler (a test helper).
 
 XLA runs custom-call handlers on its own execution threads.  A Python handler (a ctypes callback) entered there
 finds no Python thread state: ctypes' ``PyGILState_Ensure`` makes one for the call and deletes it on return,
 unless the handler keeps it (:mod:`cudnn_attn.jax_bridge.ffi`).  Python cannot start such a thread itself, so
 this module compiles a few lines of C (with ``$CC``, ``cc`` or ``gcc``, once per process, into a temporary
 folder) that start a POSIX thread and call the pointer from it ``calls`` times in a loop, timing the loop with
-the monotonic clock.  Used by ``bench_handler_cpu.py`` and ``tests/test_jax_ffi.py``.
+the monotonic clock.  Used by ``tests/test_jax_ffi.py``.
 """
 
 from __future__ import annotations
