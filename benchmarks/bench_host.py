@@ -1,4 +1,4 @@
-"""Host time per attention call at a cache hit, every layer side by side (issue #9; not a test).
+"""Host time per attention call at a cache hit, every layer side by side (not a test).
 
     python benchmarks/bench_host.py [--out OUT_DIR] [--quick]
 
@@ -22,18 +22,19 @@ inference mode and backward.  Rows, from the whole public call down to the floor
 * ``cupy elementwise``- ``cupy.multiply(x, 2.0, out=o)`` (float32, as many elements as Q): one CuPy kernel launch, the host's speed in CuPy's terms;
 * ``torch``           - ``torch.nn.functional.scaled_dot_product_attention`` with the cuDNN backend
                         (backward: autograd's fwd+bwd minus the fwd);
-* ``jax handler``     - our XLA FFI handler alone (entry to return, recorded by ``ffi.record_handler_times``)
-                        in a jitted chain with ``cuda_graph=False``, so that XLA runs it every time, and its
-                        stages (``cudnn_target.stages``): reading the call frame, finding the call site, the
-                        launch (``benchmarks/bench_handler_cpu.py`` times the same Python without a GPU); in
-                        the fwd+bwd program the forward (``fwd, training``) and the backward apart;
+* ``jax handler``     - our XLA FFI handler per run, timed from outside with the host clock: a jitted chain
+                        with ``cuda_graph=False`` (the eager target, which XLA runs at every call) is called
+                        without waiting for its results, and the empty jitted program's dispatch (its own
+                        row) is subtracted, per call; XLA's cost per custom call is included.  The training
+                        forward (``fwd, training``: a chain of ``jax.vjp`` primals) is timed alone, and the
+                        backward is the fwd+bwd chain's time less it;
 * ``jax jit call``    - wall time per call of a jitted chain of 16 calls, XLA's command buffers on (default)
                         and off, and ``jax.nn.dot_product_attention(implementation="cudnn")`` for comparison;
 * ``(thread states not kept)`` - the eager chain with ``ffi.keep_thread_states`` off, run before every other JAX
                         row: where XLA calls the handler from threads of its own, each call makes and deletes a
                         Python thread state, as ctypes does by itself (the default keeps it,
-                        :mod:`cudnn_attn.jax_bridge.ffi`; with one GPU XLA calls it on the calling thread, which
-                        the last rows record);
+                        :mod:`cudnn_attn.jax_bridge.ffi`); the last rows count fresh and kept states
+                        (``ffi.thread_states()``);
 * ``(one call, GPU idle)`` - the handler in a program of one call (fwd, or fwd then bwd), each run after the GPU
                         drained: its idle-GPU column compares with the CuPy rows' (in the chains every launch
                         goes into a busy stream, where even ``cudaGraphLaunch`` takes twice as long).
@@ -57,7 +58,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from typing import Any, NamedTuple
 
@@ -96,7 +96,7 @@ def host_us(fn, *, calls: int, rounds: int) -> Timing:
 
 
 def measured(us: float, idle: bool = False) -> Timing:
-    """A time measured elsewhere (the handler's own clock, a jitted chain): back to back, or with the GPU idle."""
+    """A time measured elsewhere (a jitted chain, a dispatch): back to back, or with the GPU idle."""
     return Timing(us, None) if idle else Timing(None, us)
 
 
@@ -240,10 +240,9 @@ def torch_rows(q, k, v, do, calls, rounds) -> dict:
 
 def jax_rows(q, k, v, do, rounds) -> dict:
     import jax
-    import jax.numpy as jnp
 
     from cudnn_attn import jax_bridge as jb
-    from cudnn_attn.jax_bridge import cudnn_target, ffi
+    from cudnn_attn.jax_bridge import ffi
 
     jq, jk, jv, jdo = (jax.dlpack.from_dlpack(x) for x in (q, k, v, do))
     rows = {}
@@ -253,6 +252,8 @@ def jax_rows(q, k, v, do, rounds) -> dict:
         def step(q):
             if mode == "fwd":
                 return attend(q, jk, jv)
+            if mode == "fwd, training":                 # the forward a gradient needs (O and the logsumexp)
+                return jax.vjp(lambda q: attend(q, jk, jv), q)[0]
             return jax.vjp(lambda q: attend(q, jk, jv), q)[1](jdo)[0]
 
         def run(q):
@@ -261,6 +262,11 @@ def jax_rows(q, k, v, do, rounds) -> dict:
             return q
         return jax.jit(run)
 
+    samples = rounds * 4 * chain
+    empty = jax.jit(lambda q: q)
+    for _ in range(3):
+        jax.block_until_ready(empty(jq))
+    empty_us = dispatch_us(empty, jq, samples)
     eager = lambda q, k, v: jb.dot_product_attention(q, k, v, scale=SCALE, cuda_graph=False)  # noqa: E731
     impls = {
         "ours": lambda q, k, v: jb.dot_product_attention(q, k, v, scale=SCALE),
@@ -269,63 +275,67 @@ def jax_rows(q, k, v, do, rounds) -> dict:
         "jax.nn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=SCALE, implementation="cudnn"),
     }
     # The chains launch back to back into a busy stream (as a model does); "one call, GPU idle" runs a program of
-    # a single call (fwd, or fwd then bwd) after the GPU has drained: the handler as the CuPy rows' idle column.
+    # a single call after the GPU has drained: the handler as the CuPy rows' idle column.
     impls["ours-eager, one call, GPU idle"] = eager
-    # XLA calls the handler on its own threads; keeping their Python thread states (jax_bridge.ffi) is measured
+    # XLA may call the handler on its own threads; keeping their Python thread states (jax_bridge.ffi) is measured
     # against making one per call, before any other row has let a thread keep its state.
     runs = [(mode, "ours-eager, thread states not kept", eager) for mode in ("fwd", "fwd+bwd")]
     runs += [(mode, name, attend) for mode in ("fwd", "fwd+bwd") for name, attend in impls.items()]
+    tag = {"ours-eager, no replay": " (no replay)", "ours-eager, one call, GPU idle": " (one call, GPU idle)",
+           "ours-eager, thread states not kept": " (thread states not kept)"}
     for mode, name, attend in runs:
         ffi.keep_thread_states = "not kept" not in name
         length = 1 if name.endswith("GPU idle") else chain
         fn = program(attend, mode, length)
-        for _ in range(3):
-            jax.block_until_ready(fn(jq))
-        timed = name.startswith("ours-eager")
         with replay_switched_off() if name.endswith("no replay") else contextlib.nullcontext():
-            times = ffi.record_handler_times(timed)
-            cudnn_target.stages = [] if timed else None      # (read, find, launch) per run
-            samples = []
-            for _ in range(rounds * 4 * (chain // length)):
-                start = time.perf_counter()
+            for _ in range(3):
                 jax.block_until_ready(fn(jq))
-                samples.append((time.perf_counter() - start) / length * 1e6)
-            ffi.record_handler_times(False)
-        stages, cudnn_target.stages = cudnn_target.stages, None
-        tag = {"ours-eager, no replay": " (no replay)", "ours-eager, one call, GPU idle": " (one call, GPU idle)",
-               "ours-eager, thread states not kept": " (thread states not kept)"}
-        rows[(f"jax jit call ({name})", mode)] = measured(statistics.median(samples))
-        rows.update(handler_rows(times, stages or [], mode, tag.get(name, ""), idle=length == 1))
+            wall = []
+            for _ in range(samples // length):
+                start = time.perf_counter_ns()
+                jax.block_until_ready(fn(jq))
+                wall.append((time.perf_counter_ns() - start) / length / 1e3)
+            rows[(f"jax jit call ({name})", mode)] = measured(statistics.median(wall))
+            if not name.startswith("ours-eager"):
+                continue
+            # The eager target runs the handler at every call: the program's dispatch (the host's part of an
+            # execution, which enqueues every launch) less the empty program's, per call.
+            per_call = {"fwd": handler_us(fn, jq, samples // length, empty_us, length)}
+            if mode == "fwd+bwd":
+                training = program(attend, "fwd, training", length)
+                for _ in range(3):
+                    jax.block_until_ready(training(jq))
+                both = per_call.pop("fwd")
+                per_call["fwd, training"] = handler_us(training, jq, samples // length, empty_us, length)
+                per_call["bwd"] = both - per_call["fwd, training"]
+            for label, us in per_call.items():
+                rows[(f"jax handler [cudnn_attn_eager]{tag.get(name, '')}", label)] = measured(us, length == 1)
     ffi.keep_thread_states = True
+    rows[("  empty jitted program, dispatch", "-")] = measured(empty_us, True)
     states = ffi.thread_states()
     rows[("  handler entries on a fresh thread state", "-")] = measured(float(states.fresh_entries))
     rows[("  XLA threads that kept their thread state", "-")] = measured(float(states.kept))
-    # 1 when this (the calling, Python) thread is among those that ran a handler, and how many did
-    rows[("  handler ran on the calling thread", "-")] = measured(float(threading.get_native_id() in ffi._seen))
-    rows[("  threads that ran a handler", "-")] = measured(float(len(ffi._seen)))
-    del jnp
     return rows
 
 
-def handler_rows(times: list[tuple[str, int]], stages: list, mode: str, tag: str, idle: bool = False) -> dict:
-    """The handler's time per call and its stages, by the kind of plan it ran: in a fwd+bwd program the forward
-    (training: O and the logsumexp) and the backward apart (``times`` and ``stages`` record the same runs, in
-    order; a mixture only if they do not pair up)."""
-    rows = {}
-    paired = len(times) == len(stages)
-    for kind in (("fwd",) if mode == "fwd" else ("fwd", "bwd")) if paired else (mode,):
-        label = kind if mode == "fwd" or not paired else ("bwd" if kind == "bwd" else "fwd, training")
-        mine = [i for i, s in enumerate(stages) if s.kind == kind] if paired else range(len(stages))
-        for field, stage in (("read", "read the call frame"), ("find", "find the call site"), ("launch", "launch")):
-            if mine:
-                rows[(f"  handler stage{tag}: {stage}", label)] = measured(
-                    statistics.median(getattr(stages[i], field) for i in mine) / 1e3, idle)
-        for target in sorted({t for t, _ in times}):
-            ns = [times[i][1] for i in mine if times[i][0] == target] if paired else \
-                [n for t, n in times if t == target]
-            if ns:
-                rows[(f"jax handler [{target}]{tag}", label)] = measured(statistics.median(ns) / 1e3, idle)
-    return rows
+def dispatch_us(fn, x, samples: int) -> float:
+    """Median host µs from calling the jitted ``fn`` to its return, the device drained before each call (not
+    timed): what the host spends to start the execution, its launches enqueued but not waited for."""
+    import jax
+
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter_ns()
+        out = fn(x)
+        times.append(time.perf_counter_ns() - start)
+        jax.block_until_ready(out)
+    return statistics.median(times) / 1e3
+
+
+def handler_us(fn, x, samples: int, empty_us: float, length: int) -> float:
+    """Host µs per handler run of a program of ``length`` eager-target calls: its dispatch less the empty
+    program's, divided by ``length`` (XLA's own cost per custom call included)."""
+    return (dispatch_us(fn, x, samples) - empty_us) / length
 
 
 def main() -> int:
