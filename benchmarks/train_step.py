@@ -1,4 +1,4 @@
-"""A small causal transformer trained under ``jax.jit``, as users train (issue #8): not a test by itself.
+"""A small causal transformer trained under ``jax.jit``, as users train: not a test by itself.
 
     python benchmarks/train_step.py --impl ours|jax [--gpus 1|2] [--size tiny|small|wide] [--steps 5]
         [--cuda-graph on|off] [--threads 4] [--shard-map] [--watchdog 120] [--json FILE]
@@ -34,9 +34,9 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 SIZES = {
-    "tiny": dict(layers=1, d_model=256, heads=4, seq=256, batch=4),      # the issue's 14.7x case
+    "tiny": dict(layers=1, d_model=256, heads=4, seq=256, batch=4),      # host-bound: JAX's dispatch sets the step time
     "small": dict(layers=2, d_model=512, heads=8, seq=512, batch=8),     # the GPU test (seconds)
-    "wide": dict(layers=4, d_model=1024, heads=16, seq=2048, batch=16),  # the issue's hang report
+    "wide": dict(layers=4, d_model=1024, heads=16, seq=2048, batch=16),  # device-bound: attention is most of the step
 }
 
 

@@ -198,7 +198,7 @@ def main() -> int:
             legacy.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             legacy.kill()
-        summary.append("== legacy code (before the fix), training step on 2 GPUs:")
+        summary.append("== legacy code (.legacy/), training step on 2 GPUs:")
         summary += ["  " + line for line in tail("legacy", 400).splitlines() if line.startswith("LEGACY")][:60]
     print("\n==================== summary ====================")
     print("\n".join(summary))

@@ -28,8 +28,8 @@ passes the same few address sets (the JAX handler without command buffers sees X
   plans' graphs are destroyed.  Each executable graph holds
   device and host memory of its own; without the device bound, plans that live long (those a compiled JAX
   program holds) filled up to 64 graphs each, which a 93k-call soak measured as +90 MiB of device and
-  +16 MiB of host memory (run A of 2026-12-01; +4 / +0.3 MiB with replay off).  A graph holds about
-  123 KiB of device and 31 KiB of host memory (``benchmarks/probe_graph_memory.py``), so the default
+  +16 MiB of host memory (+4 / +0.3 MiB with replay off).  A graph holds about
+  123 KiB of device and 31 KiB of host memory (DESIGN.md, "Measured facts"), so the default
   bound of 64 holds at most ~8 MiB of device memory per GPU.  Where XLA records the JAX call into its
   own command buffers (its default under ``jit``), the handler does not replay at all.  Address sets that cycle
   through more than a plan's capacity would capture on every call; a plan whose captures reach
@@ -59,7 +59,7 @@ DEVICE_CAPACITY = count("CUDNN_ATTN_REPLAY_GRAPHS", default=64)
 """Graphs kept per device over all plans (``$CUDNN_ATTN_REPLAY_GRAPHS``, read at import)."""
 RECYCLE = True
 """Whether a plan at its bound updates its least recently used graph in place (``False``: destroys it and
-instantiates a new one; ``benchmarks/probe_graph_memory.py`` compares the two)."""
+instantiates a new one; DESIGN.md, "Measured facts", compares the two)."""
 PATIENCE = 32
 """Captures after which a plan whose graphs are replayed fewer times than captured stops capturing."""
 ENABLED = flag("CUDNN_ATTN_REPLAY", default=True)

@@ -105,7 +105,7 @@ def test_execution_on_sanitized_device_values_equals_the_clamped_reference(case,
 
 _GUARDED = "check_values" in inspect.signature(cudnn_attn.dot_product_attention).parameters
 public = pytest.mark.skipif(not _GUARDED, reason="the CuPy path does not guard its values yet (cudnn_attn.fronts.cupy "
-                                                 "must call cudnn_attn.core.values; see the lead's integration notes)")
+                                                 "must call cudnn_attn.core.values)")
 
 
 def _public(arrays: dict, static: dict, **kw):
