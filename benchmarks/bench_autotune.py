@@ -1,4 +1,4 @@
-"""Autotuning against cuDNN's heuristic plan choice (issue #9, item 6; not a test).
+"""Autotuning against cuDNN's heuristic plan choice (not a test).
 
     python benchmarks/bench_autotune.py [--out OUT_DIR] [--quick]
 

@@ -3,7 +3,7 @@
     python benchmarks/bench_first_call.py --out bench_out [--quick] [--dry-run] [--aot-dir DIR]
 
 Every measurement runs in a fresh Python process (this script re-invoked with ``--child``), ``--runs``
-times (median reported).  The call: bf16, B=2, T=S=1024, N=8, H=128, causal, forward (the issue's shape).
+times (median reported).  The call: bf16, B=2, T=S=1024, N=8, H=128, causal, forward.
 Two paths are timed for each scenario, from after ``import cudnn_attn`` and the inputs to the end of
 the first call (synchronised):
 

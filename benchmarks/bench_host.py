@@ -1,4 +1,4 @@
-"""Host time per attention call at a cache hit, every layer side by side (issue #9; not a test).
+"""Host time per attention call at a cache hit, every layer side by side (not a test).
 
     python benchmarks/bench_host.py [--out OUT_DIR] [--quick]
 
@@ -9,7 +9,7 @@ inference mode and backward.  Rows, from the whole public call down to the floor
 * ``bound``           - a pre-bound call, ``cudnn_attn.bind(...)`` then ``bound(q, k, v)`` / ``bound.backward``;
 * ``... (no replay)`` - the same with the plans' CUDA-graph replay switched off (:mod:`cudnn_attn.engine.replay`): the
                         loop passes the same addresses every call, so by default the launches are replays;
-* ``plan.run (replayed)`` / ``cudaGraphLaunch`` / ``stream capture query`` - the replayed launch alone, the
+* ``plan.launch (replayed)`` / ``cudaGraphLaunch`` / ``stream capture query`` - the replayed launch alone, the
                         CUDA call it ends in, and the capture-status query it makes first;
 * ``  public stage``, ``  bound stage``, ``  stage`` - the parts of the public and bound calls, each timed
                         alone: the signature key and its lookup, the bound call's array check, the device
@@ -22,18 +22,14 @@ inference mode and backward.  Rows, from the whole public call down to the floor
 * ``cupy elementwise``- ``cupy.multiply(x, 2.0, out=o)`` (float32, as many elements as Q): one CuPy kernel launch, the host's speed in CuPy's terms;
 * ``torch``           - ``torch.nn.functional.scaled_dot_product_attention`` with the cuDNN backend
                         (backward: autograd's fwd+bwd minus the fwd);
-* ``jax handler``     - our XLA FFI handler alone (entry to return, recorded by ``ffi.record_handler_times``)
-                        in a jitted chain with ``cuda_graph=False``, so that XLA runs it every time, and its
-                        stages (``cudnn_target.stages``): reading the call frame, finding the call site, the
-                        launch (``benchmarks/bench_handler_cpu.py`` times the same Python without a GPU); in
-                        the fwd+bwd program the forward (``fwd, training``) and the backward apart;
+* ``jax handler``     - our XLA FFI handler per run, timed from outside with the host clock: a jitted chain
+                        with ``cuda_graph=False`` (the eager target, which XLA runs at every call) is called
+                        without waiting for its results, and the empty jitted program's dispatch (its own
+                        row) is subtracted, per call; XLA's cost per custom call is included.  The training
+                        forward (``fwd, training``: a chain of ``jax.vjp`` primals) is timed alone, and the
+                        backward is the fwd+bwd chain's time less it;
 * ``jax jit call``    - wall time per call of a jitted chain of 16 calls, XLA's command buffers on (default)
                         and off, and ``jax.nn.dot_product_attention(implementation="cudnn")`` for comparison;
-* ``(thread states not kept)`` - the eager chain with ``ffi.keep_thread_states`` off, run before every other JAX
-                        row: where XLA calls the handler from threads of its own, each call makes and deletes a
-                        Python thread state, as ctypes does by itself (the default keeps it,
-                        :mod:`cudnn_attn.jax_bridge.ffi`; with one GPU XLA calls it on the calling thread, which
-                        the last rows record);
 * ``(one call, GPU idle)`` - the handler in a program of one call (fwd, or fwd then bwd), each run after the GPU
                         drained: its idle-GPU column compares with the CuPy rows' (in the chains every launch
                         goes into a busy stream, where even ``cudaGraphLaunch`` takes twice as long).
@@ -57,7 +53,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from typing import Any, NamedTuple
 
@@ -96,7 +91,7 @@ def host_us(fn, *, calls: int, rounds: int) -> Timing:
 
 
 def measured(us: float, idle: bool = False) -> Timing:
-    """A time measured elsewhere (the handler's own clock, a jitted chain): back to back, or with the GPU idle."""
+    """A time measured elsewhere (a jitted chain, a dispatch): back to back, or with the GPU idle."""
     return Timing(us, None) if idle else Timing(None, us)
 
 
@@ -115,7 +110,7 @@ class replay_switched_off:
 
 def direct_calls(q, k, v, do) -> tuple[dict, Any, Any, Any]:
     """The eager call kinds the host table times, by row name -> ``(forward, backward or None)``, with the bound
-    call and the forward's ``o, lse`` they use (``probe_host_sequence.py`` runs the same calls in sequence)."""
+    call and the forward's ``o, lse`` they use."""
     o, lse = cudnn_attn.dot_product_attention(q, k, v, scale=SCALE, return_residual=True)
     bound = cudnn_attn.bind(q, k, v, scale=SCALE)
     out = cp.empty_like(q)
@@ -150,15 +145,19 @@ def cupy_rows(q, k, v, do, calls, rounds) -> dict:
     stream = cp.cuda.get_current_stream().ptr
     for kind, inputs in (("fwd", {"query": q, "key": k, "value": v}),
                          ("bwd", {"query": q, "key": k, "value": v, "output": o, "grad_output": do, "logsumexp": lse})):
-        from cudnn_attn.engine.plan import DIRECT_IDS
+        from cudnn_attn.core import settings
+        from cudnn_attn.engine.call import OPERAND_IDS
 
         cfg = config if kind == "fwd" else config.replace(training=True)
         plan = graph_cache.plan(cfg, kind, q.device.id)
-        by_id = {DIRECT_IDS[name]: x for name, x in inputs.items()}
+        by_id = {OPERAND_IDS[name]: x for name, x in inputs.items()}
         results = [cp.empty(spec.shape, spec.dtype) for spec in plan.results]
         pointers = [by_id[t].data.ptr for t in plan.operand_ids] + [r.data.ptr for r in results]
-        rows[("plan.launch", kind)] = host_us(lambda: plan.launch(pointers, stream), calls=calls, rounds=rounds)
-        rows[("plan.run (replayed)", kind)] = host_us(lambda: plan.run(pointers, stream), calls=calls, rounds=rounds)
+        with settings.override(replay=False):
+            unreplayed = plan.sequence()                  # the launch sequence without CUDA-graph replay
+        rows[("plan.launch", kind)] = host_us(lambda: unreplayed(pointers, stream), calls=calls, rounds=rounds)
+        rows[("plan.launch (replayed)", kind)] = host_us(lambda: plan.launch(pointers, stream), calls=calls,
+                                                         rounds=rounds)
         graphs = [g for r in plan.replays for g in r._graphs.values()]
         if graphs:
             from cudnn_attn.engine import replay
@@ -194,21 +193,25 @@ def cupy_stages(bound, forward_arrays, backward_arrays, calls, rounds) -> dict:
     """The public and bound calls' parts, each timed alone in a loop (so the table explains the totals):
     the signature key and its lookup, the bound call's check, the device and stream queries, and the
     results' allocation.  ``plan.launch`` and the raw floor are rows of their own."""
+    from cudnn_attn.engine.prepared import calls as known_calls
+    from cudnn_attn.engine.result_blocks import result_blocks
     from cudnn_attn.fronts import cupy as cupy_front
 
     rows = {}
     stream = cp.cuda.get_current_stream().ptr
-    for kind, arrays, direct in (("fwd", forward_arrays, bound._forward), ("bwd", backward_arrays, bound._backward)):
-        key = next(k for k in cupy_front._direct if k[0] == kind)          # the public call's entry (made above)
-        static, signature = key[-1], cupy_front._direct_signature
+    for kind, arrays, bound_kind in (("fwd", forward_arrays, bound._forward), ("bwd", backward_arrays, bound._backward)):
+        key = next(k for k in known_calls._known if k[0] == kind)          # the public call's entry (made above)
+        static, signature = key[-1], cupy_front._direct_key
         rows[("  public stage: signature + lookup", kind)] = host_us(
-            lambda: cupy_front._direct.get(signature(kind, arrays, static)), calls=calls, rounds=rounds)
-        rows[("  bound stage: check arrays", kind)] = host_us(lambda: bound._check(direct, arrays), calls=calls,
+            lambda: known_calls.get(signature(kind, arrays, static)), calls=calls, rounds=rounds)
+        rows[("  bound stage: check arrays", kind)] = host_us(lambda: bound._check(bound_kind, arrays), calls=calls,
                                                               rounds=rounds)
+        direct = bound_kind.call
         rows[("  stage: device + stream query", kind)] = host_us(
             lambda: (cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr), calls=calls, rounds=rounds)
         rows[(f"  stage: allocate {len(direct._layout)} result(s), reused", kind)] = host_us(
-            lambda: direct._allocate(stream), calls=calls, rounds=rounds)
+            lambda: result_blocks.results(direct, stream, direct._nbytes, direct._new_results), calls=calls,
+            rounds=rounds)
         rows[("  stage: cupy.empty per result", kind)] = host_us(
             lambda: [cp.empty(shape, dtype) for shape, dtype, _ in direct._layout], calls=calls, rounds=rounds)
     return rows
@@ -240,10 +243,9 @@ def torch_rows(q, k, v, do, calls, rounds) -> dict:
 
 def jax_rows(q, k, v, do, rounds) -> dict:
     import jax
-    import jax.numpy as jnp
 
     from cudnn_attn import jax_bridge as jb
-    from cudnn_attn.jax_bridge import cudnn_target, ffi
+    from cudnn_attn.jax_bridge import ffi
 
     jq, jk, jv, jdo = (jax.dlpack.from_dlpack(x) for x in (q, k, v, do))
     rows = {}
@@ -253,6 +255,8 @@ def jax_rows(q, k, v, do, rounds) -> dict:
         def step(q):
             if mode == "fwd":
                 return attend(q, jk, jv)
+            if mode == "fwd, training":                 # the forward a gradient needs (O and the logsumexp)
+                return jax.vjp(lambda q: attend(q, jk, jv), q)[0]
             return jax.vjp(lambda q: attend(q, jk, jv), q)[1](jdo)[0]
 
         def run(q):
@@ -261,6 +265,11 @@ def jax_rows(q, k, v, do, rounds) -> dict:
             return q
         return jax.jit(run)
 
+    samples = rounds * 4 * chain
+    empty = jax.jit(lambda q: q)
+    for _ in range(3):
+        jax.block_until_ready(empty(jq))
+    empty_us = dispatch_us(empty, jq, samples)
     eager = lambda q, k, v: jb.dot_product_attention(q, k, v, scale=SCALE, cuda_graph=False)  # noqa: E731
     impls = {
         "ours": lambda q, k, v: jb.dot_product_attention(q, k, v, scale=SCALE),
@@ -269,63 +278,58 @@ def jax_rows(q, k, v, do, rounds) -> dict:
         "jax.nn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=SCALE, implementation="cudnn"),
     }
     # The chains launch back to back into a busy stream (as a model does); "one call, GPU idle" runs a program of
-    # a single call (fwd, or fwd then bwd) after the GPU has drained: the handler as the CuPy rows' idle column.
+    # a single call after the GPU has drained: the handler as the CuPy rows' idle column.
     impls["ours-eager, one call, GPU idle"] = eager
-    # XLA calls the handler on its own threads; keeping their Python thread states (jax_bridge.ffi) is measured
-    # against making one per call, before any other row has let a thread keep its state.
-    runs = [(mode, "ours-eager, thread states not kept", eager) for mode in ("fwd", "fwd+bwd")]
-    runs += [(mode, name, attend) for mode in ("fwd", "fwd+bwd") for name, attend in impls.items()]
+    runs = [(mode, name, attend) for mode in ("fwd", "fwd+bwd") for name, attend in impls.items()]
+    tag = {"ours-eager, no replay": " (no replay)", "ours-eager, one call, GPU idle": " (one call, GPU idle)"}
     for mode, name, attend in runs:
-        ffi.keep_thread_states = "not kept" not in name
         length = 1 if name.endswith("GPU idle") else chain
         fn = program(attend, mode, length)
-        for _ in range(3):
-            jax.block_until_ready(fn(jq))
-        timed = name.startswith("ours-eager")
         with replay_switched_off() if name.endswith("no replay") else contextlib.nullcontext():
-            times = ffi.record_handler_times(timed)
-            cudnn_target.stages = [] if timed else None      # (read, find, launch) per run
-            samples = []
-            for _ in range(rounds * 4 * (chain // length)):
-                start = time.perf_counter()
+            for _ in range(3):
                 jax.block_until_ready(fn(jq))
-                samples.append((time.perf_counter() - start) / length * 1e6)
-            ffi.record_handler_times(False)
-        stages, cudnn_target.stages = cudnn_target.stages, None
-        tag = {"ours-eager, no replay": " (no replay)", "ours-eager, one call, GPU idle": " (one call, GPU idle)",
-               "ours-eager, thread states not kept": " (thread states not kept)"}
-        rows[(f"jax jit call ({name})", mode)] = measured(statistics.median(samples))
-        rows.update(handler_rows(times, stages or [], mode, tag.get(name, ""), idle=length == 1))
-    ffi.keep_thread_states = True
-    states = ffi.thread_states()
-    rows[("  handler entries on a fresh thread state", "-")] = measured(float(states.fresh_entries))
-    rows[("  XLA threads that kept their thread state", "-")] = measured(float(states.kept))
-    # 1 when this (the calling, Python) thread is among those that ran a handler, and how many did
-    rows[("  handler ran on the calling thread", "-")] = measured(float(threading.get_native_id() in ffi._seen))
-    rows[("  threads that ran a handler", "-")] = measured(float(len(ffi._seen)))
-    del jnp
+            wall = []
+            for _ in range(samples // length):
+                start = time.perf_counter_ns()
+                jax.block_until_ready(fn(jq))
+                wall.append((time.perf_counter_ns() - start) / length / 1e3)
+            rows[(f"jax jit call ({name})", mode)] = measured(statistics.median(wall))
+            if not name.startswith("ours-eager"):
+                continue
+            # The eager target runs the handler at every call: the program's dispatch (the host's part of an
+            # execution, which enqueues every launch) less the empty program's, per call.
+            per_call = {"fwd": handler_us(fn, jq, samples // length, empty_us, length)}
+            if mode == "fwd+bwd":
+                training = program(attend, "fwd, training", length)
+                for _ in range(3):
+                    jax.block_until_ready(training(jq))
+                both = per_call.pop("fwd")
+                per_call["fwd, training"] = handler_us(training, jq, samples // length, empty_us, length)
+                per_call["bwd"] = both - per_call["fwd, training"]
+            for label, us in per_call.items():
+                rows[(f"jax handler [cudnn_attn_eager]{tag.get(name, '')}", label)] = measured(us, length == 1)
+    rows[("  empty jitted program, dispatch", "-")] = measured(empty_us, True)
     return rows
 
 
-def handler_rows(times: list[tuple[str, int]], stages: list, mode: str, tag: str, idle: bool = False) -> dict:
-    """The handler's time per call and its stages, by the kind of plan it ran: in a fwd+bwd program the forward
-    (training: O and the logsumexp) and the backward apart (``times`` and ``stages`` record the same runs, in
-    order; a mixture only if they do not pair up)."""
-    rows = {}
-    paired = len(times) == len(stages)
-    for kind in (("fwd",) if mode == "fwd" else ("fwd", "bwd")) if paired else (mode,):
-        label = kind if mode == "fwd" or not paired else ("bwd" if kind == "bwd" else "fwd, training")
-        mine = [i for i, s in enumerate(stages) if s.kind == kind] if paired else range(len(stages))
-        for field, stage in (("read", "read the call frame"), ("find", "find the call site"), ("launch", "launch")):
-            if mine:
-                rows[(f"  handler stage{tag}: {stage}", label)] = measured(
-                    statistics.median(getattr(stages[i], field) for i in mine) / 1e3, idle)
-        for target in sorted({t for t, _ in times}):
-            ns = [times[i][1] for i in mine if times[i][0] == target] if paired else \
-                [n for t, n in times if t == target]
-            if ns:
-                rows[(f"jax handler [{target}]{tag}", label)] = measured(statistics.median(ns) / 1e3, idle)
-    return rows
+def dispatch_us(fn, x, samples: int) -> float:
+    """Median host µs from calling the jitted ``fn`` to its return, the device drained before each call (not
+    timed): what the host spends to start the execution, its launches enqueued but not waited for."""
+    import jax
+
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter_ns()
+        out = fn(x)
+        times.append(time.perf_counter_ns() - start)
+        jax.block_until_ready(out)
+    return statistics.median(times) / 1e3
+
+
+def handler_us(fn, x, samples: int, empty_us: float, length: int) -> float:
+    """Host µs per handler run of a program of ``length`` eager-target calls: its dispatch less the empty
+    program's, divided by ``length`` (XLA's own cost per custom call included)."""
+    return (dispatch_us(fn, x, samples) - empty_us) / length
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""Soak: many threads, mixed configurations, a graph cache that evicts all the time (issue #11.8) - GPU, not a test.
+"""Soak: many threads, mixed configurations, a graph cache that evicts all the time - GPU, not a test.
 
 16 threads (``--threads``) share 100,000 calls (``--calls``; ``--quick``: 4,000) drawn at random over eight
 configurations (causal, padding with GQA, sliding window, bias, dropout, decode, BNTH, packed segments;
@@ -31,7 +31,7 @@ Targets: 0 errors, 0 mismatches, and growth < 1 MiB of :data:`MEMORY_KEYS` (host
 outside the pools) over the **second half** of the soak, read as the trend of a least-squares line through
 every reading of that half (single RSS readings scatter by +-1 MiB, device readings by +-3 MiB); a trend within
 two standard errors of zero is scatter, not growth.  A leak grows with the calls; a
-high-water mark is reached once.  In the first 100k-call soak of 2026-12-01's second session, the host and XLA's
+high-water mark is reached once.  In a 100k-call soak on the H200 the host and XLA's
 pool stepped up until 36k calls, then nothing grew for 64k calls.  Growth from the settled point is printed too, and the
 pools' reserves (:data:`POOL_KEYS`) beside them.  A short table is printed last; ``--out FILE`` writes
 everything as JSON
@@ -507,10 +507,10 @@ def _trends(rows: list[dict], keys: list[str]) -> tuple[dict[str, float], dict[s
 POOL_KEYS = ("cupy_pool_high_water", "jax_pool", "device_used")
 """Reported, not held to the target: what CuPy's pool held before each phase returned its free blocks to the
 driver, what XLA's allocator reserves (free blocks included), and the device total.  Both allocators keep freed
-memory for later allocations, and 16 threads of mixed sizes fragment them up to a high-water mark (run E of
-2026-12-01: +68 MiB of device memory in steps of ~32 MiB, XLA's pool growing on demand).  CuPy's free blocks
+memory for later allocations, and 16 threads of mixed sizes fragment them up to a high-water mark (on the H200:
++68 MiB of device memory in steps of ~32 MiB, XLA's pool growing on demand).  CuPy's free blocks
 are returned at every phase because the driver maps device memory in 2 MiB pages: a pool that grows by a few
-MiB moved "outside the pools" by up to 2 MiB in run 4 of the second session of 2026-12-01."""
+MiB moved "outside the pools" by up to 2 MiB."""
 
 
 def _clear_jax_caches() -> None:
@@ -628,7 +628,7 @@ def verdict(report: dict, growth_limit: int = MIB) -> tuple[bool, list[str]]:
     errors = report.get("trend_error_second_half", {})
     # A failure is growth of at least the limit that the scatter cannot explain (more than two standard errors):
     # device readings move in the driver's 2 MiB pages and scatter by +-3 MiB, so a flat line drawn through them
-    # can tilt by a MiB (run 4 of 2026-12-01 s3: 1.11 +- 0.6 MiB over 67k calls, every reading within 614-622 MiB).
+    # can tilt by a MiB (1.11 +- 0.6 MiB over 67k calls on the H200, every reading within 614-622 MiB).
     failures += [f"{name} grew {value / MIB:.2f} +- {errors.get(name, 0.0) / MIB:.2f} MiB"
                  for name, value in growth.items() if value >= growth_limit and value > 2 * errors.get(name, 0.0)]
     return not failures, failures

@@ -1,4 +1,4 @@
-"""A small causal transformer trained under ``jax.jit``, as users train (issue #8): not a test by itself.
+"""A small causal transformer trained under ``jax.jit``, as users train: not a test by itself.
 
     python benchmarks/train_step.py --impl ours|jax [--gpus 1|2] [--size tiny|small|wide] [--steps 5]
         [--cuda-graph on|off] [--threads 4] [--shard-map] [--watchdog 120] [--json FILE]
@@ -34,9 +34,9 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 SIZES = {
-    "tiny": dict(layers=1, d_model=256, heads=4, seq=256, batch=4),      # the issue's 14.7x case
+    "tiny": dict(layers=1, d_model=256, heads=4, seq=256, batch=4),      # host-bound: JAX's dispatch sets the step time
     "small": dict(layers=2, d_model=512, heads=8, seq=512, batch=8),     # the GPU test (seconds)
-    "wide": dict(layers=4, d_model=1024, heads=16, seq=2048, batch=16),  # the issue's hang report
+    "wide": dict(layers=4, d_model=1024, heads=16, seq=2048, batch=16),  # device-bound: attention is most of the step
 }
 
 
@@ -50,8 +50,6 @@ def parse(argv=None) -> argparse.Namespace:
                    help="ours only: let XLA capture the call into CUDA graphs (on, the default) or not")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--shard-map", action="store_true")
-    p.add_argument("--count-handler", action="store_true",
-                   help="ours: count the FFI handler's Python runs per step (XLA replays captured calls without it)")
     p.add_argument("--watchdog", type=float, default=120.0)
     p.add_argument("--json", default=None, help="also append the result line to this file")
     return p.parse_args(argv)
@@ -134,9 +132,6 @@ def main(argv=None) -> int:
         total = jax.jit(jax.shard_map(sharded, mesh=mesh, in_specs=(spec, spec, spec), out_specs=P()))(q, q, q)
         result["shard_map_psum"] = float(total)
     losses, times = [], []
-    if args.count_handler and args.impl == "ours":
-        from cudnn_attn.jax_bridge import cudnn_target
-        cudnn_target.stages = []                               # every handler run records its stages
     for _ in range(args.steps):
         start = time.perf_counter()
         loss, params = step(params, x, y)
@@ -144,10 +139,6 @@ def main(argv=None) -> int:
         times.append((time.perf_counter() - start) * 1e3)
         losses.append(loss)
     result.update(losses=losses, step_ms=times, median_step_ms=statistics.median(times[2:] or times))
-    if args.count_handler and args.impl == "ours":
-        result["handler_runs"] = len(cudnn_target.stages)
-        result["handler_us"] = round(sum(s.total for s in cudnn_target.stages) / 1e3, 1)
-        cudnn_target.stages = None
     if args.threads:
         want = loss_and_grad(params, x, y)
         jax.block_until_ready(want)

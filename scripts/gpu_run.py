@@ -6,21 +6,15 @@ a short summary table printed last.
 Phases (default: ``tests train host jax attention``):
 
 * ``tests``      - the GPU test tier (``pytest -m gpu``, 4 workers), JUnit XML -> per-file table;
-* ``legacy``     - the training step of issue #8 on the code of ``.legacy/`` (the last commit before the
-                   fix, exported there by the caller), plain and ``cuda_graph=True``, under a 60 s watchdog:
+* ``legacy``     - the 2-GPU training step on the code of ``.legacy/`` (a commit exported there by the
+                   caller, before the per-thread cuDNN handles), plain and ``cuda_graph=True``, under a 60 s watchdog:
                    does it still hang / crash?  Runs in the background next to the other phases;
 * ``train``      - per-step times, ours vs ``jax.nn`` cuDNN, tiny and 1024-wide models, 1 and 2 GPUs;
 * ``host``, ``jax``, ``attention``, ``fp8``, ``decode``, ``first_call``, ``context_parallel``, ``autotune``
                  - ``benchmarks/bench_<phase>.py``; ``soak`` - ``benchmarks/soak.py`` (``--quick`` unless ``--full``,
                  or ``PHASE:full`` for one phase);
 * ``soak_ab``    - the soak twice, half the phase's time each: ``CUDNN_ATTN_REPLAY=0``, then replay on (which of
-                   them grows device memory); ``SOAK_CALLS`` / ``SOAK_ARGS`` as for ``soak``;
-* ``graph_launch`` - ``benchmarks/probe_graph_launch.py``: ``cudaGraphLaunch``'s host time by what the stream holds;
-* ``graph_memory`` - ``benchmarks/probe_graph_memory.py``: device and host memory per replay graph;
-* ``rebuild_memory`` - ``benchmarks/probe_rebuild_device.py``: device memory under eviction and rebuild;
-* ``sanitizer``  - ``benchmarks/probe_bad_values.py`` (out-of-range lengths, offsets, page ids; raw and clamped)
-                   under ``compute-sanitizer --tool memcheck`` when the machine has one, else with its guard
-                   bytes only (the summary says which).
+                   them grows device memory); ``SOAK_CALLS`` / ``SOAK_ARGS`` as for ``soak``.
 
 Each phase gets at most what is left of ``--budget`` (default 570 s) minus a reserve for the phases after
 it; a phase cut short is reported as such.  Exit status: non-zero when a phase failed.
@@ -83,39 +77,6 @@ def test_table() -> list[str]:
     lines.append(f"{'total':48s} {total['passed']:6d} {total['failure']:6d} {total['error']:6d} {total['skipped']:7d}")
     lines += [f"  FAILED {name}" for name in failed[:30]]
     return lines
-
-
-def find_sanitizer() -> str | None:
-    import glob
-    import shutil
-    found = shutil.which("compute-sanitizer")
-    candidates = sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer") + glob.glob("/opt/nvidia/**/compute-sanitizer",
-                                                                                        recursive=True))
-    return found or (candidates[-1] if candidates else None)
-
-
-def sanitizer(limit: float) -> tuple[int, float, list[str]]:
-    """The bad-values probe: under compute-sanitizer's memcheck (every tensor its own allocation) when the
-    machine has the tool, and always with guard bytes around each tensor."""
-    tool = find_sanitizer()
-    lines = [f"== bad values probe (compute-sanitizer: {tool or 'not on this machine'})"]
-    took, status = 0.0, 0
-    runs = [("probe_guards", [sys.executable, "benchmarks/probe_bad_values.py", "--timeout", "60",
-                              "--out", os.path.join(OUT, "probe.json")])]
-    if tool:
-        runs.append(("probe_memcheck", [tool, "--tool", "memcheck", "--report-api-errors", "no",
-                                        "--target-processes", "all", sys.executable,
-                                        "benchmarks/probe_bad_values.py", "--guard-bytes", "0", "--timeout", "120",
-                                        "--out", os.path.join(OUT, "probe_memcheck.json")]))
-    for name, command in runs:
-        rc, seconds = run(name, command, max(20.0, limit - took) / (1 if name == runs[-1][0] else 2))
-        took += seconds
-        status |= int(rc != 0)
-        text = tail(name, 60).splitlines()
-        errors = [line for line in text if "ERROR SUMMARY" in line or "Invalid" in line][:6]
-        lines += [f"  {name}: rc={rc}, {seconds:.0f} s"] + ["    " + line for line in text[-14:]] + \
-                 ["    " + line for line in errors]
-    return status, took, lines
 
 
 def gpu_count() -> int:
@@ -200,23 +161,6 @@ def main() -> int:
                                                          else r["error"] if r["error"].startswith("skipped")
                                                          else f"FAILED {r['error']}"))
             rc = int(any("error" in r and not r["error"].startswith("skipped") for r in results))
-        elif phase == "graph_launch":
-            rc, took = run("graph_launch", [sys.executable, "benchmarks/probe_graph_launch.py", "--out",
-                                            os.path.join(OUT, "probe_graph_launch.json")], limit)
-            summary.append(tail("graph_launch", 17))
-        elif phase == "graph_memory":
-            rc, took = run("graph_memory", [sys.executable, "benchmarks/probe_graph_memory.py", "--out",
-                                            os.path.join(OUT, "probe_graph_memory.json")], limit)
-            summary.append("== memory of replay graphs (benchmarks/probe_graph_memory.py)\n" + tail("graph_memory", 6))
-        elif phase == "rebuild_memory":
-            rc, took = run("rebuild_memory", [sys.executable, "benchmarks/probe_rebuild_device.py", "--seconds",
-                                              str(max(10, (limit - 40) / 2)), "--out",
-                                              os.path.join(OUT, "probe_rebuild_device.json")], limit)
-            summary.append("== device memory under rebuilds (benchmarks/probe_rebuild_device.py)\n"
-                           + tail("rebuild_memory", 2))
-        elif phase == "sanitizer":
-            rc, took, lines = sanitizer(limit)
-            summary += lines
         elif phase == "soak_ab":
             rc, took = 0, 0.0
             for label, replay in (("replay_off", "0"), ("replay_on", "1")):
@@ -254,7 +198,7 @@ def main() -> int:
             legacy.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             legacy.kill()
-        summary.append("== legacy code (before the fix), training step on 2 GPUs:")
+        summary.append("== legacy code (.legacy/), training step on 2 GPUs:")
         summary += ["  " + line for line in tail("legacy", 400).splitlines() if line.startswith("LEGACY")][:60]
     print("\n==================== summary ====================")
     print("\n".join(summary))

@@ -54,7 +54,7 @@ def test_a_configuration_of_no_possible_call_is_refused_naming_the_field(changes
 
 
 def test_the_support_query_never_sees_a_configuration_of_no_possible_call():
-    """A hand-made configuration with a zero batch used to be reported runnable (``[]``)."""
+    """A hand-made configuration with a zero batch is refused, not reported runnable (``[]``)."""
     from cudnn_attn.core import support
 
     with pytest.raises(ValueError, match="config.batch"):

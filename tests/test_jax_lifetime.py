@@ -1,4 +1,4 @@
-"""Lifetimes on the JAX side (issue #11.8): call-site entries and the GPU handler's plans are held by live
+"""Lifetimes on the JAX side: call-site entries and the GPU handler's plans are held by live
 executables (XLA's instantiate stage and its state deleter) and by recent lowerings, and released when
 neither holds them.  CPU: the reference target runs the same lowering and instantiate path as the GPU."""
 
@@ -99,7 +99,7 @@ def test_a_run_without_instantiation_stops_releasing(monkeypatch, caplog):
 
 
 def test_a_pin_cannot_slip_between_the_decision_to_release_and_the_release():
-    """The soak's race (H200, run 11): a lowering re-pinned a site while another thread was dropping its plans, and
+    """The race a soak found on the H200: a lowering re-pinned a site while another thread was dropping its plans, and
     the executable then ran without them.  The release happens under the lock, so the pin waits for it (and
     instantiation then re-plans what was dropped)."""
     import threading

@@ -1,4 +1,4 @@
-"""Device contexts without a GPU (issue #8): one per device for the whole process, made once under many
+"""Device contexts without a GPU: one per device for the whole process, made once under many
 threads, never made on the execution path, closed at release; the call plan's launch under the lock."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A ``score_mod``'s identity is its traced program, not the Python function object (issue #9, item 7).
+"""A ``score_mod``'s identity is its traced program, not the Python function object.
 
 Equal functions - inline lambdas re-created in a loop, ``functools.partial`` of one function with the
 same constants - give equal configurations (one graph-cache key, one cuDNN graph); different constants

@@ -22,7 +22,7 @@ and executing one costs microseconds, so every graph is built once per process a
   are serialised per device anyway (the planning handle), and cuDNN's host allocations then come from one
   glibc arena: measured deviceless with 16 threads rebuilding through a 4-graph cache, the trimmed RSS grew
   by 3-8 MiB over 12,800 lookups when every thread built, and stayed within 0.4 MiB on one build thread
-  (``benchmarks/probe_rebuild_memory.py``).  A ``build=`` given to one lookup (autotuning, which times on
+  (DESIGN.md, "Measured facts").  A ``build=`` given to one lookup (autotuning, which times on
   the caller's stream) runs on the caller's thread.
 
 ``graph_cache`` is the process-wide instance used by :mod:`cudnn_attn.fronts.cupy` and the JAX bridge

@@ -29,8 +29,7 @@ does not remove it.
 **cuDNN's engine libraries.**  ``import cudnn`` loads only ``libcudnn.so.9``, a dispatcher.  The libraries an
 attention plan runs from (``libcudnn_graph``, ``_heuristic``, ``_engines_precompiled``,
 ``_engines_runtime_compiled``: 340 MB of code) load at the first handle or plan, and on the first call from the
-plan store that was most of the "deserialize" stage (25.9-34.5 ms of a 50-69 ms call on the H200, sixth session of
-2026-12-01).  On a 2-core CPU, deserializing a stored plan took 46-61 ms without them loaded and 13-18 ms with
+plan store that was most of the "deserialize" stage (25.9-34.5 ms of a 50-69 ms call on the H200).  On a 2-core CPU, deserializing a stored plan took 46-61 ms without them loaded and 13-18 ms with
 them (deviceless, the rest being the device-properties object).  So after the import the thread loads them too
 (:func:`load_engine_libraries`), through libc's ``dlopen`` called by ``ctypes``, which releases the GIL: unlike
 the import, this part overlaps the caller's setup.  cuDNN's own later ``dlopen`` of the same sonames finds them

@@ -29,7 +29,7 @@ passes the same few address sets (the JAX handler without command buffers sees X
   device and host memory of its own; without the device bound, plans that live long (those a compiled JAX
   program holds) filled up to 64 graphs each, which a 93k-call soak measured as +90 MiB of device and
   +16 MiB of host memory (+4 / +0.3 MiB with replay off).  A graph holds about
-  123 KiB of device and 31 KiB of host memory (``benchmarks/probe_graph_memory.py``), so the default
+  123 KiB of device and 31 KiB of host memory (DESIGN.md, "Measured facts"), so the default
   bound of 64 holds at most ~8 MiB of device memory per GPU.  Where XLA records the JAX call into its
   own command buffers (its default under ``jit``), the handler does not replay at all.  Address sets that cycle
   through more than a plan's capacity would capture on every call; a plan whose captures reach

@@ -8,7 +8,7 @@ Devices
     call, the JAX lowering for every device of the program - and never inside an XLA FFI handler:
     creating a handle allocates device memory and may synchronise the device, which deadlocks a
     multi-GPU program whose other devices wait in a collective for this one, and is not allowed
-    while XLA captures a CUDA graph (issue #8).  The handler only looks contexts up
+    while XLA captures a CUDA graph.  The handler only looks contexts up
     (``create=False``) and fails with a clear error if one is missing.
 
 Threads
@@ -23,8 +23,7 @@ A thread with no CUDA context
     A new thread has no CUDA context current until something makes one current (the CUDA runtime does so
     lazily; the driver API does not).  XLA calls the FFI handler on such threads, and there
     ``cudnnSetStream`` issues driver queries that fail with CUDA_ERROR_INVALID_CONTEXT: the H200 soak
-    counted 14 of 4,591 rebinds without a context, and two soaks died of SIGSEGV inside ``cudnnSetStream``
-    (2026-12-01).  Every use of a handle therefore starts with :meth:`DeviceContext.adopt_thread`, which
+    counted 14 of 4,591 rebinds without a context, and two soaks died of SIGSEGV inside ``cudnnSetStream``.  Every use of a handle therefore starts with :meth:`DeviceContext.adopt_thread`, which
     makes the device's primary context current when no context is, and ends with
     :meth:`DeviceContext.release_thread`, which unbinds it again, so the caller's thread is left as it was.
 

@@ -3,9 +3,8 @@ bound holds for the graphs themselves.
 
 Each case is a fresh process (``lifetime_worker.py``) that builds real cuDNN 9.19 sm90 graphs through
 the library's graph cache and plan store and exits normally; nanobind reports at exit every frontend
-object still alive (``nanobind: leaked ...`` on stderr).  Before the fix, every score_mod graph was kept
-alive by a reference cycle through cuDNN's C++ graph (its callbacks), so the cache's eviction freed
-nothing of it and nanobind reported 89 instances at the exit of the ``exit`` case.
+object still alive (``nanobind: leaked ...`` on stderr).  A score_mod graph kept alive by a reference cycle through cuDNN's C++ graph (its callbacks) is freed by
+no eviction; nanobind reported 89 instances at the exit of the ``exit`` case when that cycle was there.
 """
 
 from __future__ import annotations

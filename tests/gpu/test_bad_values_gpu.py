@@ -1,10 +1,10 @@
-"""Bad device values on the GPU (issue #11.1): lengths past the buffers, negative lengths, offsets past the
+"""Bad device values on the GPU: lengths past the buffers, negative lengths, offsets past the
 row, page ids outside the cache - handed to cuDNN only after :func:`cudnn_attn.core.values.sanitize`.
 
 For every kind of bad value: no error escapes but the documented ones (``ValueError`` in the checked
 mode, naming the argument, the row and the value), and the results equal the NumPy reference run on the
 clamped values (every element finite: results start NaN-poisoned where the test allocates them).  A
-negative ``kv_seqlen`` is left to the CPU tests and the probe: clamped to 0 it leaves queries without a
+negative ``kv_seqlen`` is left to the CPU tests: clamped to 0 it leaves queries without a
 key, whose result the reference does not pin down yet.
 
 * execution level: ``values.sanitize(config, operands, cupy)`` then :func:`cudnn_attn.fronts.execution.forward` /
@@ -13,7 +13,7 @@ key, whose result the reference does not pin down yet.
   values (skipped until it takes ``check_values``);
 * the JAX bridge on the GPU: ``jit`` clamps, eager calls and the checked mode report.
 
-The measured behaviour of cuDNN 9.19 on raw bad values is ``benchmarks/probe_bad_values.py``'s job.
+What cuDNN 9.19 does with raw bad values (reads and writes out of bounds) is in DESIGN.md, "Measured facts".
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def test_execution_on_sanitized_device_values_equals_the_clamped_reference(case,
 
 _GUARDED = "check_values" in inspect.signature(cudnn_attn.dot_product_attention).parameters
 public = pytest.mark.skipif(not _GUARDED, reason="the CuPy path does not guard its values yet (cudnn_attn.fronts.cupy "
-                                                 "must call cudnn_attn.core.values; see the lead's integration notes)")
+                                                 "must call cudnn_attn.core.values)")
 
 
 def _public(arrays: dict, static: dict, **kw):

@@ -1,7 +1,7 @@
 """A GPU process that used the library exits cleanly: no cuDNN frontend object outlives the interpreter.
 
-The child process makes CuPy calls (plain causal, and a score_mod forward and backward, whose graphs held
-a reference cycle through cuDNN's C++ graph before the fix) and jitted JAX calls (forward and gradient,
+The child process makes CuPy calls (plain causal, and a score_mod forward and backward, whose graphs can hold
+a reference cycle through cuDNN's C++ graph (its callbacks)) and jitted JAX calls (forward and gradient,
 with and without XLA's command buffers), checks the results are finite, and exits normally.  nanobind
 prints ``nanobind: leaked ...`` at exit for every frontend object still alive; there must be none.
 """

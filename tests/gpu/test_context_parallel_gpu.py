@@ -1,4 +1,4 @@
-"""Issue #10 on the GPU: context parallelism at T = S = 32k on 2 GPUs against one GPU, packed segments
+"""Context parallelism on the GPU: at T = S = 32k on 2 GPUs against one GPU, packed segments
 under batch sharding, and the lifted limits (bias at odd lengths in training, backward at T = S = 1)
 against the NumPy reference.
 
@@ -151,7 +151,7 @@ def test_jax_bridge_backward_at_a_single_token():
 
 
 def test_cupy_path_trains_with_a_bias_at_odd_lengths_and_backward_at_a_single_token():
-    """Needs cudnn_attn.fronts.execution to apply cudnn_attn.core.padded_call (the lead's wiring)."""
+    """Needs cudnn_attn.fronts.execution to apply cudnn_attn.core.padded_call."""
     import cupy as cp
 
     rng = np.random.default_rng(44)

@@ -335,7 +335,7 @@ def test_two_gpu_sharding_forward_and_backward(spec, rng):
 
 @pytest.mark.parametrize("cuda_graph", [True, False])
 def test_executables_hold_the_handlers_plans_until_they_die(cuda_graph, monkeypatch):
-    """Issue #11.8 on the GPU: XLA runs the targets' instantiate stage (with command buffers or without), so a
+    """XLA runs the targets' instantiate stage (with command buffers or without), so a
     live executable pins its plan; once it is destroyed and the site is not among the recent lowerings, the
     plan the handler ran is dropped - the graph cache's bound holds on the JAX side."""
     import gc

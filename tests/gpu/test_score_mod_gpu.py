@@ -72,7 +72,7 @@ def leaky(score):
     return jnp.where(score > 0, score, 0.1 * score)
 
 
-# -- the public API: the three cases ----------------------------------------------------------
+# -- the public API: three cases ----------------------------------------------------------------------
 PUBLIC = {
     "softcap-fp16-BTNH": (softcap, (np.float32(2.0),), "float16", "BTNH"),
     "softcap-bf16-BNTH": (softcap, (np.float32(2.0),), "bfloat16", "BNTH"),

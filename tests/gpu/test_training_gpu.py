@@ -1,4 +1,4 @@
-"""Training as users run it (issue #8): a jitted transformer step on one and two GPUs, under a watchdog.
+"""Training as users run it: a jitted transformer step on one and two GPUs, under a watchdog.
 
 Each run is ``benchmarks/train_step.py`` in a subprocess: a small causal transformer (2 layers,
 d_model 512, 8 heads, T=512, batch 8 sharded over ``("dp",)``), ``lax.scan`` over ``jax.checkpoint``-ed
