@@ -141,9 +141,9 @@ def tokamax_kernels() -> tuple[str, ...]:
 def attention(impl: str, shape: Shape):
     """``attend(q, k, v)`` of one implementation; raises when the peer cannot be imported."""
     scale = 1.0 / math.sqrt(shape.D)
-    if impl == "ours":
-        mask = MaskType.CAUSAL if shape.causal else MaskType.NO_MASK
-        return lambda q, k, v: jb.dot_product_attention(q, k, v, scale=scale, mask_type=mask)
+    if impl.startswith("ours"):                 # "ours eager": XLA runs the handler on every execution
+        mask, graph = MaskType.CAUSAL if shape.causal else MaskType.NO_MASK, None if impl == "ours" else False
+        return lambda q, k, v: jb.dot_product_attention(q, k, v, scale=scale, mask_type=mask, cuda_graph=graph)
     if impl.startswith("jax.nn"):
         name = impl.split()[1]
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=shape.causal,
