@@ -17,10 +17,11 @@ Implementations, on the same model (its weights shared; ``set_attn_implementatio
 * ``ours segments``   - the minimal function, with a one-query step's boolean mask turned into one segment per
                         row (its first kept key and the number kept; the mask's kept keys must be one run).
 
-Both custom names get transformers' ``sdpa_mask``.  Per run: a cold ``generate()`` (graphs built), then a warm one
-timed: ms per generated token (wall / tokens, prefill included), attention calls and the host time inside the
-attention function per call, graph-cache hits and misses of the warm run, and the share of generated tokens
-equal to sdpa's (random weights: near-ties may flip a greedy choice).  Target: ours' ms per token <= sdpa's.
+Every name gets transformers' ``sdpa_mask``; ``torch.compile`` stays off (``generation_config.disable_compile``).
+Per run: a cold ``generate()`` (graphs built), then a warm one timed: ms per generated token (wall / tokens,
+prefill included), attention calls and the host time inside the attention function per call, graph-cache hits
+and misses of the warm run, and the share of generated tokens equal to sdpa's (random weights: near-ties may
+flip a greedy choice).  Target: ours' ms per token <= sdpa's.
 
 Writes ``bench_generate.json`` into OUT_DIR and prints the table last.
 """
@@ -142,7 +143,9 @@ def build_model():
     config = LlamaConfig(vocab_size=4096, hidden_size=HEADS * HEAD_DIM, intermediate_size=2816,
                          num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                          head_dim=HEAD_DIM, max_position_embeddings=4096)
-    return LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    model = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    model.generation_config.disable_compile = True      # generate() would torch.compile a static-cache forward
+    return model
 
 
 def prompts(padded: bool):

@@ -319,10 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="no GPU: the rows it would run, not run")
     parser.add_argument("--rounds", type=int, default=5, help="timed runs per row (median)")
     parser.add_argument("--max-seconds", type=float, default=None,
-                        help="rows after this are reported skipped (default 100 quick, 270 full)")
+                        help="rows after this are reported skipped (default 100 quick, 220 full)")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    max_seconds = args.max_seconds or (100.0 if args.quick else 270.0)
+    max_seconds = args.max_seconds or (100.0 if args.quick else 220.0)
     rows = run(args.quick, args.dry_run, args.rounds, max_seconds)
     fp8 = fp8_rows(args.quick, args.dry_run)
     device = None if args.dry_run else jax.devices()[0].device_kind

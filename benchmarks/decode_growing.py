@@ -225,8 +225,9 @@ def stages(st: Steps) -> dict:
         "validate_call (boolean mask, new S)": stage_us(
             lambda i: validate_call(st.q[i], st.k[i], st.v[i], mask=st.keep[i], scale=SCALE, xp=cp), st.steps),
         "validate_call (segments, new S)": stage_us(
-            lambda i: validate_call(st.q[i], st.k[i], st.v[i], st.q_lengths, st.kv_lengths[i], st.q_offsets,
-                                    st.kv_offsets, scale=SCALE, mask_type=MaskType.PADDING, xp=cp), st.steps),
+            lambda i: validate_call(st.q[i], st.k[i], st.v[i], q_seqlen=st.q_lengths, kv_seqlen=st.kv_lengths[i],
+                                    q_offsets=st.q_offsets, kv_offsets=st.kv_offsets, scale=SCALE,
+                                    mask_type=MaskType.PADDING, xp=cp), st.steps),
         "graph_cache.plan (hit)": stage_us(lambda i: cudnn_attn.graph_cache.plan(configs[i], "fwd", device), st.steps),
         "DLPack torch -> CuPy, Q/K/V": stage_us(lambda i: (cp.from_dlpack(tq[i]), cp.from_dlpack(tk[i]),
                                                            cp.from_dlpack(tv[i])), st.steps),
@@ -267,7 +268,7 @@ def profile(variant: str, st: Steps) -> dict:
     stats = pstats.Stats(profiler).stats
     by_bucket: collections.Counter = collections.Counter()
     functions = []
-    for (path, line, name), (_, calls_, own, cumulative, _) in stats.items():
+    for (path, line, name), (_, calls_, own, _, _) in stats.items():
         if name in ("deviceSynchronize",) or "one_pass" in name:
             continue
         by_bucket[bucket(path, name)] += own
