@@ -174,11 +174,19 @@ def as_cupy(x):
 
 
 def measure(variant: str, st: Steps, reference: dict) -> Row:
+    import cudnn_attn
+
     row = Row(variant)
     try:
         call = calls(variant, st)
+        before = cudnn_attn.graph_cache.stats()
         cold_host, cold_latency, _ = one_pass(call, st.steps)
+        after = cudnn_attn.graph_cache.stats()
         row.cold_ms_total = sum(cold_latency) / 1e3
+        misses = after.misses - before.misses          # the graphs the cold pass built (CuPy front's cache)
+        row.notes["cold_graph_misses"] = misses
+        if misses:
+            row.notes["build_ms_per_miss"] = round((after.build_seconds - before.build_seconds) * 1e3 / misses, 2)
         row.notes["cold_host_us_median"] = statistics.median(cold_host)
         host, latency, out = one_pass(call, st.steps)
         row.host_us, row.latency_us = statistics.median(host), statistics.median(latency)
@@ -298,6 +306,9 @@ def table(rows: list[Row], stage_rows: dict, profiles: dict, steps: int) -> str:
         lines.append(f"{r.variant:30s} {_f(r.host_us):>8s} {_f(r.latency_us):>8s} {_f(ratio, 2):>6s} "
                      f"{_f(r.cold_ms_total):>8s} {_f(r.max_abs_diff, 4):>8s}" + (f"  FAILED {r.error}" if r.error else ""))
     lines.append("x sdpa: latency / torch SDPA's (masked: its masked SDPA; repeated: its repeated call); target <= 1")
+    lines.append("graph builds in the cold pass (misses, ms each): " + "; ".join(
+        f"{r.variant} {r.notes['cold_graph_misses']} x {r.notes.get('build_ms_per_miss', '-')}" for r in rows
+        if "cold_graph_misses" in r.notes))
     lines.append("stages of a new-signature call, each alone (us): " + "; ".join(f"{k} {v}" for k, v in
                                                                                 stage_rows.items()))
     for variant, p in profiles.items():
