@@ -12,6 +12,8 @@ Rows left-padded by 0, 3, 7, 11 tokens for the masked variants.  Variants:
                            padding (the same keys as the keep-mask);
 * ``ours padding, fixed S`` - a static cache of ``128 + steps`` keys, ``kv_seqlen`` = S: one signature;
 * ``ours repeated signature`` - ``ours causal-br`` at S = 128 every call: the floor of a repeated eager call;
+* ``..., torch in``      - ``ours causal-br`` / ``ours repeated signature`` on torch tensors of the same memory
+                           (results come back as torch tensors), as ``transformers`` passes them;
 * ``jax eager``          - ``cudnn_attn.jax_bridge.dot_product_attention`` on JAX arrays, not jitted;
 * ``torch sdpa`` / ``torch sdpa keep-mask`` / ``torch sdpa repeated signature`` -
                            ``torch.nn.functional.scaled_dot_product_attention(enable_gqa=True)`` on the same
@@ -53,9 +55,9 @@ B, N, K, D, S0 = 4, 16, 4, 64, 128
 PADS = (0, 3, 7, 11)                 # left padding of each row (masked variants)
 SCALE = 1.0 / math.sqrt(D)
 BF16 = np.dtype(ml_dtypes.bfloat16)
-VARIANTS = ("ours causal-br", "ours causal-br, slice", "ours keep-mask", "ours segments", "ours padding, fixed S",
-            "ours repeated signature", "jax eager", "torch sdpa", "torch sdpa keep-mask",
-            "torch sdpa repeated signature")
+VARIANTS = ("ours causal-br", "ours causal-br, slice", "ours causal-br, torch in", "ours keep-mask", "ours segments",
+            "ours padding, fixed S", "ours repeated signature", "ours repeated signature, torch in", "jax eager",
+            "torch sdpa", "torch sdpa keep-mask", "torch sdpa repeated signature")
 MASKED = {"ours keep-mask", "ours segments", "torch sdpa keep-mask"}
 PROFILED = ("ours causal-br", "ours keep-mask", "ours segments", "ours repeated signature")
 
@@ -110,6 +112,12 @@ def calls(variant: str, st: Steps):
     if variant == "ours causal-br, slice":
         return lambda i: cudnn_attn.dot_product_attention(st.q[i], st.cache_k[:, :st.lengths[i]],
                                                           st.cache_v[:, :st.lengths[i]], **causal)
+    if variant.endswith(", torch in"):          # torch tensors in (and out), as transformers passes them
+        import torch
+
+        tq, tk, tv = ([torch.from_dlpack(x) for x in xs] for xs in (st.q, st.k, st.v))
+        j = (lambda i: 0) if "repeated" in variant else (lambda i: i)
+        return lambda i: cudnn_attn.dot_product_attention(tq[i], tk[j(i)], tv[j(i)], **causal)
     if variant == "ours keep-mask":
         return lambda i: cudnn_attn.attention(st.q[i], st.k[i], st.v[i], mask=keep(st.keep[i]), scale=SCALE).output
     if variant == "ours segments":
