@@ -17,8 +17,13 @@ Decode reads every cached byte once, so the figure of merit is bandwidth: bytes 
 Q read, O written) over device time, against the H200's measured copy bandwidth (about 4.3 TB/s).
 Outputs of the three attention paths are cross-checked (``notes``).  Timing is
 ``bench_attention.event_ms`` (CUDA events around back-to-back calls, median of rounds).  ``--dry-run``
-needs no GPU: it prints the table of the lengths it would run.  Writes ``bench_decode.json`` into
-``--out`` and prints the table last.
+needs no GPU: it prints the table of the lengths it would run.
+
+Decode through a growing cache (``--part growing``; :mod:`decode_growing`): one query against S keys, S one
+more every call (B=4, 16 query / 4 K/V heads, d=64, bf16, S from 128), so every call is a new signature; per
+call host time of ours, torch SDPA and a repeated call of one signature, and where a new-signature call's time
+goes.  Writes ``bench_decode.json`` (and ``bench_decode_growing.json``) into ``--out`` and prints the
+growing-cache table last.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import os
 import traceback
 from dataclasses import asdict, dataclass, field
 
+import decode_growing
 import ml_dtypes
 import numpy as np
 from bench_attention import _f, event_ms
@@ -167,18 +173,26 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--quick", action="store_true", help="only kv lengths 4k and 16k")
     parser.add_argument("--dry-run", action="store_true", help="no GPU: print the table of the lengths")
-    args = parser.parse_args()
+    parser.add_argument("--part", nargs="*", choices=("paged", "growing"), default=["paged", "growing"],
+                        help="the paged-cache bandwidth table, the growing-cache host table (default: both)")
+    parser.add_argument("--steps", type=int, default=None, help="growing cache: calls per pass (default 48, "
+                        "quick 16)")
+    args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    rows = run(args.quick, args.dry_run)
-    with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
-        json.dump({"dry_run": args.dry_run, "batch": BATCH, "q_heads": Q_HEADS, "kv_heads": KV_HEADS, "dim": DIM,
-                   "block": BLOCK, "rows": [asdict(r) for r in rows]}, f, indent=1)
-    print(table(rows))
+    if "paged" in args.part:
+        rows = run(args.quick, args.dry_run)
+        with open(os.path.join(args.out, "bench_decode.json"), "w") as f:
+            json.dump({"dry_run": args.dry_run, "batch": BATCH, "q_heads": Q_HEADS, "kv_heads": KV_HEADS, "dim": DIM,
+                       "block": BLOCK, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        print(table(rows))
+    if "growing" in args.part:
+        print()
+        decode_growing.main(args.out, args.steps or (16 if args.quick else 48), args.dry_run)
 
 
 if __name__ == "__main__":

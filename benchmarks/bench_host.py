@@ -169,13 +169,9 @@ def cupy_rows(q, k, v, do, calls, rounds) -> dict:
                                                            rounds=rounds)
         context, launcher = plan.context, plan.launcher
         workspace = context.workspace(stream, plan.workspace_size)
-        context.bind_stream(stream)
-        if launcher._raw_execute is not None:
-            launcher._pointers[:] = launcher._order(pointers)
-            raw = launcher._raw_execute
-            args = (launcher._pointers_address, launcher._count, workspace, context.handle_address,
-                    launcher._cpp_index)
-            rows[("raw launch", kind)] = host_us(lambda: raw(*args), calls=calls, rounds=rounds)
+        raw = raw_launch(plan, pointers, stream)
+        if raw is not None:
+            rows[("raw launch", kind)] = host_us(raw, calls=calls, rounds=rounds)
         uids = tuple(int(plan.built.uids[t]) for t in launcher.ids)
         graph, handle, ordered = plan.built.graph, context.handle, tuple(pointers)
         rows[("frontend execute", kind)] = host_us(
@@ -187,6 +183,21 @@ def cupy_rows(q, k, v, do, calls, rounds) -> dict:
     rows[("cupy elementwise (multiply, out=)", "-")] = host_us(lambda: cp.multiply(x, 2.0, out=out), calls=calls,
                                                             rounds=rounds)
     return rows
+
+
+def raw_launch(plan, pointers: list[int], stream: int):
+    """``fn()`` that launches ``plan`` through the frontend's private ``_execute_with_raw_ptrs`` with a prefilled
+    pointer array (the floor of any launch through cuDNN's backend), bound to ``stream``; ``None`` when the
+    frontend has no raw entry point."""
+    context, launcher = plan.context, plan.launcher
+    workspace = context.workspace(stream, plan.workspace_size)
+    context.bind_stream(stream)
+    if launcher._raw_execute is None:
+        return None
+    launcher._pointers[:] = launcher._order(pointers)
+    raw = launcher._raw_execute
+    args = (launcher._pointers_address, launcher._count, workspace, context.handle_address, launcher._cpp_index)
+    return lambda: raw(*args)
 
 
 def cupy_stages(bound, forward_arrays, backward_arrays, calls, rounds) -> dict:

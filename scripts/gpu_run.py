@@ -10,9 +10,13 @@ Phases (default: ``tests train host jax attention``):
                    caller, before the per-thread cuDNN handles), plain and ``cuda_graph=True``, under a 60 s watchdog:
                    does it still hang / crash?  Runs in the background next to the other phases;
 * ``train``      - per-step times, ours vs ``jax.nn`` cuDNN, tiny and 1024-wide models, 1 and 2 GPUs;
-* ``host``, ``jax``, ``attention``, ``fp8``, ``decode``, ``first_call``, ``context_parallel``, ``autotune``
+* ``host``, ``jax``, ``attention``, ``fp8``, ``decode``, ``first_call``, ``context_parallel``, ``autotune``,
+  ``peers``, ``small``, ``generate``
                  - ``benchmarks/bench_<phase>.py``; ``soak`` - ``benchmarks/soak.py`` (``--quick`` unless ``--full``,
-                 or ``PHASE:full`` for one phase);
+                 or ``PHASE:full`` for one phase).  ``peers``: ours against jax.nn cuDNN/XLA and Tokamax (Mosaic
+                 GPU, Triton) in jitted chains; ``small``: where a B1 N8 T=S=256 D64 forward's time goes;
+                 ``decode``: the paged cache and the growing cache; ``generate``: transformers ``generate()``,
+                 torch SDPA against ours;
 * ``soak_ab``    - the soak twice, half the phase's time each: ``CUDNN_ATTN_REPLAY=0``, then replay on (which of
                    them grows device memory); ``SOAK_CALLS`` / ``SOAK_ARGS`` as for ``soak``.
 
@@ -33,7 +37,8 @@ from collections import Counter, defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.environ.get("OUT", os.path.join(ROOT, "bench_out"))
-BENCHES = ("host", "jax", "attention", "fp8", "decode", "first_call", "context_parallel", "soak", "autotune")
+BENCHES = ("host", "jax", "attention", "fp8", "decode", "first_call", "context_parallel", "soak", "autotune", "peers",
+           "small", "generate")
 RESERVE = {"tests": 60, "train": 40, "legacy": 0}       # seconds kept for each later phase (default 30)
 
 

@@ -1,0 +1,272 @@
+"""Decode in transformers' ``generate()``: torch SDPA against this library through ``AttentionInterface`` (not a test).
+
+    python benchmarks/bench_generate.py [--out OUT_DIR] [--quick] [--dry-run] [--tokens 64]
+
+A randomly initialised Llama (4 layers, 16 query / 4 K/V heads, head dim 64, hidden 1024, bf16, seed 0), batch 4,
+a 128-token random prompt, greedy decoding of ``--tokens`` tokens (``min_new_tokens`` = ``max_new_tokens``, so
+every run makes the same number).  With the dynamic cache every decode step is one query against one more key
+than the last (a new signature per step); with the static cache the keys are the cache's full length under a
+mask (one signature).  Prompts unpadded, and left-padded by 0, 3, 7, 11 tokens.
+
+Implementations, on the same model (its weights shared; ``set_attn_implementation`` between runs):
+
+* ``sdpa``            - transformers' ``sdpa_attention_forward`` (torch SDPA), wrapped to count and time calls;
+* ``ours keep-mask``  - ``cudnn_attn.torch.register_transformers`` when that module exists, else the minimal
+                        function here: no mask -> bottom-right causal; a boolean mask -> ``attention(mask=keep(m))``;
+                        a float mask -> ``bias``; BNTH layout, torch tensors in and out through DLPack;
+* ``ours segments``   - the minimal function, with a one-query step's boolean mask turned into one segment per
+                        row (its first kept key and the number kept; the mask's kept keys must be one run).
+
+Every name gets transformers' ``sdpa_mask``; ``torch.compile`` stays off (``generation_config.disable_compile``).
+Per run: a cold ``generate()`` (graphs built), then a warm one timed: ms per generated token (wall / tokens,
+prefill included), attention calls and the host time inside the attention function per call, graph-cache hits
+and misses of the warm run, and the share of generated tokens equal to sdpa's (random weights: near-ties may
+flip a greedy choice).  Target: ours' ms per token <= sdpa's.
+
+Writes ``bench_generate.json`` into OUT_DIR and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BATCH, PROMPT = 4, 16, 4, 64, 4, 128
+PADS = (0, 3, 7, 11)
+IMPLS = ("sdpa", "ours keep-mask", "ours segments")
+CACHES = ("dynamic", "static")
+
+
+@dataclass
+class Row:
+    cache: str
+    padded: bool
+    impl: str
+    ms_per_token: float | None = None
+    attention_calls: int | None = None
+    attention_host_us: float | None = None     # inside the attention function, per call, warm run
+    cache_hits: int | None = None
+    cache_misses: int | None = None
+    same_tokens: float | None = None           # share of generated tokens equal to sdpa's
+    cold_s: float | None = None
+    error: str | None = None
+    notes: dict = field(default_factory=dict)
+
+
+class Timed:
+    """An attention function that counts its calls and their host time."""
+
+    def __init__(self, fn):
+        self.fn, self.calls, self.ns = fn, 0, 0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter_ns()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.ns += time.perf_counter_ns() - start
+            self.calls += 1
+
+    def reset(self) -> None:
+        self.calls = self.ns = 0
+
+
+def ours(segmented: bool):
+    """The minimal transformers attention function over cudnn_attn (query ``(B, N, T, D)``, key/value
+    ``(B, K, S, D)``; returns ``(B, T, N, D)`` and no weights)."""
+    import torch
+
+    import cudnn_attn
+    from cudnn_attn import MaskType, keep, segments
+
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        T = query.shape[2]
+        if attention_mask is None:
+            out = cudnn_attn.dot_product_attention(query, key, value, scale=scaling, mask_type=MaskType.CAUSAL,
+                                                   diagonal_alignment="bottom_right", qkv_layout="BNTH")
+        elif attention_mask.dtype != torch.bool:
+            out = cudnn_attn.dot_product_attention(query, key, value, bias=attention_mask, scale=scaling,
+                                                   qkv_layout="BNTH")
+        elif segmented and T == 1:
+            kept = attention_mask[:, 0, 0, :]
+            B = kept.shape[0]
+            start = kept.int().argmax(-1).to(torch.int32)
+            minus = torch.full((B, 1), -1, dtype=torch.int32, device=kept.device)
+            lengths = kept.sum(-1, dtype=torch.int32).reshape(B, 1)
+            mask = segments(torch.ones((B, 1), dtype=torch.int32, device=kept.device), lengths,
+                            torch.cat([torch.zeros_like(minus), minus], 1), torch.cat([start[:, None], minus], 1))
+            out = cudnn_attn.attention(query, key, value, mask=mask, scale=scaling, layout="BNTH").output
+        else:
+            out = cudnn_attn.attention(query, key, value, mask=keep(attention_mask), scale=scaling,
+                                       layout="BNTH").output
+        return out.transpose(1, 2).contiguous(), None
+    return attend
+
+
+def register() -> dict:
+    """Register the implementations with transformers; name -> Timed."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    fns = {"sdpa": sdpa_attention_forward, "ours keep-mask": ours(False), "ours segments": ours(True)}
+    source = "benchmark"
+    try:
+        from cudnn_attn import torch as cudnn_torch          # the library's own integration, when present
+
+        cudnn_torch.register_transformers()
+        fns["ours keep-mask"] = AttentionInterface._global_mapping["cudnn_attn"]
+        source = "cudnn_attn.torch.register_transformers"
+    except (ImportError, AttributeError, KeyError):
+        pass
+    timed = {}
+    for impl, fn in fns.items():
+        name = "bench_" + impl.replace(" ", "_").replace("-", "_")
+        timed[impl] = Timed(fn)
+        AttentionInterface.register(name, timed[impl])
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+        timed[impl].name = name
+    timed["source"] = source
+    return timed
+
+
+def build_model():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=HEADS * HEAD_DIM, intermediate_size=2816,
+                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                         head_dim=HEAD_DIM, max_position_embeddings=4096)
+    model = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    model.generation_config.disable_compile = True      # generate() would torch.compile a static-cache forward
+    return model
+
+
+def prompts(padded: bool):
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 4096, (BATCH, PROMPT), generator=generator)
+    mask = torch.ones((BATCH, PROMPT), dtype=torch.long)
+    if padded:
+        for b, pad in enumerate(PADS):
+            ids[b, :pad], mask[b, :pad] = 0, 0
+    return ids.cuda(), mask.cuda()
+
+
+def set_implementation(model, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+
+
+def generate(model, ids, mask, tokens: int, cache: str):
+    import torch
+
+    kwargs = dict(attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                  pad_token_id=0)
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    with torch.no_grad():
+        out = model.generate(ids, **kwargs)
+    torch.cuda.synchronize()
+    return out[:, ids.shape[1]:]
+
+
+def run_one(row: Row, model, timed: dict, tokens: int, reference: dict) -> None:
+    import cudnn_attn
+
+    fn = timed[row.impl]
+    set_implementation(model, fn.name)
+    ids, mask = prompts(row.padded)
+    start = time.perf_counter()
+    generate(model, ids, mask, tokens, row.cache)
+    row.cold_s = time.perf_counter() - start
+    fn.reset()
+    before = cudnn_attn.graph_cache.stats()
+    start = time.perf_counter()
+    out = generate(model, ids, mask, tokens, row.cache)
+    row.ms_per_token = (time.perf_counter() - start) * 1e3 / tokens
+    after = cudnn_attn.graph_cache.stats()
+    row.cache_hits, row.cache_misses = after.hits - before.hits, after.misses - before.misses
+    row.attention_calls = fn.calls
+    row.attention_host_us = fn.ns / 1e3 / max(fn.calls, 1)
+    key = (row.cache, row.padded)
+    if row.impl == "sdpa":
+        reference[key] = out
+    elif key in reference:
+        row.same_tokens = float((out == reference[key]).float().mean())
+
+
+def _f(x, digits=2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def table(rows: list[Row], tokens: int, source: str) -> str:
+    sdpa = {(r.cache, r.padded): r.ms_per_token for r in rows if r.impl == "sdpa"}
+    lines = [f"== generate(): random Llama {LAYERS} layers, {HEADS}/{KV_HEADS} heads, d={HEAD_DIM}, batch {BATCH}, "
+             f"{PROMPT}-token prompt, {tokens} tokens (warm run; ours' keep-mask function: {source})",
+             f"{'cache':8s} {'prompt':7s} {'impl':15s} {'ms/token':>8s} {'x sdpa':>6s} {'attn us':>8s} {'calls':>6s} "
+             f"{'hits':>5s} {'miss':>5s} {'same':>5s} {'cold s':>6s}"]
+    for r in rows:
+        base = sdpa.get((r.cache, r.padded))
+        ratio = r.ms_per_token / base if base and r.ms_per_token else None
+        verdict = "" if r.impl == "sdpa" or ratio is None else ("  OK" if ratio <= 1.0 else "  MISS")
+        lines.append(f"{r.cache:8s} {'padded' if r.padded else 'plain':7s} {r.impl:15s} {_f(r.ms_per_token):>8s} "
+                     f"{_f(ratio):>6s} {_f(r.attention_host_us, 1):>8s} {r.attention_calls or '-':>6} "
+                     f"{'-' if r.cache_hits is None else r.cache_hits:>5} "
+                     f"{'-' if r.cache_misses is None else r.cache_misses:>5} {_f(r.same_tokens):>5s} "
+                     f"{_f(r.cold_s, 1):>6s}{verdict}" + (f"  FAILED {r.error}" if r.error else ""))
+    lines.append("attn us: host time inside the attention function per call; target: x sdpa <= 1.00 (OK/MISS)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--quick", action="store_true", help="16 tokens")
+    parser.add_argument("--dry-run", action="store_true", help="no GPU: the table's rows, not run")
+    parser.add_argument("--tokens", type=int, default=None, help="generated tokens (default 64, quick 16)")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    tokens = args.tokens or (16 if args.quick else 64)
+    rows = [Row(cache, padded, impl) for cache in CACHES for padded in (False, True) for impl in IMPLS]
+    source = "-"
+    if args.dry_run:
+        for r in rows:
+            r.error = "not run (--dry-run)"
+    else:
+        try:
+            timed = register()
+            source = timed["source"]
+            model = build_model()
+        except Exception as exc:             # no torch / transformers: every row says so
+            for r in rows:
+                r.error = f"{type(exc).__name__}: {exc}"[:200]
+            model = None
+        reference: dict = {}
+        for r in rows if model is not None else ():
+            try:
+                run_one(r, model, timed, tokens, reference)
+            except Exception as exc:          # one row failing must not hide the others
+                r.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                r.notes["traceback"] = traceback.format_exc()[-2500:]
+            print(f"  {r.cache:8s} {'padded' if r.padded else 'plain':7s} {r.impl:15s} {_f(r.ms_per_token)} ms/token"
+                  + (f"  ERROR {r.error}" if r.error else ""), flush=True)
+    with open(os.path.join(args.out, "bench_generate.json"), "w") as f:
+        json.dump({"dry_run": args.dry_run, "tokens": tokens, "source": source, "rows": [asdict(r) for r in rows]},
+                  f, indent=1)
+    print()
+    print(table(rows, tokens, source))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
