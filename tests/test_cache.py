@@ -496,3 +496,20 @@ def test_a_forked_child_builds_on_its_own_threads():
 
     result = subprocess.run([sys.executable, "-c", _FORK_CHECK], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_jax_bridge_names_the_call_sites_that_hold_a_plan(monkeypatch):
+    """``cudnn_target`` registers its handler's plans with the process's cache: each (call site, device) it keeps,
+    with the number of live executables pinning the site (here two fake sites; the H200 test compiles real ones,
+    ``tests/gpu/test_cache_gpu.py``)."""
+    pytest.importorskip("jax")
+    from cudnn_attn.engine.cache import graph_cache
+    from cudnn_attn.jax_bridge import cudnn_target
+
+    plan, other = object(), object()
+    monkeypatch.setattr(cudnn_target, "_launches", {(7, 0): cudnn_target.SiteLaunch(plan, None),
+                                                    (8, 1): cudnn_target.SiteLaunch(other, None)})
+    monkeypatch.setitem(cudnn_target._pins, 7, 2)
+    held = graph_cache._held()
+    assert held[id(plan)] == ["JAX call site 7 on device 0: 2 live executable(s)"]
+    assert held[id(other)] == ["JAX call site 8 on device 1: 0 live executable(s)"]
