@@ -50,10 +50,10 @@ def executed(tmp_path_factory):
 
 
 def _text(cell) -> str:
-    """Everything a cell printed or displayed, as text."""
+    """What a cell printed on stdout or displayed, as text (stderr carries the kernel's warnings and logs)."""
     parts = []
     for output in cell.get("outputs", []):
-        if output.output_type == "stream":
+        if output.output_type == "stream" and output.name == "stdout":
             parts.append(output.text)
         elif output.output_type in ("execute_result", "display_data"):
             parts.append(output.data.get("text/plain", ""))
@@ -89,13 +89,15 @@ def test_a_build_then_a_hit(executed):
 
 def test_a_miss_names_its_reason(executed):
     text = _text(_cell(executed, "longer = config.replace"))
-    assert re.search(r"^#1: T 512→513, S 512→513 differs from entry #0; built \d+\.\d\d s$", text, re.M), text
+    reason = r"^#1: T 512→513, S 512→513 differs from entry #0; built \d+\.\d\d s$"
+    assert re.search(reason, text, re.MULTILINE), text
 
 
 def test_the_entry_detail_and_dump_of_a_built_graph(executed):
     detail = _text(_cell(executed, "cache.entry_detail(1)"))
-    assert re.search(r"^origin +built$", detail, re.M) and re.search(r"^engine +engine \d+$", detail, re.M), detail
-    assert re.search(r"^workspace +\d", detail, re.M) and "no compiled JAX program" in detail
+    assert re.search(r"^origin +built$", detail, re.MULTILINE), detail
+    assert re.search(r"^engine +engine \d+$", detail, re.MULTILINE), detail
+    assert re.search(r"^workspace +\d", detail, re.MULTILINE) and "no compiled JAX program" in detail
     assert "<caption>graph cache entry #1</caption>" in _html(_cell(executed, "cache.entry_detail(1)"))
     dump = _text(_cell(executed, "cache.dump(1)"))
     assert dump.startswith("# fwd float16 BTNH B=1 N=4 T=513 S=513 d=64 mask=causal")
@@ -110,20 +112,26 @@ def test_an_eviction_loop_misses_every_step_and_loads_from_the_store(executed):
     assert len(rows) == 6 and all("was cached, evicted earlier" in r and "loaded" in r for r in rows[3:]), text
     assert "mask causal→none differs from entry #0" in rows[2]
     loaded = _text(_cell(executed, "cache.entry_detail(cache.entries()[-1].index)"))
-    assert re.search(r"^origin +loaded$", loaded, re.M)
+    assert re.search(r"^origin +loaded$", loaded, re.MULTILINE)
 
 
 def test_the_plan_store_lists_the_three_plans(executed):
-    lines = _text(_cell(executed, "store.entries()")).strip().splitlines()
-    assert len(lines) == 3 and all("fwd float16" in line and "sm90" in line for line in lines), lines
+    cell = _cell(executed, "store.entries()")
+    lines = _text(cell).strip().splitlines()
+    assert len(lines) == 3 and all("fwd float16" in line and "sm90" in line for line in lines), cell.outputs
 
 
 def test_results_and_the_jax_program(executed):
     result = _text(_cell(executed, "reference.dot_product_attention"))
     assert "output (1, 512, 4, 64)" in result
     jax_cell = _text(_cell(executed, "@jax.jit"))
-    error = float(re.search(r"max \|JAX - reference\| = (\S+)", jax_cell).group(1))
-    assert error < 2e-3, jax_cell                      # float16 outputs: half an ulp of values below 1 is 2**-12
+    error = float(re.search(r"relative error against the reference (\S+)", jax_cell).group(1))
+    assert error <= 2e-3, jax_cell                     # the GPU tier's float16 bound (tests/gpu/_checks.py); 0 on CPU
+    if runtime.is_gpu_available():
+        error = float(re.search(r"cuDNN on the GPU: relative error against the reference (\S+)", result).group(1))
+        assert error <= 2e-3, result
+    else:
+        assert "NumPy reference (no GPU)" in result
     assert "held_plans(): {'plans': " in jax_cell
     if not runtime.is_gpu_available():
         assert "'plans': 0" in jax_cell and "no cuDNN plan is held by a compiled JAX program (no GPU" in jax_cell
