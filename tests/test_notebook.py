@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from cudnn_attn.core.environment import cudnn_version
 from cudnn_attn.engine import runtime
 from cudnn_attn.graphs import driver_stub
 
@@ -32,6 +33,8 @@ def _can_plan() -> str | None:
         return None
     if driver_stub.cudnn_library_dir() is None:
         return "no GPU and no cuDNN wheel to plan deviceless with (pip install 'cudnn-attn[cudnn]')"
+    if cudnn_version() is None:
+        return "the cuDNN frontend cannot load libcudnn here (cudnn.backend_version() fails)"
     if driver_stub.c_compiler() is None:
         return "no GPU and no C compiler to build the stub libcuda.so.1 with"
     return None
