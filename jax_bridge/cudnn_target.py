@@ -109,6 +109,8 @@ plan_holds = Holds(_graph_cache_size, _drop_plans)
 """Holds the handler's plans (see the module doc)."""
 _pins = plan_holds.pins
 registry.on_release(_forget_site)
+graph_cache.add_holder(lambda: [(f.plan, f"JAX call site {key} on device {d}: {_pins.get(key, 0)} live executable(s)")
+                                for (key, d), f in list(_launches.items())])
 
 
 def plan_devices(site: AttentionCall, key: int, devices: list[int]) -> list[Any]:

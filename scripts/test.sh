@@ -5,6 +5,18 @@
 # Extra arguments go to pytest in both runs; naming test files or ids (a focused run) skips the second
 # unless CUDNN_ATTN_JAX_LATEST=1 (=0 always skips it). Exits non-zero when either run fails.
 source "$(dirname "$0")/_venv.sh" test
+
+# tests/test_cache_browser.py renders the graph cache's HTML in headless Chromium: installed from the distribution's
+# packages when missing and apt can (as root or with password-less sudo); otherwise that test skips, saying why.
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \
+    && command -v apt-get >/dev/null 2>&1; then
+  sudo=""
+  [ "$(id -u)" = 0 ] || { sudo -n true 2>/dev/null && sudo="sudo -n"; } || true
+  if [ "$(id -u)" = 0 ] || [ -n "$sudo" ]; then
+    { $sudo apt-get install -y -q chromium || { $sudo apt-get update -q && $sudo apt-get install -y -q chromium; }; } \
+      >/dev/null 2>&1 || echo "note: apt could not install chromium: tests/test_cache_browser.py will skip"
+  fi
+fi
 status=0
 "$PY" -m pytest "$@" || status=$?
 

@@ -156,7 +156,8 @@ def test_listing_shows_features_shapes_and_hits():
     text = repr(rows)
     assert "mask=causal" in text and "4.0 KiB" in text and text.splitlines()[0].startswith("#")
     page = rows._repr_html_()
-    assert page.startswith("<table>") and page.count("<tr>") == 3 and "mask=causal" in page
+    assert page.startswith("<style>") and page.count("<tr>") == 3 and "mask=causal" in page
+    assert '<div class="cudnn-attn-cache">' in page and "<caption>cached graphs" in page
 
 
 def test_listing_escapes_html():
@@ -175,13 +176,29 @@ def test_dump_by_key_and_index():
     cache.entry(key(kind="bwd"))
     assert cache.dump(key(kind="bwd")).startswith("graph of bwd")
     assert cache.dump(0).startswith("graph of fwd")
-    assert cache.dump(-1).startswith("graph of bwd")
-    with pytest.raises(IndexError, match="out of range for 2"):
+    assert cache.dump(1).startswith("graph of bwd")
+    with pytest.raises(KeyError, match=r"no cached graph #2 \(cached: #0, #1\)"):
         cache.dump(2)
     with pytest.raises(KeyError, match="no cached graph"):
         cache.dump(key(device=3))
-    with pytest.raises(TypeError, match="GraphKey or an int"):
+    with pytest.raises(TypeError, match="GraphKey or an entry number"):
         cache.dump("fwd")
+
+
+def test_entry_numbers_follow_the_build_order_and_survive_reordering():
+    """``#`` is given at build time and kept: a hit moves the row (LRU order), not the number."""
+    cache = GraphCache(maxsize=2, builder=CountingBuilder())
+    a, b, c = (key(config(q_len=n)) for n in (64, 128, 192))
+    cache.entry(a)
+    cache.entry(b)
+    cache.entry(a)
+    assert [r.index for r in cache.entries()] == [1, 0]
+    cache.entry(c)                                  # evicts b (#1)
+    assert [r.index for r in cache.entries()] == [0, 2]
+    assert "T=192" in cache.dump(2) and "T=64" in cache.dump(0)
+    cache.clear()
+    cache.entry(c)
+    assert [r.index for r in cache.entries()] == [0]
 
 
 def test_build_is_logged_with_its_duration(caplog):
@@ -235,7 +252,170 @@ def test_the_cache_itself_shows_its_statistics_and_listing():
     assert text.splitlines()[0].startswith("GraphCache: 1/") and "1 hits, 1 misses" in text
     assert "mask=none" in text
     page = cache._repr_html_()
-    assert "1 hits, 1 misses" in page and page.count("<tr>") == 2
+    assert "1 hits, 1 misses" in page and page.count("<tr>") == 4      # the entries and the misses, headed
+    assert "recent misses:" in text and "nothing cached; built" in text and "nothing cached" in page
+
+
+# -- why a lookup missed -------------------------------------------------------------------------------------------
+
+class OriginGraph(FakeGraph):
+    def __init__(self, key: GraphKey, origin: str):
+        super().__init__(key)
+        self.origin = origin
+
+
+@pytest.mark.parametrize("other,changes", [
+    pytest.param(key(config(q_len=129)), ("T 128→129",), id="T"),
+    pytest.param(key(config(q_len=129, kv_len=257)), ("T 128→129", "S 256→257"), id="T-and-S"),
+    pytest.param(key(config(batch=3)), ("B 2→3",), id="B"),
+    pytest.param(key(config(q_heads=4)), ("N 8→4",), id="N"),
+    pytest.param(key(config(kv_heads=8)), ("K 2→8",), id="K"),
+    pytest.param(key(config(qk_dim=128, v_dim=128)), ("H 64→128", "Hv 64→128"), id="H"),
+    pytest.param(key(config(dtype="bfloat16")), ("dtype float16→bfloat16",), id="dtype"),
+    pytest.param(key(config(scale=0.1)), ("scale 0.125→0.1",), id="scale"),
+    pytest.param(key(config(mask=MaskSpec(right_bound=0))), ("mask none→causal",), id="mask"),
+    pytest.param(key(config(training=True)), ("training False→True",), id="training"),
+    pytest.param(key(kind="bwd"), ("kind fwd→bwd",), id="kind"),
+    pytest.param(key(device=1), ("device 0→1",), id="device"),
+    pytest.param(key(plan=PlanChoice.AUTOTUNED), ("plan heuristic→autotuned",), id="plan"),
+    pytest.param(GraphKey(config(), "fwd", 0, 92800), ("cuDNN 91900→92800",), id="cudnn"),
+])
+def test_a_miss_names_the_fields_that_differ_from_the_nearest_entry(other, changes):
+    cache = GraphCache(builder=CountingBuilder())
+    cache.entry(key(config(q_len=4096, kv_len=4096, batch=7)))     # further away: never the nearest
+    cache.entry(key())
+    cache.entry(other)
+    miss = cache.misses()[-1]
+    assert miss.changes == changes and miss.nearest == 1 and miss.number == 2 and not miss.evicted
+    assert miss.reason.startswith(f"{', '.join(changes)} differs from entry #1; built ")
+    assert miss.outcome == "built" and miss.seconds >= 0.0
+
+
+def test_layout_and_nested_specs_are_named_in_user_terms():
+    from cudnn_attn.core.config import AttentionLayout, BiasSpec
+
+    cache = GraphCache(builder=CountingBuilder())
+    cache.entry(key())
+    cache.entry(key(config(layout=AttentionLayout.BNTH, bias=BiasSpec((1, 8, 128, 256), True))))
+    assert cache.misses()[-1].changes == ("layout BTNH→BNTH", "bias none→1x8x128x256+dbias")
+
+
+def test_the_first_miss_has_nothing_to_compare_with():
+    cache = GraphCache(builder=CountingBuilder())
+    cache.entry(key())
+    (miss,) = cache.misses()
+    assert (miss.nearest, miss.changes, miss.number) == (None, (), 0)
+    assert miss.reason.startswith("nothing cached; built ")
+
+
+def test_a_miss_after_an_eviction_says_so():
+    """The question a graph cache is asked: why did my loop rebuild every step?  Here: a cache too small."""
+    cache = GraphCache(maxsize=2, builder=CountingBuilder())
+    steps = [key(config(q_len=n)) for n in (64, 128, 192)]
+    for _ in range(2):
+        for k in steps:
+            cache.entry(k)
+    misses = cache.misses()
+    assert len(misses) == 6 and [m.evicted for m in misses] == [False] * 3 + [True] * 3
+    assert misses[-1].reason.startswith("was cached, evicted earlier (least recently used); built ")
+    assert "evicted earlier" in repr(cache) and "evicted earlier" in cache._repr_html_()
+
+
+def test_a_failed_build_is_a_miss_with_its_error():
+    def failing(k):
+        raise RuntimeError("cuDNN said no\nsecond line")
+
+    cache = GraphCache(builder=failing)
+    with pytest.raises(RuntimeError):
+        cache.entry(key())
+    (miss,) = cache.misses()
+    assert miss.number is None and miss.outcome == "failed" and miss.error == "RuntimeError: cuDNN said no"
+    assert miss.reason.startswith("nothing cached; failed ") and miss.reason.endswith("RuntimeError: cuDNN said no")
+    assert "failed: RuntimeError: cuDNN said no" in repr(cache.misses())
+
+
+def test_a_store_load_is_a_miss_with_origin_loaded():
+    cache = GraphCache(builder=lambda k: OriginGraph(k, "loaded"))
+    cache.entry(key())
+    assert cache.misses()[-1].outcome == "loaded" and cache.entry_detail(0).origin == "loaded"
+
+
+def test_misses_are_bounded_and_cleared():
+    from cudnn_attn.engine.cache import MISSES_KEPT
+
+    cache = GraphCache(maxsize=4, builder=CountingBuilder())
+    for n in range(MISSES_KEPT + 5):
+        cache.entry(key(config(q_len=n + 1)))
+    misses = cache.misses()
+    assert len(misses) == MISSES_KEPT and misses[0].number == 5 and misses[-1].number == MISSES_KEPT + 4
+    assert len(repr(cache).split("recent misses:")[1].strip().splitlines()) == GraphCache.RECENT_SHOWN
+    cache.clear()
+    assert not cache.misses() and repr(cache.misses()) == "no misses"
+
+
+def test_hits_and_waiters_record_no_miss():
+    builder = CountingBuilder(delay=0.2)
+    cache = GraphCache(builder=builder)
+    threads = [threading.Thread(target=cache.entry, args=(key(),)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    cache.entry(key())
+    assert len(cache.misses()) == 1 and cache.stats().hits == 4
+
+
+def test_the_hit_path_does_not_compare_keys(monkeypatch):
+    """Only a miss looks for the nearest entry; a hit stays one dictionary lookup."""
+    from cudnn_attn.engine import miss_reason
+
+    cache = GraphCache(builder=CountingBuilder())
+    for n in (64, 128):
+        cache.entry(key(config(q_len=n)))
+    monkeypatch.setattr(miss_reason, "nearest", lambda *a: pytest.fail("a hit compared keys"))
+    for _ in range(3):
+        cache.entry(key(config(q_len=64)))
+    assert cache.stats().hits == 3
+
+
+# -- one entry in detail -------------------------------------------------------------------------------------------
+
+def test_entry_detail_has_plan_engine_workspace_origin_hits_and_graph():
+    cache = GraphCache(builder=CountingBuilder())
+    cache.entry(key(config(mask=MaskSpec(right_bound=0))))
+    cache.entry(key(config(mask=MaskSpec(right_bound=0))))
+    detail = cache.entry_detail(0)
+    assert detail is not None and detail == cache.entry_detail(key(config(mask=MaskSpec(right_bound=0))))
+    assert (detail.number, detail.kind, detail.device, detail.hits) == (0, "fwd", 0, 1)
+    assert (detail.plan, detail.engine, detail.workspace_bytes, detail.origin) == ("eng2_k24=7", "engine 2", 4096,
+                                                                                     "built")
+    assert detail.graph == cache.dump(0) and detail.held_by == ()
+    text = repr(detail)
+    assert "engine 2" in text and "4.0 KiB" in text and "no compiled JAX program" in text
+    assert text.endswith(cache.dump(0))
+    page = detail._repr_html_()
+    assert "<caption>graph cache entry #0</caption>" in page and "<pre>graph of fwd" in page
+
+
+def test_entry_detail_escapes_html():
+    cache = GraphCache(builder=CountingBuilder())
+    cache.entry(key())
+    page = cache.entry_detail(0)._replace(graph="<script>alert(1)</script>")._repr_html_()
+    assert "<script>" not in page and "&lt;script&gt;" in page
+
+
+def test_holders_name_what_holds_each_plan():
+    """The JAX bridge (a higher layer) registers what its compiled call sites hold; the cache names them."""
+    cache = GraphCache(builder=CountingBuilder())
+    a = cache.entry(key(config(q_len=64))).plan
+    cache.entry(key(config(q_len=128)))
+    other = FakeGraph(key())                                  # a plan the cache does not hold: named nowhere
+    cache.add_holder(lambda: [(a, "JAX call site 3 on device 0"), (other, "elsewhere")])
+    cache.add_holder(lambda: [(a, "JAX call site 5 on device 0")])
+    assert cache.entry_detail(0).held_by == ("JAX call site 3 on device 0", "JAX call site 5 on device 0")
+    assert cache.entry_detail(1).held_by == ()
+    assert [r.held for r in cache.entries()] == [2, 0]
+    assert "JAX call site 3 on device 0; JAX call site 5" in repr(cache.entry_detail(0))
 
 
 def test_live_graphs_counts_what_is_still_alive_anywhere():
@@ -316,3 +496,20 @@ def test_a_forked_child_builds_on_its_own_threads():
 
     result = subprocess.run([sys.executable, "-c", _FORK_CHECK], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_jax_bridge_names_the_call_sites_that_hold_a_plan(monkeypatch):
+    """``cudnn_target`` registers its handler's plans with the process's cache: each (call site, device) it keeps,
+    with the number of live executables pinning the site (here two fake sites; the H200 test compiles real ones,
+    ``tests/gpu/test_cache_gpu.py``)."""
+    pytest.importorskip("jax")
+    from cudnn_attn.engine.cache import graph_cache
+    from cudnn_attn.jax_bridge import cudnn_target
+
+    plan, other = object(), object()
+    monkeypatch.setattr(cudnn_target, "_launches", {(7, 0): cudnn_target.SiteLaunch(plan, None),
+                                                    (8, 1): cudnn_target.SiteLaunch(other, None)})
+    monkeypatch.setitem(cudnn_target._pins, 7, 2)
+    held = graph_cache._held()
+    assert held[id(plan)] == ["JAX call site 7 on device 0: 2 live executable(s)"]
+    assert held[id(other)] == ["JAX call site 8 on device 1: 0 live executable(s)"]

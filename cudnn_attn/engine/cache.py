@@ -16,7 +16,14 @@ and executing one costs microseconds, so every graph is built once per process a
 * :meth:`GraphCache.live_graphs` counts the graphs the cache built that are still alive anywhere (in the
   cache, pinned by the JAX bridge, held by a caller): evicted graphs must not stay alive behind it.
 * ``entries()`` lists what is cached - a table in Jupyter (``_repr_html_``) and in a terminal
-  (``repr``) - and ``dump(key_or_index)`` returns one entry's cuDNN graph (JSON text).
+  (``repr``; views in :mod:`.cache_view`).  Every entry has a number (``#``, build order), which
+  ``dump(key_or_number)`` (its cuDNN graph, JSON text) and ``entry_detail(key_or_number)`` (plan, engine,
+  workspace, build time and origin, hits, the JAX programs holding it, the graph) take.
+* Every miss records why it missed (``misses()``, the last :data:`MISSES_KEPT`): the fields in which its key
+  differs from the nearest cached entry (:mod:`.miss_reason`), or that the key was cached and evicted.  The
+  work is done on the miss path only; a hit is one dictionary lookup, as before.
+* What holds plans outside the cache registers itself (:meth:`GraphCache.add_holder`): the JAX bridge, a
+  higher layer, names the compiled programs' call sites that run each plan.
 * Each build is logged on the ``cudnn_attn`` logger at INFO with its duration.
 * The cache's builder runs on one thread per device (:class:`BuildThreads`), whichever thread asks.  Builds
   are serialised per device anyway (the planning handle), and cuDNN's host allocations then come from one
@@ -31,18 +38,20 @@ and executing one costs microseconds, so every graph is built once per process a
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import html
 import logging
 import os
+import re
 import threading
 import time
 import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 from cudnn_attn.core.config import AttentionConfig
 from cudnn_attn.core.environment import cudnn_version
@@ -51,8 +60,12 @@ from cudnn_attn.core.support import check_supported
 from cudnn_attn.core.types import Kind
 from cudnn_attn.persist.store import default_store
 
-from . import runtime
+from . import miss_reason, runtime
+from .cache_view import CacheListing, CacheRow, EntryDetail, MissListing, MissRow, block, size
 from .plan import CallPlan
+
+__all__ = ["CacheListing", "CacheRow", "EntryDetail", "GraphCache", "GraphKey", "MissListing", "MissRow",
+           "PlanChoice", "build_plan", "graph_cache"]
 
 logger = logging.getLogger("cudnn_attn")
 
@@ -93,49 +106,7 @@ class CacheStats(NamedTuple):
     maxsize: int
 
 
-class CacheRow(NamedTuple):
-    """One cached graph, as listed by :meth:`GraphCache.entries` (oldest first)."""
-
-    index: int
-    kind: str
-    features: str
-    shapes: str
-    device: int
-    plan: str
-    workspace_bytes: int
-    build_seconds: float
-    hits: int
-
-
-class CacheListing(tuple):
-    """The rows of :meth:`GraphCache.entries`: a tuple of :class:`CacheRow` that prints as a table."""
-
-    _HEADERS = ("#", "kind", "features", "shapes (Q K V O)", "dev", "plan", "workspace", "build s", "hits")
-
-    def _cells(self) -> list[tuple[str, ...]]:
-        return [(str(r.index), r.kind, r.features, r.shapes, str(r.device), r.plan, _bytes(r.workspace_bytes),
-                 f"{r.build_seconds:.3f}", str(r.hits)) for r in self]
-
-    def __repr__(self) -> str:
-        if not self:
-            return "graph cache: empty"
-        rows = [self._HEADERS, *self._cells()]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(self._HEADERS))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
-
-    def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in self._HEADERS)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self._cells())
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def _bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
+_bytes = size          # one spelling of sizes (the command line's too)
 
 
 def _shapes(config: AttentionConfig) -> str:
@@ -143,15 +114,17 @@ def _shapes(config: AttentionConfig) -> str:
 
 
 class CacheEntry:
-    """A cached :class:`~cudnn_attn.engine.plan.CallPlan` (what the builder returned) with its key and bookkeeping."""
+    """A cached :class:`~cudnn_attn.engine.plan.CallPlan` (what the builder returned) with its key and bookkeeping;
+    ``number`` is the entry's ``#`` (build order within its cache)."""
 
-    __slots__ = ("key", "plan", "build_seconds", "hits")
+    __slots__ = ("key", "plan", "build_seconds", "hits", "number")
 
-    def __init__(self, key: GraphKey, plan: Any, build_seconds: float):
+    def __init__(self, key: GraphKey, plan: Any, build_seconds: float, number: int = 0):
         self.key = key
         self.plan = plan
         self.build_seconds = build_seconds
         self.hits = 0
+        self.number = number
 
     @property
     def graph(self) -> Any:
@@ -169,6 +142,14 @@ class _Pending:
 
 
 Builder = Callable[[GraphKey], Any]
+Holder = Callable[[], Iterable[tuple[Any, str]]]
+"""What holds plans outside the cache: ``holder() -> [(plan, who holds it), ...]`` (the JAX bridge registers one
+for the call sites of compiled programs, :meth:`GraphCache.add_holder`)."""
+
+MISSES_KEPT = 32
+"""How many recent misses :meth:`GraphCache.misses` keeps."""
+EVICTED_KEPT = 1024
+"""How many evicted keys the cache remembers, to say that a miss was an eviction."""
 
 
 def build_plan(key: GraphKey, *, plan_name: str | None = None) -> Any:
@@ -254,6 +235,10 @@ class GraphCache:
         self._hits = self._misses = self._evictions = 0
         self._build_seconds = 0.0
         self._built: dict[int, weakref.ref] = {}       # id -> weak reference of every graph built here
+        self._numbers = 0                               # the next entry's number
+        self._misses_kept: collections.deque[MissRow] = collections.deque(maxlen=MISSES_KEPT)
+        self._evicted: OrderedDict[GraphKey, None] = OrderedDict()
+        self._holders: list[Holder] = []
 
     # -- lookup -----------------------------------------------------------------------------------
     def plan(self, config: AttentionConfig, kind: str, device: int | None = None, *,
@@ -289,9 +274,11 @@ class GraphCache:
             owner = pending is None
             if owner:
                 pending = self._pending[key] = _Pending()
+                cached = [(e.number, e.key) for e in self._entries.values()]
+                evicted = key in self._evicted
         if not owner:
             return self._await(pending)
-        return self._build(key, pending, build or self._builder)
+        return self._build(key, pending, build or self._builder, cached, evicted)
 
     def _await(self, pending: _Pending) -> CacheEntry:
         pending.done.wait()
@@ -302,13 +289,18 @@ class GraphCache:
             self._hits += 1
         return pending.entry
 
-    def _build(self, key: GraphKey, pending: _Pending, build: Builder) -> CacheEntry:
+    def _build(self, key: GraphKey, pending: _Pending, build: Builder, cached: list[tuple[int, GraphKey]],
+               was_evicted: bool) -> CacheEntry:
+        found = miss_reason.nearest(key, cached)
+        nearest, changes = (None, ()) if found is None else (found[0], tuple(found[1]))
+        miss = MissRow(None, str(key.kind), _features(key), changes, nearest, was_evicted, "failed", 0.0)
         start = time.perf_counter()
         try:
             plan = build_threads.run(key.device, build, key) if build is self._builder else build(key)
         except BaseException as exc:
             with self._lock:
                 self._misses += 1
+                self._misses_kept.append(miss._replace(seconds=time.perf_counter() - start, error=_first_line(exc)))
                 del self._pending[key]
             pending.error = exc
             pending.done.set()
@@ -319,11 +311,19 @@ class GraphCache:
         with self._lock:
             self._misses += 1
             self._build_seconds += seconds
+            entry.number = self._numbers
+            self._numbers += 1
+            self._misses_kept.append(miss._replace(number=entry.number, outcome=_origin(entry), seconds=seconds))
             self._entries[key] = entry
+            self._evicted.pop(key, None)
             evicted = []
             while len(self._entries) > self._maxsize:
-                evicted.append(self._entries.popitem(last=False)[1])
+                gone = self._entries.popitem(last=False)
+                evicted.append(gone[1])
                 self._evictions += 1
+                self._evicted[gone[0]] = None
+            while len(self._evicted) > EVICTED_KEPT:
+                self._evicted.popitem(last=False)
             del self._pending[key]
         pending.entry = entry
         pending.done.set()
@@ -355,51 +355,99 @@ class GraphCache:
                               len(self._entries), self._maxsize)
 
     def clear(self) -> None:
-        """Drop every graph and reset the statistics."""
+        """Drop every graph and reset the statistics, the entry numbers and the record of misses."""
         with self._lock:
             self._entries.clear()
             self._hits = self._misses = self._evictions = 0
             self._build_seconds = 0.0
+            self._numbers = 0
+            self._misses_kept.clear()
+            self._evicted.clear()
+
+    def add_holder(self, holder: Holder) -> None:
+        """Register ``holder() -> [(plan, who), ...]``: plans held outside the cache (the JAX bridge's compiled
+        call sites), named in :meth:`entries` (column ``JAX``) and :meth:`entry_detail` (``held_by``)."""
+        self._holders.append(holder)
+
+    def _held(self) -> dict[int, list[str]]:
+        """``id(plan) -> [who holds it]`` over every registered holder."""
+        held: dict[int, list[str]] = {}
+        for holder in self._holders:
+            for plan, who in holder():
+                held.setdefault(id(plan), []).append(who)
+        return held
 
     def entries(self) -> CacheListing:
         """What is cached, least recently used first."""
         with self._lock:
             items = list(self._entries.values())
+        held = self._held()
         return CacheListing(
-            CacheRow(i, e.key.kind, e.key.config.describe() + (" rng_dump" if e.key.rng_dump else ""),
-                     _shapes(e.key.config), e.key.device, _plan_label(e), _workspace(e.graph),
-                     e.build_seconds, e.hits)
-            for i, e in enumerate(items))
+            CacheRow(e.number, e.key.kind, _features(e.key), _shapes(e.key.config), e.key.device, _plan_label(e),
+                     _workspace(e.graph), e.build_seconds, e.hits, len(held.get(id(e.plan), ())))
+            for e in items)
+
+    def misses(self) -> MissListing:
+        """The most recent lookups that missed (at most :data:`MISSES_KEPT`, oldest first), each with why: the
+        fields in which its key differs from the nearest cached entry, or that it was evicted earlier."""
+        with self._lock:
+            return MissListing(self._misses_kept)
 
     def _summary(self) -> str:
         st = self.stats()
         return (f"GraphCache: {st.entries}/{st.maxsize} graphs, {st.hits} hits, {st.misses} misses, "
                 f"{st.evictions} evictions, {st.build_seconds:.2f} s building")
 
+    RECENT_SHOWN = 5
+    """How many recent misses the text and HTML views of the cache show (``misses()`` lists them all)."""
+
     def __repr__(self) -> str:
-        """The statistics line and the listing, so that a notebook cell or a print shows both."""
-        return f"{self._summary()}\n{self.entries()!r}"
+        """The statistics line, the listing and the most recent misses with their reasons."""
+        misses = self.misses()[-self.RECENT_SHOWN:]
+        text = f"{self._summary()}\n{self.entries()!r}"
+        if misses:
+            text += "\nrecent misses:\n" + "\n".join(
+                f"  {'-' if m.number is None else '#' + str(m.number)} {m.kind} {m.features}: {m.reason}" for m in misses)
+        return text
 
     def _repr_html_(self) -> str:
-        return f"<p>{html.escape(self._summary())}</p>{self.entries()._repr_html_()}"
+        misses = MissListing(self.misses()[-self.RECENT_SHOWN:])
+        parts = [f'<p class="summary">{html.escape(self._summary())}</p>', self.entries().html_table()]
+        if misses:
+            parts.append(misses.html_table())
+        return block("".join(parts))
 
-    def dump(self, which: GraphKey | int) -> str:
-        """The cuDNN graph (JSON text) of one entry, by :class:`GraphKey` or by its row index in
-        :meth:`entries`."""
+    def _find(self, which: GraphKey | int) -> CacheEntry:
+        """The entry of a :class:`GraphKey`, or of an entry number (the ``#`` of :meth:`entries`)."""
         with self._lock:
             if isinstance(which, GraphKey):
                 entry = self._entries.get(which)
                 if entry is None:
                     raise KeyError(f"no cached graph for {which.kind} {which.config.describe()}")
-            elif isinstance(which, int) and not isinstance(which, bool):
-                items = list(self._entries.values())
-                if not -len(items) <= which < len(items):
-                    raise IndexError(f"which: entry {which} out of range for {len(items)} cached graph(s)")
-                entry = items[which]
-            else:
-                raise TypeError(f"which: expected a GraphKey or an int index, got {type(which).__name__}")
-        describe = getattr(entry.graph, "describe", None)
-        return describe() if callable(describe) else repr(entry.graph.graph)
+                return entry
+            if isinstance(which, int) and not isinstance(which, bool):
+                for entry in self._entries.values():
+                    if entry.number == which:
+                        return entry
+                numbers = sorted(e.number for e in self._entries.values())
+                raise KeyError(f"which: no cached graph #{which} (cached: {', '.join(f'#{n}' for n in numbers) or 'none'})")
+        raise TypeError(f"which: expected a GraphKey or an entry number (int), got {type(which).__name__}")
+
+    def dump(self, which: GraphKey | int) -> str:
+        """The cuDNN graph (JSON text) of one entry, by :class:`GraphKey` or by its number (the ``#`` of
+        :meth:`entries`)."""
+        return _graph_text(self._find(which))
+
+    def entry_detail(self, which: GraphKey | int) -> EntryDetail:
+        """Everything about one entry (by :class:`GraphKey` or number): its graph's JSON, plan and engine,
+        workspace, build time and origin (built, or loaded from the plan store), hits, and which compiled JAX
+        programs' call sites hold its plan.  Prints as text, renders as HTML in Jupyter."""
+        entry = self._find(which)
+        graph = entry.graph
+        return EntryDetail(entry.number, str(entry.key.kind), _features(entry.key), _shapes(entry.key.config),
+                           entry.key.device, _plan_label(entry), _engine(graph), _workspace(graph),
+                           entry.build_seconds, _origin(entry), entry.hits,
+                           tuple(self._held().get(id(entry.plan), ())), _graph_text(entry))
 
 
 def trim_host_memory() -> None:
@@ -431,6 +479,33 @@ def _track(built: dict[int, weakref.ref], graph: Any) -> None:
         built[key] = weakref.ref(graph, lambda _, key=key: built.pop(key, None))
     except TypeError:
         pass
+
+
+def _features(key: GraphKey) -> str:
+    return key.config.describe() + (" rng_dump" if key.rng_dump else "")
+
+
+def _origin(entry: CacheEntry) -> str:
+    return str(getattr(entry.graph, "origin", "built"))
+
+
+def _graph_text(entry: CacheEntry) -> str:
+    describe = getattr(entry.graph, "describe", None)
+    return describe() if callable(describe) else repr(getattr(entry.graph, "graph", entry.graph))
+
+
+_ENGINE = re.compile(r"eng(\d+)")
+
+
+def _engine(graph: Any) -> str:
+    """The cuDNN engine of the selected plan, from its name (``eng2_k24=7 ...`` is engine 2)."""
+    found = _ENGINE.match(str(getattr(graph, "plan_name", "")))
+    return f"engine {found.group(1)}" if found else "?"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
 
 
 def _workspace(graph: Any) -> int:
