@@ -120,7 +120,7 @@ def cupy_lines(launches: int, calls: int) -> list[Line]:
 
     import cudnn_attn
     from cudnn_attn.core.validation import validate_call
-    from cudnn_attn.engine.plan import DIRECT_IDS
+    from cudnn_attn.engine.call import OPERAND_IDS
 
     rng = np.random.default_rng(0)
     bf16 = np.dtype(ml_dtypes.bfloat16)
@@ -129,7 +129,7 @@ def cupy_lines(launches: int, calls: int) -> list[Line]:
     config, _ = validate_call(q, k, v, scale=SCALE, xp=cp)
     plan = cudnn_attn.graph_cache.plan(config, "fwd", q.device.id)
     stream = cp.cuda.get_current_stream().ptr
-    by_id = {DIRECT_IDS[name]: x for name, x in (("query", q), ("key", k), ("value", v))}
+    by_id = {OPERAND_IDS[name]: x for name, x in (("query", q), ("key", k), ("value", v))}
     results = [cp.full(spec.shape, np.nan, spec.dtype) for spec in plan.results]
     pointers = [by_id[t].data.ptr for t in plan.operand_ids] + [r.data.ptr for r in results]
     lines = []
@@ -169,7 +169,7 @@ def cupy_lines(launches: int, calls: int) -> list[Line]:
         lines.append(Line("kernel busy (trace)", error=_error(exc)))
     public = lambda: cudnn_attn.dot_product_attention(q, k, v, scale=SCALE)  # noqa: E731
     for what, fn in (("host: raw launch", raw), ("host: CallPlan.launch", lambda: plan.launch(pointers, stream)),
-                     ("host: CallPlan.run (replayed)", lambda: plan.run(pointers, stream)),
+                     ("host: CallPlan.launch (replayed)", lambda: plan.launch(pointers, stream)),
                      ("host: public CuPy call", public)):
         try:
             lines.append(Line(what, bench_host.host_us(fn, calls=calls, rounds=3).idle, "host clock, GPU idle"))

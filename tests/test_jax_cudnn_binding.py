@@ -1,9 +1,9 @@
 """The call plan's binding, checked on CPU against the cuDNN graphs the library declares.
 
-Both fronts bind a call through :mod:`cudnn_attn.engine.plan`: :func:`~cudnn_attn.engine.plan.graph_inputs` turns the
+Both fronts bind a call through :class:`cudnn_attn.engine.call.CallSpec`: :meth:`~cudnn_attn.engine.call.CallSpec.bind` turns the
 named operands into the graph's tensors by :class:`~cudnn_attn.graphs.tensors.TensorId` (converting
 packed segments with the front's array namespace, here ``jax.numpy`` as in the CUDA lowering), and
-:func:`~cudnn_attn.engine.plan.result_specs` names the graph's outputs.  cuDNN refuses to execute unless
+:func:`~cudnn_attn.engine.call.result_specs` names the graph's outputs.  cuDNN refuses to execute unless
 exactly the graph's tensors are bound, so here, for every feature, the bound ids (operands + results +
 host scalars) must equal the ids of the graph ``graphs.declare_graph`` declares - no GPU and no cuDNN
 library needed - and the shapes must be the ones the graph reads.
@@ -96,6 +96,7 @@ def test_bound_tensors_are_the_graphs_tensors(case, kind, training):
     host = {t for t in expected if t in HOST_SCALAR_IDS}
     assert set(bound) | set(results) | host == set(expected)
     assert not set(bound) & set(results) and not set(bound) & host
+    assert CallSpec.of(config, kind).graph_operands == tuple(sorted(bound))      # what a CallPlan checks once
 
     # Shapes the graph reads (a few representative tensors).
     if config.packing is None:
@@ -109,7 +110,7 @@ def test_bound_tensors_are_the_graphs_tensors(case, kind, training):
             assert results[TensorId.STATS][0] == (B * T, N)              # token-major statistics
     if config.has_dropout:
         assert host == {TensorId.SEED, TensorId.OFFSET}
-        assert CallSpec.of(config, 'fwd').host_scalars(7) == (7, 0)
+        assert CallSpec.of(config, "fwd").host_scalars(7) == (7, 0)
     expected_results = result_shapes(config, kind)
     assert len(results) == len(expected_results)
 

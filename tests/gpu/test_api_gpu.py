@@ -213,7 +213,7 @@ def test_fill_policy_matches_what_cudnn_writes(case):
     raw (no fills) into NaN-poisoned results, the elements a ``ZERO_BEFORE`` result leaves to the policy
     (rows of padded queries/keys, tokens outside packed segments) must be untouched (still NaN) or 0 -
     zeroing them before the launch is then right - while every other element is written."""
-    from cudnn_attn.engine.plan import Fill, graph_inputs
+    from cudnn_attn.engine.call import CallSpec, Fill
     from cudnn_attn.reference.segments import segments_of
 
     rng = np.random.default_rng(21)
@@ -227,7 +227,7 @@ def test_fill_policy_matches_what_cudnn_writes(case):
     grad_output = cp.asarray(rng.standard_normal(config.o_shape).astype(np.float16))
     for kind, residuals in (("fwd", {}), ("bwd", dict(output=output, grad_output=grad_output, logsumexp=lse))):
         plan = graph_cache.plan(config, kind, 0)
-        inputs, _ = graph_inputs(cp, config, kind, prepared.named_arrays(config, kind, gpu, **residuals))
+        inputs, _ = CallSpec.of(config, kind).bind(cp, prepared.named_arrays(config, kind, gpu, **residuals))
         inputs = {t: cp.ascontiguousarray(x) for t, x in inputs.items()}
         results = [poisoned(spec.shape, spec.dtype) for spec in plan.results]
         context, stream = plan.context, cp.cuda.get_current_stream().ptr
@@ -368,14 +368,14 @@ def test_a_launch_from_a_thread_with_no_cuda_context():
     the thread without a context, as it found it."""
     import threading
 
-    from cudnn_attn.engine.plan import graph_inputs
+    from cudnn_attn.engine.call import CallSpec
 
     rng = np.random.default_rng(43)
     config = make_config(T=128, S=192, mask_type=MaskType.CAUSAL)
     gpu = to_gpu(random_operands(config, rng, poison=False))
     expected = prepared.forward(config, gpu).output
     plan = graph_cache.plan(config, "fwd", 0)
-    inputs, _ = graph_inputs(cp, config, "fwd", prepared.named_arrays(config, "fwd", gpu))
+    inputs, _ = CallSpec.of(config, "fwd").bind(cp, prepared.named_arrays(config, "fwd", gpu))
     inputs = {t: cp.ascontiguousarray(x) for t, x in inputs.items()}
     results = [poisoned(spec.shape, spec.dtype) for spec in plan.results]
     workspace = cp.empty(max(plan.workspace_size, 1), cp.uint8)

@@ -7,7 +7,7 @@ clamped values (every element finite: results start NaN-poisoned where the test 
 negative ``kv_seqlen`` is left to the CPU tests: clamped to 0 it leaves queries without a
 key, whose result the reference does not pin down yet.
 
-* execution level: ``values.sanitize(config, operands, cupy)`` then :func:`cudnn_attn.fronts.execution.forward` /
+* execution level: ``values.sanitize(config, operands, cupy)`` then :func:`cudnn_attn.engine.prepared.forward` /
   ``backward`` - independent of how the public call is wired;
 * the public CuPy call (``cudnn_attn.dot_product_attention`` / ``paged_attention``) - once it guards its
   values (skipped until it takes ``check_values``);

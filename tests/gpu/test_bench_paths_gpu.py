@@ -37,7 +37,7 @@ def test_raw_launch_of_the_small_shape_matches_the_reference():
     import cudnn_attn
     from cudnn_attn import reference
     from cudnn_attn.core.validation import validate_call
-    from cudnn_attn.engine.plan import DIRECT_IDS
+    from cudnn_attn.engine.call import OPERAND_IDS
 
     bench_host = _bench("bench_host")
     rng = np.random.default_rng(11)
@@ -46,7 +46,7 @@ def test_raw_launch_of_the_small_shape_matches_the_reference():
     q, k, v = (cp.asarray(x) for x in host)
     config, _ = validate_call(q, k, v, scale=0.125, xp=cp)
     plan = cudnn_attn.graph_cache.plan(config, "fwd", q.device.id)
-    by_id = {DIRECT_IDS["query"]: q, DIRECT_IDS["key"]: k, DIRECT_IDS["value"]: v}
+    by_id = {OPERAND_IDS["query"]: q, OPERAND_IDS["key"]: k, OPERAND_IDS["value"]: v}
     results = [cp.full(spec.shape, np.nan, spec.dtype) for spec in plan.results]
     stream = cp.cuda.get_current_stream().ptr
     raw = bench_host.raw_launch(plan, [by_id[t].data.ptr for t in plan.operand_ids] + [r.data.ptr for r in results],
