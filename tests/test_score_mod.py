@@ -28,7 +28,8 @@ from cudnn_attn.core.errors import UnsupportedConfigurationError
 from cudnn_attn.core.score_mod_ir import F32, I32, ProgramBuilder, evaluate
 from cudnn_attn.core.score_mod_spec import score_mod_program, score_mod_spec
 from cudnn_attn.graphs import score_mod_cudnn
-from cudnn_attn.graphs.score_mod import score_mod_graph, score_mod_refusals
+from cudnn_attn.core.score_mod_spec import score_mod_refusals
+from cudnn_attn.graphs.score_mod import score_mod_graph
 
 SHAPE = (2, 3, 16, 24)          # (B, N, T, S); T != S so that a transposed position cannot pass
 TOLERANCE = dict(rtol=2e-5, atol=2e-5)
