@@ -151,8 +151,20 @@ def stats_tensor(batch: int, heads: int, q_len: int, *, ragged: bool) -> tuple[D
     return dims, (heads * q_len, q_len, 1, 1)
 
 
+def _given(config: AttentionConfig, name: str, dense: tuple[Dims, Dims]) -> tuple[Dims, Dims]:
+    """``dense`` (logical dims and the layout's strides), or the caller's strides of ``name`` where the configuration
+    has them (:class:`~cudnn_attn.core.config.InputStrides`, physical order), in logical ``(b, h, s, d)`` order."""
+    given = getattr(config.strides, name, None) if config.strides is not None else None
+    if given is None:
+        return dense
+    if config.layout is AttentionLayout.BTNH:
+        return dense[0], (given[0], given[2], given[1], given[3])
+    return dense[0], tuple(given)
+
+
 def q_tensor(config: AttentionConfig) -> tuple[Dims, Dims]:
-    return attention_tensor(config.layout, config.segments, config.q_heads, config.q_len, config.qk_dim)
+    return _given(config, "query", attention_tensor(config.layout, config.segments, config.q_heads, config.q_len,
+                                                    config.qk_dim))
 
 
 def o_tensor(config: AttentionConfig) -> tuple[Dims, Dims]:
@@ -164,7 +176,8 @@ def k_tensor(config: AttentionConfig) -> tuple[Dims, Dims]:
     if config.paging is not None:
         p = config.paging
         return attention_tensor(config.layout, p.num_blocks_k, config.kv_heads, p.block_size, config.qk_dim)
-    return attention_tensor(config.layout, config.segments, config.kv_heads, config.kv_len, config.qk_dim)
+    return _given(config, "key", attention_tensor(config.layout, config.segments, config.kv_heads, config.kv_len,
+                                                  config.qk_dim))
 
 
 def v_tensor(config: AttentionConfig) -> tuple[Dims, Dims]:
@@ -172,7 +185,8 @@ def v_tensor(config: AttentionConfig) -> tuple[Dims, Dims]:
     if config.paging is not None:
         p = config.paging
         return attention_tensor(config.layout, p.num_blocks_v, config.kv_heads, p.block_size, config.v_dim)
-    return attention_tensor(config.layout, config.segments, config.kv_heads, config.kv_len, config.v_dim)
+    return _given(config, "value", attention_tensor(config.layout, config.segments, config.kv_heads, config.kv_len,
+                                                    config.v_dim))
 
 
 def bias_tensor(config: AttentionConfig) -> tuple[Dims, Dims]:

@@ -25,6 +25,7 @@ from cudnn_attn.core.config import (
     AttentionConfig,
     BiasSpec,
     DiagonalAlignment,
+    InputStrides,
     MaskSpec,
     PackingSpec,
     PagingSpec,
@@ -101,6 +102,7 @@ NESTED = {
     "score_mod": [FingerprintedScoreMod(softcap, (((), "float32"),), fingerprint="a1"),
                   FingerprintedScoreMod(softcap, (((), "float32"),), fingerprint="b2"),
                   FingerprintedScoreMod(softcap, (), fingerprint="a1")],
+    "strides": [InputStrides(query=(128 * 4 * 64, 64, 4 * 64 * 2, 1)), InputStrides(key=(128 * 4 * 64, 64, 4 * 64, 1))],
 }
 
 

@@ -168,6 +168,33 @@ class ScoreModSpec:
         self.__dict__.update(state)
 
 
+Strides = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class InputStrides:
+    """The element strides of the Q, K and V arrays a caller passed, in the physical order of the call's layout
+    (``(B, T, N, H)`` for BTNH, ``(B, N, T, H)`` for BNTH); ``None`` for an array with the layout's dense strides.
+    Views of other memory (a BNTH view of BTNH memory, a transposed view, sliced heads) reach cuDNN with their own
+    strides: the graph is declared with them, so they are part of the configuration and of every cache key."""
+
+    query: Strides | None = None
+    key: Strides | None = None
+    value: Strides | None = None
+
+    def describe(self) -> str:
+        return "strided(" + ",".join(name[0] for name in ("query", "key", "value") if getattr(self, name)) + ")"
+
+
+def dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major element strides of ``shape``."""
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """Everything static about one attention call (forward and its backward)."""
@@ -192,6 +219,7 @@ class AttentionConfig:
     sink: bool = False
     training: bool = False           # forward also produces the logsumexp needed by the backward
     deterministic: bool = False      # backward: deterministic dQ accumulation
+    strides: InputStrides | None = None   # Q/K/V views with their own strides (CuPy/DLPack fronts); None: dense
 
     def __post_init__(self):
         """Invariants.  The fields describe a call that exists (``ValueError`` naming ``config.<field>``
@@ -321,6 +349,8 @@ class AttentionConfig:
             parts.append("sink")
         if self.deterministic:
             parts.append("deterministic")
+        if self.strides is not None:
+            parts.append(self.strides.describe())
         parts.append("train" if self.training else "infer")
         return " ".join(parts)
 

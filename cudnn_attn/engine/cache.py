@@ -104,6 +104,7 @@ class CacheStats(NamedTuple):
     build_seconds: float
     entries: int
     maxsize: int
+    copies: int = 0          # input arrays the fronts copied because cuDNN cannot read them as they are
 
 
 _bytes = size          # one spelling of sizes (the command line's too)
@@ -352,7 +353,7 @@ class GraphCache:
     def stats(self) -> CacheStats:
         with self._lock:
             return CacheStats(self._hits, self._misses, self._evictions, self._build_seconds,
-                              len(self._entries), self._maxsize)
+                              len(self._entries), self._maxsize, sum(runtime.copies.values()))
 
     def clear(self) -> None:
         """Drop every graph and reset the statistics, the entry numbers and the record of misses."""

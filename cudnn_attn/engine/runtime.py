@@ -65,12 +65,17 @@ Exit
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
+import logging
 import threading
 from typing import Any, Iterator
 
+from cudnn_attn.core.config import dense_strides
 from cudnn_attn.core.environment import Environment
 from cudnn_attn.core.errors import NoGPUError
+
+logger = logging.getLogger("cudnn_attn")
 
 
 def cupy() -> Any:
@@ -359,12 +364,40 @@ def device_of(name: str, x: Any) -> int:
         + "; move it to the GPU first (cupy.asarray) or use cudnn_attn.reference for NumPy inputs.")
 
 
-def as_cupy(name: str, x: Any, device: int | None, stream: Any) -> Any:
+copies: collections.Counter = collections.Counter()
+"""Input arrays the fronts copied because cuDNN cannot read them as they are, by argument name
+(``graph_cache.stats().copies`` counts them; each is logged at DEBUG on the ``cudnn_attn`` logger)."""
+
+
+def readable_strides(x: Any) -> bool:
+    """Whether cuDNN reads the rank-4 CuPy array ``x`` with its own strides: every stride positive and 16-byte
+    aligned, the last dimension contiguous, the data 16-byte aligned (a view of other memory: a BNTH view of BTNH
+    memory, a transposed view, sliced heads)."""
+    if x.ndim != 4 or x.data.ptr % 16:
+        return False
+    itemsize = x.itemsize
+    for extent, stride in zip(x.shape, x.strides):
+        if extent == 1:
+            continue
+        if stride <= 0 or stride % itemsize:
+            return False
+    last = x.shape[-1] == 1 or x.strides[-1] == itemsize
+    return last and all(extent == 1 or stride % 16 == 0 for extent, stride in zip(x.shape[:-1], x.strides[:-1]))
+
+
+def element_strides(x: Any) -> tuple[int, ...]:
+    """``x``'s strides in elements, with the row-major value for dimensions of extent 1 (whose stride reads nothing)."""
+    dense = dense_strides(x.shape)
+    return tuple(d if extent == 1 else s // x.itemsize for extent, s, d in zip(x.shape, x.strides, dense))
+
+
+def as_cupy(name: str, x: Any, device: int | None, stream: Any, *, strided: bool = False) -> Any:
     """``x`` as a C-contiguous CuPy array on ``device`` (``None``: wherever ``x`` lives).
 
     CuPy arrays pass through; other ``__dlpack__`` GPU arrays are imported zero-copy with ``stream``
     current (a CuPy stream object or ``None`` for the current one).  Non-contiguous arrays are copied
-    to a contiguous one on the same stream (cuDNN is given dense BTNH/BNTH strides).  Host arrays are
+    to a contiguous one on the same stream, except with ``strided`` where cuDNN reads them as they are
+    (:func:`readable_strides`; Q, K and V: the configuration then carries their strides).  Host arrays are
     refused: this path never copies between host and device behind the caller's back.
     """
     cupy = _cupy()
@@ -382,7 +415,10 @@ def as_cupy(name: str, x: Any, device: int | None, stream: Any) -> Any:
     if device is not None and x.device.id != device:
         raise ValueError(f"{name}: lives on GPU {x.device.id} but the query is on GPU {device}; "
                          f"all arrays of one call must be on the same device")
-    if not x.flags.c_contiguous:
+    if not x.flags.c_contiguous and not (strided and readable_strides(x)):
+        copies[name] += 1
+        logger.debug("cudnn_attn: %s %s%s with strides %s copied to a dense array (cuDNN cannot read it as it is)",
+                     name, x.dtype, list(x.shape), x.strides)
         with stream if stream is not None else contextlib.nullcontext():
             x = cupy.ascontiguousarray(x)
     return x

@@ -50,7 +50,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple, Sequence
 
 from cudnn_attn.core import parameters
-from cudnn_attn.core.config import AttentionConfig, AttentionOperands
+from cudnn_attn.core.config import AttentionConfig, AttentionOperands, InputStrides
 from cudnn_attn.core.masks import MaskSpec
 from cudnn_attn.core.parameters import AuxRequest
 from cudnn_attn.core.types import AttentionGrads, AttentionOutput, FP8Params, MaskType
@@ -72,6 +72,8 @@ def _gpu_arrays(stream: Any, **arrays: Any) -> dict[str, Any]:
     device = runtime.device_of("query", arrays["query"])
     on_stream = None if stream is None else \
         runtime.device_context(device).stream(runtime.stream_pointer(stream, device))
+    # Q, K and V keep their strides where cuDNN reads them (packed and paged tensors are read densely).
+    strided = arrays.get("q_offsets") is None and arrays.get("page_table_k") is None
     converted = {}
     for name, x in arrays.items():
         if x is None:
@@ -81,8 +83,18 @@ def _gpu_arrays(stream: Any, **arrays: Any) -> dict[str, Any]:
         elif name == "score_mod_args":
             converted[name] = tuple(x)          # scalars, bound by value on the host
         else:
-            converted[name] = runtime.as_cupy(name, x, device, on_stream)
+            converted[name] = runtime.as_cupy(name, x, device, on_stream, strided=strided and name in _STRIDED)
     return converted
+
+
+_STRIDED = ("query", "key", "value")
+
+
+def _with_strides(config: AttentionConfig, operands: AttentionOperands) -> AttentionConfig:
+    """``config`` with the strides of the Q, K and V views it is called on (``None`` for dense arrays)."""
+    found = {name: runtime.element_strides(x) for name in _STRIDED
+             if not (x := getattr(operands, name)).flags.c_contiguous}
+    return config.replace(strides=InputStrides(**found)) if found else config
 
 
 def _framework(x: Any) -> str:
@@ -145,7 +157,9 @@ def _direct_key(kind: str, arrays: tuple, static: tuple) -> tuple:
 def _remember_direct(kind: str, arrays: tuple, static: tuple, config: AttentionConfig, autotune: bool | None,
                      names: Sequence[str]) -> None:
     """After a successful call: its signature takes the direct launch next time (when the call is of its arrays
-    alone)."""
+    alone, and cuDNN read them as they are: Q, K, V dense or with readable strides, the backward's residuals dense)."""
+    if not all(x.flags.c_contiguous or (i < 3 and runtime.readable_strides(x)) for i, x in enumerate(arrays)):
+        return
     call = prepared_call(config, kind, arrays[0].data.device_id, autotune)
     if call.direct_capable:
         calls.remember(_direct_key(kind, arrays, static), Known(config, frozenset(), call, call.direct_order(names)))
@@ -186,7 +200,7 @@ def _forward(call: Any) -> tuple[AttentionConfig, AttentionOutput, Callable[[Any
     fp8_dtype = getattr(call, "fp8_dtype", None) if static["use_fp8"] else None
     with parameters.native_names(call):
         config, operands = _validate_on_device(arrays, static, fp8_dtype)
-    config = parameters.finish(call, config)
+    config = _with_strides(parameters.finish(call, config), operands)
     result = prepared.forward(config, operands, seed=check_seed(call.seed), stream=call.stream,
                               autotune=call.autotune, check_values=call.check_values)
     return config, result, exporter
@@ -331,6 +345,7 @@ def dot_product_attention_bwd(query: Any, key: Any, value: Any, output: Any, gra
     output, grad_output, logsumexp = (arrays.pop(n) for n in ("output", "grad_output", "logsumexp"))
     config, operands = _validate_on_device(arrays, static_arguments, call.fp8_dtype if call.use_fp8 else None)
     validate_backward(config, output, grad_output, logsumexp)      # FP8 O and dO: uint8 bytes like Q/K/V
+    config = _with_strides(config, operands)
     grads = prepared.backward(config, operands, output, grad_output, logsumexp, seed=check_seed(call.seed),
                               stream=call.stream, autotune=call.autotune, check_values=call.check_values)
     if plain and not config.has_dbias and not config.sink:
@@ -368,8 +383,14 @@ class BoundAttention:
         deterministic = static.pop("deterministic")
         return_residual = static.pop("return_residual")
         training = return_residual if kind == FWD else True
-        config, _ = _validate_on_device(dict(zip(self._FWD_NAMES, arrays[:3])), dict(
+        for name, x in zip(self._BWD_NAMES, arrays):
+            if not x.flags.c_contiguous and not (name in _STRIDED and runtime.readable_strides(x)):
+                raise ValueError(f"{name}: bind takes arrays cuDNN reads as they are - dense, or (query, key, value) "
+                                 f"views with positive 16-byte-aligned strides and a contiguous last dimension; got "
+                                 f"{x.dtype}{list(x.shape)} with strides {x.strides} (pass cupy.ascontiguousarray(x))")
+        config, operands = _validate_on_device(dict(zip(self._FWD_NAMES, arrays[:3])), dict(
             static, training=training, deterministic=deterministic and kind == BWD))
+        config = _with_strides(config, operands)
         if kind == BWD:
             validate_backward(config, *arrays[3:])
         call = prepared_call(config, kind, arrays[0].data.device_id, self._autotune)
