@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_jax_common import assert_close, relative_error
+from test_jax_common import assert_close, jnp_attention, relative_error
 
 import cudnn_attn
 from cudnn_attn.jax_bridge import flax_attention_fn
@@ -120,6 +120,32 @@ def test_maskspec_lengths_match_flax_padding_mask(rng):
     assert_close(out[0], ref[0], BF16, "full row", factor=2)
     assert_close(out[1, :11], ref[1, :11], BF16, "padded row's valid part", factor=2)
     assert not np.any(np.asarray(out[1, 11:], np.float32))
+
+
+def test_maskspec_segments_match_flax_segment_mask(rng):
+    """Packed sequences as ``mask=cudnn_attn.segments(...)`` against Flax's segment-id keep-mask
+    (``make_attention_mask(ids, ids, jnp.equal)`` and causal): equal on the tokens inside a segment."""
+    q, k, v = _qkv(rng)
+    ids = np.zeros((B, T), np.int32)                           # row 0: segments [0, 6), [6, 16); row 1: [0, 11)
+    ids[0, :6], ids[0, 6:], ids[1, :11] = 1, 2, 1
+    lengths = jnp.asarray([[6, 10], [11, -1]], jnp.int32)
+    offsets = jnp.asarray([[0, 6, -1], [0, -1, -1]], jnp.int32)              # start offsets, -1: none
+    out = flax_attention_fn(is_causal=True)(q, k, v, mask=cudnn_attn.segments(lengths, lengths, offsets, offsets))
+    same = nnx.make_attention_mask(jnp.asarray(ids), jnp.asarray(ids), jnp.equal)
+    real = nnx.make_attention_mask(jnp.asarray(ids) > 0, jnp.asarray(ids) > 0)
+    ref = nnx.dot_product_attention(q, k, v, mask=nnx.combine_masks(same, real), is_causal=True)
+    inside = ids > 0
+    assert_close(np.asarray(out, np.float32)[inside], np.asarray(ref, np.float32)[inside], BF16, "segments", factor=2)
+    assert not np.any(np.asarray(out, np.float32)[~inside])
+
+
+def test_sink_matches_the_oracle(rng):
+    q, k, v = _qkv(rng)
+    sink = jnp.asarray(rng.standard_normal((N,)), jnp.float32)
+    out = flax_attention_fn(sink=sink)(q, k, v, is_causal=True)
+    assert_close(out, jnp_attention(q, k, v, scale=H ** -0.5, causal=True, sink=sink), BF16, "sink", factor=2)
+    called = flax_attention_fn(sink=lambda: sink)(q, k, v, is_causal=True)
+    np.testing.assert_array_equal(np.asarray(called, np.float32), np.asarray(out, np.float32))
 
 
 def test_linen_module_matches_default(rng):
