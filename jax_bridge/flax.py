@@ -234,6 +234,10 @@ def flax_attention_fn(*, is_causal: bool = False, diagonal_alignment: str = "top
             dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
         dtype = jnp.dtype(dtype)
         kernel = compute_dtype or dtype
+        if kernel.name not in _KERNEL_DTYPES:
+            raise ValueError(f"query: dtype must be one of float16, bfloat16 (cuDNN's), got the computation dtype "
+                             f"{kernel.name} (query {_describe(query)}); set dtype=jnp.bfloat16 on the module, or "
+                             "flax_attention_fn(compute_dtype=jnp.bfloat16) to cast for the kernel only")
         q, k, v = (x.astype(kernel) for x in (q, k, v))
         heads, q_len, kv_len = q.shape[2], q.shape[1], k.shape[1]
 

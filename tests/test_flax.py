@@ -280,7 +280,7 @@ def test_errors_name_the_argument(rng):
         fn(q, k, v, mask=jnp.ones((B, 3, T, T)))
     with pytest.raises(ValueError, match="key: batch dimensions"):
         fn(q, k[:1], v)
-    with pytest.raises(ValueError, match="query: dtype must be one of float16, bfloat16"):
+    with pytest.raises(ValueError, match="query: dtype must be one of float16, bfloat16 .* float32 .*compute_dtype="):
         fn(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
     with pytest.raises(ValueError, match="dropout_rate: must be in"):
         fn(q, k, v, dropout_rate=1.5, broadcast_dropout=False, dropout_rng=jax.random.key(0))
