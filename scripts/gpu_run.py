@@ -11,7 +11,8 @@ Phases (default: ``tests train host jax attention``):
                    does it still hang / crash?  Runs in the background next to the other phases;
 * ``train``      - per-step times, ours vs ``jax.nn`` cuDNN, tiny and 1024-wide models, 1 and 2 GPUs;
 * ``host``, ``jax``, ``attention``, ``fp8``, ``decode``, ``first_call``, ``context_parallel``, ``autotune``,
-  ``peers``, ``small``, ``generate``
+  ``peers``, ``small``, ``generate``, ``frameworks`` (training steps in Flax, and torch, against the framework's
+  own attention)
                  - ``benchmarks/bench_<phase>.py``; ``soak`` - ``benchmarks/soak.py`` (``--quick`` unless ``--full``,
                  or ``PHASE:full`` for one phase).  ``peers``: ours against jax.nn cuDNN/XLA and Tokamax (Mosaic
                  GPU, Triton) in jitted chains; ``small``: where a B1 N8 T=S=256 D64 forward's time goes;
@@ -38,7 +39,7 @@ from collections import Counter, defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.environ.get("OUT", os.path.join(ROOT, "bench_out"))
 BENCHES = ("host", "jax", "attention", "fp8", "decode", "first_call", "context_parallel", "soak", "autotune", "peers",
-           "small", "generate")
+           "small", "generate", "frameworks")
 RESERVE = {"tests": 60, "train": 40, "legacy": 0}       # seconds kept for each later phase (default 30)
 
 
