@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from cudnn_attn.core import values
+from cudnn_attn.core import masked_rows, values
 from cudnn_attn.core.config import AttentionConfig, AttentionOperands
 from cudnn_attn.core.padded_call import lift, lifted_config
 from cudnn_attn.core.settings import flag
@@ -178,10 +178,14 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
     if lifted is not None:          # a kernel limit lifted by padding (cudnn_attn.core.padded_call): run padded, slice back
         results = run(lifted.config, FWD, named_arrays(lifted.config, FWD, lifted.operands), seed=seed,
                       stream=stream, autotune=autotune, score_mod_args=operands.score_mod_args)
-        return _into(lifted.unpad(AttentionOutput(**{n: results.get(n) for n in AttentionOutput._fields})), given)
-    results = run(config, FWD, named_arrays(config, FWD, operands), seed=seed, stream=stream, autotune=autotune,
-                  given=given, score_mod_args=operands.score_mod_args)
-    return AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
+        result = _into(lifted.unpad(AttentionOutput(**{n: results.get(n) for n in AttentionOutput._fields})), given)
+    else:
+        results = run(config, FWD, named_arrays(config, FWD, operands), seed=seed, stream=stream,
+                      autotune=autotune, given=given, score_mod_args=operands.score_mod_args)
+        result = AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
+    with _on_stream(operands, stream):
+        masked_rows.set_forward(_cupy(), config, operands, result.output, result.logsumexp)
+    return result
 
 
 def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, grad_output: Any,
@@ -196,6 +200,17 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
     """
     operands = guarded(config, operands, check_values, stream)
     given = dict(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink=dsink, rng_dump=rng_dump)
+    caller_grad_output = grad_output
+    with _on_stream(operands, stream):
+        grad_output, logsumexp = masked_rows.backward_residuals(_cupy(), config, operands, grad_output, logsumexp)
+    grads = _backward(config, operands, output, grad_output, logsumexp, given, seed, stream, autotune)
+    with _on_stream(operands, stream):
+        masked_rows.add_dv(_cupy(), config, operands, caller_grad_output, grads.dv)
+    return grads
+
+
+def _backward(config: AttentionConfig, operands: AttentionOperands, output: Any, grad_output: Any, logsumexp: Any,
+              given: Mapping[str, Any], seed: int, stream: Any, autotune: bool | None) -> AttentionGrads:
     lifted = _lift(config, operands, stream)
     if lifted is not None:          # a kernel limit lifted by padding (cudnn_attn.core.padded_call): run padded, slice back
         o, do, lse = lifted.residuals(output, grad_output, logsumexp)
@@ -226,6 +241,18 @@ def guarded(config: AttentionConfig, operands: AttentionOperands, check_values: 
             runtime.device_context(device).stream(runtime.stream_pointer(stream, device))
         with current:
             return values.sanitize(config, operands, _cupy())
+
+
+def _on_stream(operands: AttentionOperands, stream: Any) -> Any:
+    """The query's device and the call's stream current (nothing to enter without a boolean mask)."""
+    if operands.empty_rows is None:
+        return contextlib.nullcontext()
+    device = operands.query.device.id
+    stack = contextlib.ExitStack()
+    stack.enter_context(runtime.on_device(device))
+    if stream is not None:
+        stack.enter_context(runtime.device_context(device).stream(runtime.stream_pointer(stream, device)))
+    return stack
 
 
 def _lift(config: AttentionConfig, operands: AttentionOperands, stream: Any) -> Any:
