@@ -47,6 +47,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from cudnn_attn.core import masked_rows
 from cudnn_attn.core.config import AttentionConfig
 from cudnn_attn.core.support import check_supported
 from cudnn_attn.core.types import Front
@@ -320,6 +321,8 @@ def lower(ctx: Any, *args: Any, kind: str, config: AttentionConfig, options: Any
                 value = zero_rows(jnp, value, named["q_seqlen"])
             elif spec.fill is Fill.SEGMENTS:
                 value = packing.lse_from_tokens(jnp, value, segments, config.q_len)
+            if spec.name == "logsumexp" and masked_rows.may_leave_rows_without_keys(config):
+                value = masked_rows.keyless_logsumexp(jnp, config, value, named.get("q_seqlen"), named.get("kv_seqlen"))
             results[spec.name] = value
         return [results[name] for name in site.results]
 

@@ -204,3 +204,46 @@ def test_backward_residuals_give_a_backward_kernel_nothing_to_do_on_fully_masked
     assert (do.transpose(0, 2, 1, 3)[~rows] == 1).all() and np.isneginf(kernel_lse[~rows]).all()
     with np.errstate(over="raise", invalid="raise"):
         assert (np.exp(np.float32(3e4) - kernel_lse[rows].astype(np.float32) * np.float32(np.log2(np.e))) == 0).all()
+
+
+KEYLESS_CASES = {
+    "padding_empty_sequence": dict(mask_type=MaskType.PADDING),
+    "bottom_right_causal": dict(mask_type=MaskType.CAUSAL, diagonal_alignment="bottom_right"),
+    "bottom_right_padding_causal": dict(mask_type=MaskType.PADDING_CAUSAL, diagonal_alignment="bottom_right"),
+    "window": dict(mask_type=MaskType.PADDING, sliding_window_length=3),
+    "bottom_right_window": dict(mask_type=MaskType.PADDING_CAUSAL, sliding_window_length=2,
+                                diagonal_alignment="bottom_right"),
+}
+
+
+@pytest.mark.parametrize("case", list(KEYLESS_CASES))
+@pytest.mark.parametrize("seed", SEEDS)
+def test_rows_without_keys_are_the_references_and_have_logsumexp_minus_inf(case, seed):
+    """``rows_without_keys`` (what a front uses after a launch) is exactly the set of rows the reference finds no
+    admissible key for, and the reference's logsumexp is -inf there and finite on every other row inside the
+    sequences (0 outside)."""
+    from cudnn_attn.reference.masks import allowed
+    from cudnn_attn.reference.segments import segments_of
+
+    rng = np.random.default_rng(seed)
+    batch, t, s = 4, 16, 8
+    q, k, v = (np.asarray(x) for x in qkv(rng, B=batch, T=t, S=s, N=2, H=8))
+    kwargs = dict(KEYLESS_CASES[case])
+    if kwargs["mask_type"] in (MaskType.PADDING, MaskType.PADDING_CAUSAL):
+        kwargs["q_seqlen"] = rng.integers(1, t + 1, batch).astype(np.int32)
+        kv = rng.integers(0, s + 1, batch).astype(np.int32)
+        kv[0] = 0
+        kwargs["kv_seqlen"] = kv
+    config, operands = validate_call(q, k, v, training=True, **kwargs)
+    segments = segments_of(config, operands)
+    want = ~allowed(config, segments).any(-1) & segments.valid_q[:, None]            # (B, 1, T)
+    got = masked_rows.rows_without_keys(np, config, operands.q_seqlen, operands.kv_seqlen)
+    assert want.any() and np.array_equal(got, want)
+    lse = reference.forward(config, operands).logsumexp
+    rows = np.broadcast_to(want, lse.shape)
+    inside = np.broadcast_to(segments.valid_q[:, None], lse.shape)
+    assert np.isneginf(lse[rows]).all() and np.isfinite(lse[inside & ~rows]).all() and not lse[~inside].any()
+    poisoned = np.where(inside, np.float32(np.nan), np.float32(0))
+    fixed = masked_rows.keyless_logsumexp(np, config, np.where(rows, poisoned, lse), operands.q_seqlen,
+                                          operands.kv_seqlen)
+    assert np.array_equal(fixed, lse)

@@ -16,15 +16,20 @@ when it folds the mask (:func:`empty_rows`, ``AttentionOperands.empty_rows``) an
 results here, for any array namespace ``xp`` (``numpy``, ``cupy``, ``jax.numpy``): :func:`forward_output`
 after a forward; :func:`backward_residuals` before a backward kernel and :func:`backward_dv` after it.
 Packed segments take no mask (the support table), so rows are per batch row.
+
+A row that the lengths or the diagonal bounds leave without any admissible key (``kv_seqlen[b] == 0``, a
+bottom-right diagonal with more queries than keys, a window past the keys) has output 0 and logsumexp
+``-inf`` on every front: :func:`keyless_logsumexp` sets it after a launch (unpacked calls).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 
-from .config import AttentionConfig, AttentionOperands
+from .config import AttentionConfig, AttentionOperands, DiagonalAlignment
 from .types import AttentionLayout
 
 # The logsumexp a backward kernel is given for a fully masked row: exp(score - lse) is then exactly 0 for
@@ -157,3 +162,51 @@ def add_dv(xp: Any, config: AttentionConfig, operands: AttentionOperands, grad_o
     """:func:`backward_dv` written into ``dv`` (NumPy or CuPy arrays); ``grad_output`` is the caller's dO."""
     if operands.empty_rows is not None:
         dv[...] = backward_dv(xp, config, operands, grad_output, dv)
+
+
+@functools.lru_cache(maxsize=1024)
+def may_leave_rows_without_keys(config: AttentionConfig) -> bool:
+    """Whether the lengths or diagonal bounds of an unpacked call can leave a query row no admissible key
+    (remembered per configuration: the CuPy front asks on every call)."""
+    if config.packing is not None:
+        return False
+    if config.mask.padding:
+        return True                                   # kv_seqlen[b] may be 0
+    if config.mask.right_bound is None and config.mask.left_bound is None:
+        return False
+    return bool(rows_without_keys(np, config.replace(batch=1)).any())
+
+
+def rows_without_keys(xp: Any, config: AttentionConfig, q_seqlen: Any = None, kv_seqlen: Any = None) -> Any:
+    """``(B, 1, T)`` bool: the query rows inside the sequences that no key is admissible to (unpacked calls).
+
+    With the lengths ``Lq``, ``Lk`` of the row's sequence and ``delta = Lk - Lq`` (bottom-right) or 0, query
+    ``i`` may read the keys ``max(0, i + delta - left_bound + 1) <= j <= min(Lk - 1, i + delta + right_bound)``
+    (the :class:`~cudnn_attn.core.config.MaskSpec` rule, an absent bound dropped).
+    """
+    mask = config.mask
+    rows = xp.arange(config.q_len, dtype=xp.int32)[None, None, :]
+    if mask.padding:
+        q_len = xp.reshape(q_seqlen, (-1, 1, 1)).astype(xp.int32)
+        kv_len = xp.reshape(kv_seqlen, (-1, 1, 1)).astype(xp.int32)
+    else:
+        q_len = xp.full((config.batch, 1, 1), config.q_len, dtype=xp.int32)
+        kv_len = xp.full((config.batch, 1, 1), config.kv_len, dtype=xp.int32)
+    diagonal = rows + (kv_len - q_len if mask.alignment is DiagonalAlignment.BOTTOM_RIGHT else 0)
+    last = kv_len - 1
+    if mask.right_bound is not None:
+        last = xp.minimum(last, diagonal + mask.right_bound)
+    first = xp.zeros_like(diagonal)
+    if mask.left_bound is not None:
+        first = xp.maximum(first, diagonal - mask.left_bound + 1)
+    return (first > last) & (rows < q_len)
+
+
+def keyless_logsumexp(xp: Any, config: AttentionConfig, logsumexp: Any, q_seqlen: Any = None,
+                      kv_seqlen: Any = None) -> Any:
+    """The ``(B, N, T)`` logsumexp with ``-inf`` on the rows of :func:`rows_without_keys` (unchanged when
+    :func:`may_leave_rows_without_keys` is False)."""
+    if not may_leave_rows_without_keys(config):
+        return logsumexp
+    rows = rows_without_keys(xp, config, q_seqlen, kv_seqlen)
+    return xp.where(rows, xp.asarray(-np.inf, dtype=logsumexp.dtype), logsumexp)
