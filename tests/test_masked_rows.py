@@ -24,6 +24,8 @@ from cudnn_attn import reference
 from cudnn_attn.core import masked_rows
 from cudnn_attn.core.types import MaskType
 from cudnn_attn.core.validation import validate_call
+from cudnn_attn.reference.masks import allowed
+from cudnn_attn.reference.segments import segments_of
 
 B, T, S, N, H = 2, 12, 16, 4, 8
 SCALE = 0.3
@@ -222,9 +224,6 @@ def test_rows_without_keys_are_the_references_and_have_logsumexp_minus_inf(case,
     """``rows_without_keys`` (what a front uses after a launch) is exactly the set of rows the reference finds no
     admissible key for, and the reference's logsumexp is -inf there and finite on every other row inside the
     sequences (0 outside)."""
-    from cudnn_attn.reference.masks import allowed
-    from cudnn_attn.reference.segments import segments_of
-
     rng = np.random.default_rng(seed)
     batch, t, s = 4, 16, 8
     q, k, v = (np.asarray(x) for x in qkv(rng, B=batch, T=t, S=s, N=2, H=8))
