@@ -246,3 +246,21 @@ def test_rows_without_keys_are_the_references_and_have_logsumexp_minus_inf(case,
     fixed = masked_rows.keyless_logsumexp(np, config, np.where(rows, poisoned, lse), operands.q_seqlen,
                                           operands.kv_seqlen)
     assert np.array_equal(fixed, lse)
+
+
+def test_paged_fully_masked_row_averages_the_keys_read_through_the_page_table():
+    rng = np.random.default_rng(3)
+    batch, heads, block, blocks = 2, 2, 4, 3
+    q = rng.standard_normal((batch, 4, heads, 8)).astype(np.float16)
+    cache_k, cache_v = (rng.standard_normal((batch * blocks + 2, block, heads, 8)).astype(np.float16) for _ in "kv")
+    table = rng.permutation(batch * blocks + 2)[:batch * blocks].reshape(batch, 1, blocks, 1).astype(np.int32)
+    mask = np.ones((batch, heads, 4, block * blocks), bool)
+    mask[0, 1, 2] = mask[1, 0, 0] = False
+    kv_len = np.array([10, 7], np.int32)
+    output, lse = reference.paged_attention(q, cache_k, cache_v, np.array([4, 3], np.int32), kv_len, table,
+                                            table.copy(), mask=mask, mask_type=MaskType.PADDING,
+                                            return_residual=True)
+    for b, n, t in ((0, 1, 2), (1, 0, 0)):
+        values = np.concatenate([cache_v[table[b, 0, i, 0]] for i in range(blocks)])[:kv_len[b], n]
+        assert np.abs(output[b, t, n].astype(np.float64) - values.astype(np.float64).mean(0)).max() <= 2.0 ** -10
+        assert np.isneginf(lse[b, n, t])
