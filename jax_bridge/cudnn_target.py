@@ -322,7 +322,8 @@ def lower(ctx: Any, *args: Any, kind: str, config: AttentionConfig, options: Any
             elif spec.fill is Fill.SEGMENTS:
                 value = packing.lse_from_tokens(jnp, value, segments, config.q_len)
             if spec.name == "logsumexp" and masked_rows.may_leave_rows_without_keys(config):
-                value = masked_rows.keyless_logsumexp(jnp, config, value, named.get("q_seqlen"), named.get("kv_seqlen"))
+                value = masked_rows.keyless_logsumexp(jnp, config, value, named.get("q_seqlen"), named.get("kv_seqlen"),
+                                                       segments)
             results[spec.name] = value
         return [results[name] for name in site.results]
 

@@ -24,6 +24,7 @@ from cudnn_attn import reference
 from cudnn_attn.core import masked_rows
 from cudnn_attn.core.types import MaskType
 from cudnn_attn.core.validation import validate_call
+from cudnn_attn.graphs import packing
 from cudnn_attn.reference.masks import allowed
 from cudnn_attn.reference.segments import segments_of
 
@@ -264,3 +265,23 @@ def test_paged_fully_masked_row_averages_the_keys_read_through_the_page_table():
         values = np.concatenate([cache_v[table[b, 0, i, 0]] for i in range(blocks)])[:kv_len[b], n]
         assert np.abs(output[b, t, n].astype(np.float64) - values.astype(np.float64).mean(0)).max() <= 2.0 ** -10
         assert np.isneginf(lse[b, n, t])
+
+
+def test_rows_without_keys_of_packed_segments_are_the_references():
+    """With packed segments the rows are the logsumexp's, one per segment (bottom-right causal: a segment of 6
+    queries and 3 keys leaves its first 3 queries none; a segment of 0 keys all of its 4)."""
+    rng = np.random.default_rng(9)
+    q, k, v = (np.asarray(x) for x in qkv(rng, B=2, T=16, S=16, N=2, H=8))
+    sequences = dict(q_seqlen=np.array([[6, 4], [8, -1]], np.int32), kv_seqlen=np.array([[3, 0], [10, -1]], np.int32),
+                     q_offsets=np.array([[0, 6, -1], [0, -1, -1]], np.int32),
+                     kv_offsets=np.array([[0, 3, -1], [0, -1, -1]], np.int32))
+    config, operands = validate_call(q, k, v, **sequences, mask_type=MaskType.PADDING_CAUSAL,
+                                     diagonal_alignment="bottom_right", training=True)
+    lse = reference.forward(config, operands).logsumexp                               # (B*M, N, T)
+    segs = packing.segments(np, operands.q_seqlen, operands.kv_seqlen, operands.q_offsets, operands.kv_offsets,
+                            config.q_len, config.kv_len)
+    rows = masked_rows.rows_without_keys(np, config, segs.q_seqlen, segs.kv_seqlen)
+    assert rows.sum() == 7 and np.array_equal(np.broadcast_to(rows, lse.shape), np.isneginf(lse))
+    fixed = masked_rows.keyless_logsumexp(np, config, np.where(np.isneginf(lse), np.float32(np.nan), lse),
+                                          segments=segs)
+    assert np.array_equal(fixed, lse)

@@ -19,7 +19,7 @@ Packed segments take no mask (the support table), so rows are per batch row.
 
 A row that the lengths or the diagonal bounds leave without any admissible key (``kv_seqlen[b] == 0``, a
 bottom-right diagonal with more queries than keys, a window past the keys) has output 0 and logsumexp
-``-inf`` on every front: :func:`keyless_logsumexp` sets it after a launch (unpacked calls).
+``-inf`` on every front: :func:`keyless_logsumexp` sets it after a launch.
 """
 
 from __future__ import annotations
@@ -166,23 +166,23 @@ def add_dv(xp: Any, config: AttentionConfig, operands: AttentionOperands, grad_o
 
 @functools.lru_cache(maxsize=1024)
 def may_leave_rows_without_keys(config: AttentionConfig) -> bool:
-    """Whether the lengths or diagonal bounds of an unpacked call can leave a query row no admissible key
-    (remembered per configuration: the CuPy front asks on every call)."""
-    if config.packing is not None:
-        return False
+    """Whether the lengths or diagonal bounds of a call can leave a query row no admissible key (remembered per
+    configuration: the CuPy front asks on every call)."""
     if config.mask.padding:
-        return True                                   # kv_seqlen[b] may be 0
+        return True                                   # a length (of a sequence or a packed segment) may be 0
     if config.mask.right_bound is None and config.mask.left_bound is None:
         return False
-    return bool(rows_without_keys(np, config.replace(batch=1)).any())
+    return bool(rows_without_keys(np, config).any())
 
 
 def rows_without_keys(xp: Any, config: AttentionConfig, q_seqlen: Any = None, kv_seqlen: Any = None) -> Any:
-    """``(B, 1, T)`` bool: the query rows inside the sequences that no key is admissible to (unpacked calls).
+    """``(R, 1, T)`` bool: the query rows inside the sequences that no key is admissible to.
 
-    With the lengths ``Lq``, ``Lk`` of the row's sequence and ``delta = Lk - Lq`` (bottom-right) or 0, query
-    ``i`` may read the keys ``max(0, i + delta - left_bound + 1) <= j <= min(Lk - 1, i + delta + right_bound)``
-    (the :class:`~cudnn_attn.core.config.MaskSpec` rule, an absent bound dropped).
+    ``R`` sequences of lengths ``q_seqlen``/``kv_seqlen`` (``(R,)``) with a padding mask - the batch rows, or
+    with packed segments the rows of the logsumexp, one per segment; else the ``B`` rows of ``T`` queries and
+    ``S`` keys.  With the lengths ``Lq``, ``Lk`` of the row's sequence and ``delta = Lk - Lq`` (bottom-right)
+    or 0, query ``i`` may read the keys ``max(0, i + delta - left_bound + 1) <= j <= min(Lk - 1, i + delta +
+    right_bound)`` (the :class:`~cudnn_attn.core.config.MaskSpec` rule, an absent bound dropped).
     """
     mask = config.mask
     rows = xp.arange(config.q_len, dtype=xp.int32)[None, None, :]
@@ -203,10 +203,13 @@ def rows_without_keys(xp: Any, config: AttentionConfig, q_seqlen: Any = None, kv
 
 
 def keyless_logsumexp(xp: Any, config: AttentionConfig, logsumexp: Any, q_seqlen: Any = None,
-                      kv_seqlen: Any = None) -> Any:
-    """The ``(B, N, T)`` logsumexp with ``-inf`` on the rows of :func:`rows_without_keys` (unchanged when
-    :func:`may_leave_rows_without_keys` is False)."""
+                      kv_seqlen: Any = None, segments: Any = None) -> Any:
+    """The logsumexp (``config.lse_shape``) with ``-inf`` on the rows of :func:`rows_without_keys` (unchanged
+    when :func:`may_leave_rows_without_keys` is False).  With packed segments the lengths are the segments'
+    (``segments``: the :class:`cudnn_attn.graphs.packing.Segments` of the call, ``(B*M,)`` lengths)."""
     if not may_leave_rows_without_keys(config):
         return logsumexp
+    if config.packing is not None:
+        q_seqlen, kv_seqlen = segments.q_seqlen, segments.kv_seqlen
     rows = rows_without_keys(xp, config, q_seqlen, kv_seqlen)
     return xp.where(rows, xp.asarray(-np.inf, dtype=logsumexp.dtype), logsumexp)

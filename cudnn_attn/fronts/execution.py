@@ -134,7 +134,7 @@ def finish(cupy: Any, plan: Any, results: dict[str, Any], named: Mapping[str, An
             results[spec.name] = lse
     if "logsumexp" in results and masked_rows.may_leave_rows_without_keys(plan.config):
         results["logsumexp"][...] = masked_rows.keyless_logsumexp(
-            cupy, plan.config, results["logsumexp"], named["q_seqlen"], named["kv_seqlen"])
+            cupy, plan.config, results["logsumexp"], named["q_seqlen"], named["kv_seqlen"], segments)
     return results
 
 

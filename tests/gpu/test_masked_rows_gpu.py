@@ -21,6 +21,7 @@ from cudnn_attn.core.validation import validate_call
 from cudnn_attn.engine.cache import graph_cache
 from cudnn_attn.engine.plan import graph_inputs
 from cudnn_attn.fronts import execution
+from cudnn_attn.graphs import packing
 
 from ._checks import assert_close, assert_lse_close, io_dtype, poisoned
 
@@ -123,29 +124,37 @@ def test_jax_forward_and_grad_give_the_reference_fully_masked_rows(dtype):
 # -- rows without an admissible key ------------------------------------------------------------------------
 
 KEYLESS = {
-    # name: (keyword arguments, q_seqlen, kv_seqlen); T = S = 128
-    "empty-sequence-fp16": (dict(mask_type=MaskType.PADDING), [100, 64], [90, 0]),
+    # name: (keyword arguments, the lengths (and packed offsets)); T = S = 128
+    "empty-sequence-fp16": (dict(mask_type=MaskType.PADDING), dict(q_seqlen=[100, 64], kv_seqlen=[90, 0])),
     "bottom-right-causal-bf16": (dict(mask_type=MaskType.PADDING_CAUSAL, diagonal_alignment="bottom_right"),
-                                 [128, 96], [64, 128]),
+                                 dict(q_seqlen=[128, 96], kv_seqlen=[64, 128])),
     "window-past-the-keys-fp16": (dict(mask_type=MaskType.PADDING_CAUSAL, sliding_window_length=16),
-                                  [128, 80], [32, 128]),
+                                  dict(q_seqlen=[128, 80], kv_seqlen=[32, 128])),
+    "packed-empty-segment-fp16": (dict(mask_type=MaskType.PADDING_CAUSAL),
+                                  dict(q_seqlen=[[60, 40], [100, -1]], kv_seqlen=[[70, 0], [128, -1]],
+                                       q_offsets=[[0, 64, -1], [0, -1, -1]], kv_offsets=[[0, 70, -1], [0, -1, -1]])),
 }
+UNPACKED = [case for case in KEYLESS if not case.startswith("packed")]
 
 
 def _keyless_call(case: str):
-    kwargs, q_len, kv_len = KEYLESS[case]
+    kwargs, sequences = KEYLESS[case]
     dtype = "bfloat16" if case.endswith("bf16") else "float16"
     rng = np.random.default_rng(sorted(KEYLESS).index(case) + 61)
     dt = io_dtype(dtype)
     q, k, v = (rng.standard_normal((2, 128, 4, 64)).astype(dt) for _ in range(3))
-    host = dict(q_seqlen=np.array(q_len, np.int32), kv_seqlen=np.array(kv_len, np.int32), scale=SCALE, **kwargs)
+    host = dict({n: np.array(x, np.int32) for n, x in sequences.items()}, scale=SCALE, **kwargs)
     config, operands = validate_call(q, k, v, training=True, **host)
-    rows = masked_rows.rows_without_keys(np, config, operands.q_seqlen, operands.kv_seqlen)     # (B, 1, T)
+    lengths = (operands.q_seqlen, operands.kv_seqlen)
+    if config.packing is not None:
+        segs = packing.segments(np, *lengths, operands.q_offsets, operands.kv_offsets, config.q_len, config.kv_len)
+        lengths = (segs.q_seqlen, segs.kv_seqlen)
+    rows = masked_rows.rows_without_keys(np, config, *lengths)           # (rows of the logsumexp, 1, T)
     assert rows.any()
     return dtype, (q, k, v), host, config, rows
 
 
-@pytest.mark.parametrize("case", list(KEYLESS))
+@pytest.mark.parametrize("case", UNPACKED)
 def test_cudnn_output_and_logsumexp_of_rows_without_keys(case):
     """Raw launch (no fill policy) into NaN-poisoned results: what cuDNN writes into the rows of queries that
     have no admissible key.  The library's after-launch fill (``masked_rows.keyless_logsumexp``) sets their
