@@ -180,16 +180,22 @@ def test_padding_averages_over_the_sequence_keys_and_an_empty_sequence_gives_zer
     assert not np.asarray(want.dv[1, kv_len[1]:], np.float32).any()
 
 
-def test_empty_rows_are_recorded_only_for_a_boolean_mask():
+def test_only_a_boolean_mask_is_kept_and_its_empty_rows_follow_the_other_masks():
     rng = np.random.default_rng(4)
     q, k, v = (np.asarray(x) for x in qkv(rng, B=B, T=T, S=S, N=N, H=H))
     mask = _mask(rng, (B, 1, T, S))
-    _, operands = validate_call(q, k, v, mask=mask)
-    assert operands.empty_rows.shape == (B, 1, T) and np.array_equal(operands.empty_rows, ~mask.any(-1))
+    config, operands = validate_call(q, k, v, mask=mask)
+    assert operands.keep_mask.shape == (B, 1, T, S)
+    assert np.array_equal(masked_rows.empty_rows(np, operands.keep_mask, config.mask), ~mask.any(-1))
     additive = np.where(mask, 0, -1e4).astype(q.dtype)
-    assert validate_call(q, k, v, mask=additive)[1].empty_rows is None
-    assert validate_call(q, k, v, bias=additive)[1].empty_rows is None
-    assert validate_call(q, k, v)[1].empty_rows is None
+    assert validate_call(q, k, v, mask=additive)[1].keep_mask is None
+    assert validate_call(q, k, v, bias=additive)[1].keep_mask is None
+    assert validate_call(q, k, v)[1].keep_mask is None
+    # Causal: a row keeping only keys j > i is empty too; a (T, S) mask is read as (1, 1, T, S).
+    future = np.arange(S)[None, :] > np.arange(T)[:, None]
+    config, operands = validate_call(q, k, v, mask=future, mask_type=MaskType.CAUSAL)
+    assert operands.keep_mask.shape == (1, 1, T, S)
+    assert masked_rows.empty_rows(np, operands.keep_mask, config.mask).all()
 
 
 def test_backward_residuals_give_a_backward_kernel_nothing_to_do_on_fully_masked_rows():
@@ -202,7 +208,7 @@ def test_backward_residuals_give_a_backward_kernel_nothing_to_do_on_fully_masked
     grad_output = np.ones(config.o_shape, q.dtype)
     lse = np.full(config.lse_shape, -np.inf, np.float32)
     do, kernel_lse = masked_rows.backward_residuals(np, config, operands, grad_output, lse)
-    rows = operands.empty_rows                                                       # (B, N, T)
+    rows = masked_rows.empty_rows(np, operands.keep_mask, config.mask)               # (B, N, T)
     assert do.dtype == grad_output.dtype and not do.transpose(0, 2, 1, 3)[rows].any()
     assert (do.transpose(0, 2, 1, 3)[~rows] == 1).all() and np.isneginf(kernel_lse[~rows]).all()
     with np.errstate(over="raise", invalid="raise"):
@@ -285,3 +291,35 @@ def test_rows_without_keys_of_packed_segments_are_the_references():
     fixed = masked_rows.keyless_logsumexp(np, config, np.where(np.isneginf(lse), np.float32(np.nan), lse),
                                           segments=segs)
     assert np.array_equal(fixed, lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mask_that_keeps_only_keys_the_diagonal_excludes_is_a_fully_masked_row(dtype):
+    """Left padding under a causal mask (``mask`` drops the first ``p_b`` keys, ``is_causal``): query rows
+    ``i < p_b`` keep no key the diagonal admits.  ``jax.nn``'s XLA path averages V over all S keys there; so
+    do the reference, the JAX bridge and the drop-in, forward and gradients (without the rule the reference
+    returned the softmax of the admitted scores, cuDNN in bf16 their uniform average)."""
+    rng = np.random.default_rng(29)
+    q, k, v = qkv(rng, B=B, T=S, S=S, N=N, K=2, H=H, dtype=dtype)
+    pad = np.array([5, 9])
+    mask = np.broadcast_to(np.arange(S)[None, None, None, :] >= pad[:, None, None, None], (B, 1, S, S))
+    xla = jax.nn.dot_product_attention(q, k, v, mask=jnp.asarray(mask), is_causal=True, scale=SCALE,
+                                       implementation="xla")
+    host = [np.asarray(x) for x in (q, k, v)]
+    ref, lse = reference.dot_product_attention(*host, mask=mask, mask_type=MaskType.CAUSAL, scale=SCALE,
+                                               return_residual=True)
+    assert_close(ref, xla, dtype, "reference output", factor=2)
+    assert np.isneginf(lse[0, :, :5]).all() and np.isfinite(lse[0, :, 5:]).all()
+
+    def bridge(q, k, v):
+        return jb.dot_product_attention(q, k, v, mask=jnp.asarray(mask), mask_type=MaskType.CAUSAL, scale=SCALE)
+
+    def drop_in(q, k, v):
+        return jb.dot_product_attention_nn(q, k, v, mask=jnp.asarray(mask), is_causal=True, scale=SCALE)
+    cotangent = _cotangent(q.shape, dtype)
+    want = _grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=jnp.asarray(mask), is_causal=True,
+                                                               scale=SCALE, implementation="xla"), q, k, v, cotangent)
+    for name, attention in (("jax_bridge", bridge), ("jax_nn_drop_in", drop_in)):
+        assert_close(attention(q, k, v), xla, dtype, f"{name} output", factor=2)
+        for grad, x, w in zip(("dq", "dk", "dv"), _grads(attention, q, k, v, cotangent), want):
+            assert_close(x, w, dtype, f"{name} {grad}", factor=2)

@@ -332,8 +332,8 @@ class AttentionOperands:
     ``bias`` is the combined additive bias (explicit bias plus a boolean mask turned into a large
     negative number), 4-D.  ``q_seqlen``/``kv_seqlen`` are int32 ``(B,)`` or ``(B, M)`` when packed;
     ``q_offsets``/``kv_offsets`` int32 ``(B, M + 1)``.  ``fp8_scales`` maps FP8Params keys to float32
-    scalars.  ``sink`` is float32 ``(N,)``.  ``empty_rows`` is bool ``(1|B, 1|N, 1|T)``, True where a boolean
-    mask keeps no key of the query row (those rows average V: :mod:`cudnn_attn.core.masked_rows`).
+    scalars.  ``sink`` is float32 ``(N,)``.  ``keep_mask`` is a boolean ``mask`` (True keeps) read as 4-D
+    (``(1|B, 1|N, 1|T, 1|S)``): the rows it keeps no key of average V (:mod:`cudnn_attn.core.masked_rows`).
     """
 
     query: Any
@@ -349,7 +349,7 @@ class AttentionOperands:
     sink: Any = None
     score_mod_args: tuple = ()
     fp8_scales: dict | None = None
-    empty_rows: Any = None
+    keep_mask: Any = None
 
     def replace(self, **changes: Any) -> "AttentionOperands":
         return dataclasses.replace(self, **changes)

@@ -248,7 +248,7 @@ def guarded(config: AttentionConfig, operands: AttentionOperands, check_values: 
 
 def _on_stream(operands: AttentionOperands, stream: Any) -> Any:
     """The query's device and the call's stream current (nothing to enter without a boolean mask)."""
-    if operands.empty_rows is None:
+    if operands.keep_mask is None:
         return contextlib.nullcontext()
     device = operands.query.device.id
     stack = contextlib.ExitStack()
