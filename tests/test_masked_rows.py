@@ -323,3 +323,31 @@ def test_mask_that_keeps_only_keys_the_diagonal_excludes_is_a_fully_masked_row(d
         assert_close(attention(q, k, v), xla, dtype, f"{name} output", factor=2)
         for grad, x, w in zip(("dq", "dk", "dv"), _grads(attention, q, k, v, cotangent), want):
             assert_close(x, w, dtype, f"{name} {grad}", factor=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_cupy_fronts_sequence_on_a_kernel_without_the_fix_gives_the_reference(dtype):
+    """What ``fronts.execution`` does around the cuDNN kernel, with NumPy for CuPy and the reference run
+    without the kept mask as the kernel (it then computes what the bias alone gives): ``set_forward`` after the
+    forward; ``backward_residuals`` before the backward and ``add_dv`` after it.  The results equal the
+    reference's (which applies the same rule), within one io-dtype rounding."""
+    q, k, v, mask = _case(dtype, 7, 2, (B, N, T, S))
+    host = [np.asarray(x) for x in (q, k, v)]
+    config, operands = validate_call(*host, mask=mask, scale=SCALE, training=True)
+    kernel = operands.replace(keep_mask=None)
+    raw = reference.forward(config, kernel)
+    output, lse = raw.output.copy(), raw.logsumexp.copy()
+    masked_rows.set_forward(np, config, operands, output, lse)
+    want = reference.forward(config, operands)
+    assert_close(output, want.output, dtype, "output")
+    assert np.array_equal(np.isneginf(lse), np.isneginf(want.logsumexp))
+
+    grad_output = np.asarray(_cotangent(q.shape, dtype))
+    do, kernel_lse = masked_rows.backward_residuals(np, config, operands, grad_output, lse)
+    grads = reference.backward(config, kernel, output, do, kernel_lse)
+    dv = grads.dv.copy()
+    masked_rows.add_dv(np, config, operands, grad_output, dv)
+    expected = reference.backward(config, operands, want.output, grad_output, want.logsumexp)
+    for name, x, w in (("dq", grads.dq, expected.dq), ("dk", grads.dk, expected.dk), ("dv", dv, expected.dv)):
+        assert np.isfinite(np.asarray(x, np.float32)).all(), name
+        assert_close(x, w, dtype, name)
