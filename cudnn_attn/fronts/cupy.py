@@ -49,7 +49,7 @@ import operator
 import weakref
 from typing import Any, Callable, Sequence
 
-from cudnn_attn.core import masked_rows, parameters
+from cudnn_attn.core import parameters
 from cudnn_attn.core.config import AttentionConfig, AttentionOperands
 from cudnn_attn.core.masks import MaskSpec
 from cudnn_attn.core.padded_call import lifted_config
@@ -281,7 +281,7 @@ def _remember_direct(kind: str, arrays: tuple, static: tuple, config: AttentionC
                      names: Sequence[str]) -> None:
     """After a successful generic call: make its signature take the direct path next time."""
     if config.packing is not None or config.fp8 or config.score_mod is not None or config.mask.padding \
-            or lifted_config(config) is not None or masked_rows.may_leave_rows_without_keys(config):
+            or lifted_config(config) is not None:
         return
     if len(_direct) >= _DIRECT_MAX:
         _direct.clear()
