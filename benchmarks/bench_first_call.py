@@ -204,7 +204,7 @@ class _Stopwatch:
                 "not_found": self.missing}
 
 
-CALL_PATH_MODULES = ("cupy", "cudnn", "cudnn_attn.fronts.cupy", "cudnn_attn.fronts.execution", "cudnn_attn.engine.cache",
+CALL_PATH_MODULES = ("cupy", "cudnn", "cudnn_attn.fronts.cupy", "cudnn_attn.engine.prepared", "cudnn_attn.engine.cache",
                      "cudnn_attn.engine.plan", "cudnn_attn.engine.launch", "cudnn_attn.core.values", "cudnn_attn.core.support",
                      "cudnn_attn.persist.store", "cudnn_attn.persist.build")
 

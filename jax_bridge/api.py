@@ -67,7 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cudnn_attn.core import parameters, values
+from cudnn_attn.core import masked_rows, parameters, values
 from cudnn_attn.core.config import AttentionConfig, AttentionOperands
 from cudnn_attn.core.masks import MaskSpec
 from cudnn_attn.core.parameters import AuxRequest
@@ -214,10 +214,18 @@ def configured_attention(config: AttentionConfig, operands: AttentionOperands, o
     :class:`~cudnn_attn.core.types.AttentionOutput` out, differentiable with respect to the operands.
     The value operands pass :func:`guard_values` first (``check_values``, ``names``: see there).
 
+    Rows that a boolean mask keeps no key of are set outside the differentiable kernel call
+    (:func:`cudnn_attn.core.masked_rows.forward_output`): JAX differentiates the mean of V, and the kernel's
+    backward sees dO = 0 on those rows.  (Inside ``shard_map`` with a sequence axis the keys are local, so
+    there the kernel's rows are returned as they are.)
+
     Raises :class:`~cudnn_attn.core.errors.UnsupportedConfigurationError` at once for what no backend runs."""
     check_everywhere(config, kind=FWD)
     operands = guard_values(config, operands, check_values, names)
-    results = _attention(config, options, _align_manual_axes(_inputs(config, operands)))
+    results = dict(_attention(config, options, _align_manual_axes(_inputs(config, operands))))
+    if options.context is None or not options.context.axes:
+        results["output"], results["logsumexp"] = masked_rows.forward_output(
+            jnp, config, operands, results["output"], results.get("logsumexp"))
     return AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
 
 

@@ -28,8 +28,8 @@ bfloat16; cast first), a non-boolean ``mask`` (``jax.nn`` requires booleans; pas
 ``check_values``) lie outside ``[0, T]`` / ``[0, S]``, and window sizes that are not ints ``>= 0``.
 ``return_residual`` and ``implementation`` are not part of the drop-in: the logsumexp is available
 from :func:`~.api.dot_product_attention`. A query row whose keys are all masked out (by ``mask``)
-attends uniformly to the masked keys, as in ``jax.nn``'s XLA path, because the boolean mask becomes
-a finite additive bias.
+returns the mean of V over its keys, as ``jax.nn``'s XLA path does, in fp16 and bf16
+(:mod:`cudnn_attn.core.masked_rows`).
 """
 
 from __future__ import annotations

@@ -362,7 +362,8 @@ class AttentionOperands:
     ``bias`` is the combined additive bias (explicit bias plus a boolean mask turned into a large
     negative number), 4-D.  ``q_seqlen``/``kv_seqlen`` are int32 ``(B,)`` or ``(B, M)`` when packed;
     ``q_offsets``/``kv_offsets`` int32 ``(B, M + 1)``.  ``fp8_scales`` maps FP8Params keys to float32
-    scalars.  ``sink`` is float32 ``(N,)``.
+    scalars.  ``sink`` is float32 ``(N,)``.  ``keep_mask`` is a boolean ``mask`` (True keeps) read as 4-D
+    (``(1|B, 1|N, 1|T, 1|S)``): the rows it keeps no key of average V (:mod:`cudnn_attn.core.masked_rows`).
     """
 
     query: Any
@@ -378,6 +379,7 @@ class AttentionOperands:
     sink: Any = None
     score_mod_args: tuple = ()
     fp8_scales: dict | None = None
+    keep_mask: Any = None
 
     def replace(self, **changes: Any) -> "AttentionOperands":
         return dataclasses.replace(self, **changes)

@@ -335,9 +335,10 @@ def _fold_bias(bias: Any, mask: Any, bias_shape: tuple[int, ...], mask_shape: tu
 
 
 def _prepare_bias(call: _ArgumentCheck, bias: Any, mask: Any, full: tuple[int, int, int, int], dtype: str,
-                  io_dtype: Any, xp: Any) -> tuple[Any, BiasSpec | None]:
+                  io_dtype: Any, xp: Any) -> tuple[Any, BiasSpec | None, Any]:
+    """The folded bias, its spec and a boolean mask read as 4-D (``None`` without one)."""
     if bias is None and mask is None:
-        return None, None
+        return None, None, None
     # An FP8 call has no bias dtype (it takes no bias: the support table refuses one on every front).
     dtypes = (dtype, *IO_DTYPES, "float32") if dtype in FP8_DTYPES else (dtype,)
     shapes = {}
@@ -349,9 +350,10 @@ def _prepare_bias(call: _ArgumentCheck, bias: Any, mask: Any, full: tuple[int, i
     combined = tuple(max(dims) for dims in zip(*shapes.values()))[:2] + full[2:]
     differentiable = bias is not None or dtype_name(mask) != "bool"
     if dtype in FP8_DTYPES:     # FP8 takes no bias on any front (the support table): nothing to fold
-        return None, BiasSpec(shape=combined, differentiable=differentiable)
+        return None, BiasSpec(shape=combined, differentiable=differentiable), None
     folded = _fold_bias(bias, mask, shapes.get("bias"), shapes.get("mask"), combined, io_dtype, xp)
-    return folded, BiasSpec(shape=combined, differentiable=differentiable)
+    keep = xp.reshape(mask, shapes["mask"]) if mask is not None and dtype_name(mask) == "bool" else None
+    return folded, BiasSpec(shape=combined, differentiable=differentiable), keep
 
 
 def _check_real(call: _ArgumentCheck, name: str, value: Any, rule: RealRule) -> float:
@@ -407,7 +409,8 @@ def validate_call(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
     used to fold ``mask`` into the bias (detected from ``query`` when ``None``).
 
     Returns the static :class:`AttentionConfig` and the :class:`AttentionOperands` holding the arrays
-    (``bias`` combined with ``mask``; seqlens only where a padding mask, packing or paging uses them).
+    (``bias`` combined with ``mask``, ``keep_mask`` a boolean ``mask`` as 4-D; seqlens only where a padding
+    mask, packing or paging uses them).
 
     Raises:
         ValueError: the call is invalid (the message names the argument, the rule and the shapes).
@@ -448,8 +451,8 @@ def validate_call(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
         raise call.error("sink", f"must be float32 of shape (N,) = ({q.heads},), got {_describe(sink)}")
 
     full = (q.batch, q.heads, q.length, k.length)
-    bias_array, bias_spec = _prepare_bias(call, bias, mask, full, dtype, query.dtype,
-                                          xp if xp is not None else _array_namespace(query))
+    xp = xp if xp is not None else _array_namespace(query)
+    bias_array, bias_spec, keep = _prepare_bias(call, bias, mask, full, dtype, query.dtype, xp)
     config = AttentionConfig(
         batch=q.batch, q_heads=q.heads, kv_heads=k.heads, q_len=q.length, kv_len=k.length, qk_dim=q.dim,
         v_dim=v.dim, dtype=dtype, layout=layout, scale=scale, mask=mask_spec, bias=bias_spec,
@@ -460,7 +463,7 @@ def validate_call(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
         query=query, key=key, value=value, bias=bias_array,
         q_seqlen=q_seqlen if padding else None, kv_seqlen=kv_seqlen if padding else None,
         q_offsets=q_offsets, kv_offsets=kv_offsets, page_table_k=page_table_k, page_table_v=page_table_v,
-        sink=sink, score_mod_args=tuple(score_mod_args), fp8_scales=fp8_scales,
+        sink=sink, score_mod_args=tuple(score_mod_args), fp8_scales=fp8_scales, keep_mask=keep,
     )
     return config, operands
 

@@ -40,6 +40,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import ml_dtypes
 import numpy as np
 
+from cudnn_attn.core import masked_rows
 from cudnn_attn.core.config import AttentionConfig
 from cudnn_attn.core.types import FP8_BWD_AMAX, FP8_BWD_KEYS, FP8_FWD_KEYS, Kind
 from cudnn_attn.graphs import packing
@@ -154,13 +155,17 @@ class CallSpec:
         return bound, segments
 
     def finish(self, xp: Any, buffers: Mapping[str, Any], named: Mapping[str, Any], segments: Any) -> dict[str, Any]:
-        """The results by name from the graph's buffers by name, with the after-launch part of the fill policy."""
+        """The results by name from the graph's buffers by name, with the after-launch part of the fill policy, and
+        the logsumexp of a row without any admissible key set to ``-inf`` (:mod:`cudnn_attn.core.masked_rows`)."""
         results = dict(buffers)
         for spec in self.graph_results:
             if spec.fill is Fill.ROWS_AFTER:
                 results[spec.name] = zero_rows(xp, buffers[spec.name], named["q_seqlen"])
             elif spec.fill is Fill.SEGMENTS:
                 results[spec.name] = packing.lse_from_tokens(xp, buffers[spec.name], segments, self.config.q_len)
+        if "logsumexp" in results and masked_rows.may_leave_rows_without_keys(self.config):
+            results["logsumexp"] = masked_rows.keyless_logsumexp(xp, self.config, results["logsumexp"],
+                                                                 named.get("q_seqlen"), named.get("kv_seqlen"), segments)
         return results
 
     def host_scalars(self, seed: int, score_mod_args: Sequence[float] = ()) -> tuple:

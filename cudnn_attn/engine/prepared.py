@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from cudnn_attn.core import settings, values
+from cudnn_attn.core import masked_rows, settings, values
 from cudnn_attn.core.config import AttentionConfig, AttentionOperands
 from cudnn_attn.core.padded_call import lift, lifted_config
 from cudnn_attn.core.types import FP8_BWD_KEYS, FP8_FWD_KEYS, AttentionGrads, AttentionOutput
@@ -184,14 +184,13 @@ class PreparedCall:
         plan.launch(pointers, stream_ptr, scalars=scalars)
         results = spec.finish(cupy, buffers, named, segments)
         for r in plan.results:
-            target = given.get(r.name)
-            if r.fill is Fill.SEGMENTS and target is not None:
+            if results[r.name] is buffers[r.name]:
+                continue
+            target = buffers[r.name] if r.fill is not Fill.SEGMENTS else given.get(r.name)
+            if target is not None:                           # into the caller's (or the launch's) buffer
                 _check_given(r.name, target, results[r.name].shape, results[r.name].dtype)
                 target[...] = results[r.name]
                 results[r.name] = target
-            elif r.fill is Fill.ROWS_AFTER:
-                buffers[r.name][...] = results[r.name]       # into the caller's (or the launch's) buffer
-                results[r.name] = buffers[r.name]
         return results
 
     # -- the direct launch of Q/K/V calls --------------------------------------------------------------------
@@ -368,10 +367,15 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
     plan_choice(autotune)                                  # a bad value fails here, named
     if logsumexp is not None and not config.training:
         raise ValueError("logsumexp: only produced when training (return_residual=True)")
-    results = prepared_call(config, FWD, operands.query.device.id, autotune).run(named_arrays(config, FWD, operands), seed=seed, stream=stream,
-                           given=dict(output=output, logsumexp=logsumexp), check_values=check_values,
-                           rng_dump=rng_dump)
-    return AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
+    device = operands.query.device.id
+    results = prepared_call(config, FWD, device, autotune).run(
+        named_arrays(config, FWD, operands), seed=seed, stream=stream, given=dict(output=output, logsumexp=logsumexp),
+        check_values=check_values, rng_dump=rng_dump)
+    result = AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
+    if operands.keep_mask is not None:               # rows the boolean mask keeps no key of (core.masked_rows)
+        with runtime.on_device(device), runtime.stream_scope(stream, device):
+            masked_rows.set_forward(runtime.cupy(), config, operands, result.output, result.logsumexp)
+    return result
 
 
 def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, grad_output: Any,
@@ -385,10 +389,21 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
     when the bias is differentiable, ``dsink`` with a sink.
     """
     plan_choice(autotune)                                  # a bad value fails here, named
+    device = operands.query.device.id
+    caller_grad_output = grad_output
+    if operands.keep_mask is not None:               # the kernel sees dO = 0 on rows the mask keeps no key of
+        with runtime.on_device(device), runtime.stream_scope(stream, device):
+            grad_output, logsumexp = masked_rows.backward_residuals(runtime.cupy(), config, operands, grad_output,
+                                                                    logsumexp)
     named = named_arrays(config, BWD, operands, output=output, grad_output=grad_output, logsumexp=logsumexp)
-    results = prepared_call(config, BWD, operands.query.device.id, autotune).run(named, seed=seed, stream=stream, given=dict(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink=dsink),
-                           check_values=check_values, rng_dump=rng_dump)
-    return AttentionGrads(**{name: results.get(name) for name in AttentionGrads._fields})
+    results = prepared_call(config, BWD, device, autotune).run(
+        named, seed=seed, stream=stream, given=dict(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink=dsink),
+        check_values=check_values, rng_dump=rng_dump)
+    grads = AttentionGrads(**{name: results.get(name) for name in AttentionGrads._fields})
+    if operands.keep_mask is not None:
+        with runtime.on_device(device), runtime.stream_scope(stream, device):
+            masked_rows.add_dv(runtime.cupy(), config, operands, caller_grad_output, grads.dv)
+    return grads
 
 
 # -- buffers ------------------------------------------------------------------------------------------------

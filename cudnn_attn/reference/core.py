@@ -17,7 +17,9 @@ and backward, for an incoming gradient ``dO``::
 dk/dv are summed over the query heads sharing a K/V head.  Conventions: query tokens outside every
 segment (``t >= q_seqlen[b]``, gaps between packed segments) have output, logsumexp and dq 0; key
 tokens outside have dk = dv = 0.  A query without any admissible key (e.g. bottom-right causal with
-``T > S``) gets output 0 and logsumexp ``-inf`` -- provisional, until the GPU behaviour is pinned down.
+``T > S``, ``kv_seqlen[b] == 0``) gets output 0 and logsumexp ``-inf``, as every front returns it.  A row
+that the boolean mask keeps no key of averages V (:mod:`cudnn_attn.core.masked_rows`, as ``jax.nn``'s XLA
+path; the formula above would give the softmax of its scores next to the large negative bias).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from cudnn_attn.core import masked_rows
 from cudnn_attn.core.config import AttentionConfig, AttentionOperands
 from cudnn_attn.core.score_mod_spec import vjp
 from cudnn_attn.core.support import check_everywhere
@@ -34,7 +37,7 @@ from cudnn_attn.core.validation import check_seed
 
 from . import fp8, masks
 from .problem import Problem, load, probabilities, scores, sink_probabilities, softmax
-from .tensors import cast, io_dtype, to_physical
+from .tensors import as_float64, cast, io_dtype, to_physical
 
 
 def _dropout(config: AttentionConfig, seed: int, dropout_mask: Any) -> np.ndarray | float:
@@ -69,8 +72,10 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
     s, _ = scores(problem, config.scale)
     p, lse = softmax(s, problem.sink)
     o = np.einsum("bnts,bnsd->bntd", p * _dropout(config, seed, dropout_mask), problem.v)
-    output = to_physical(problem.zero_invalid_q(o), config.layout, io_dtype(config))
-    return AttentionOutput(output=output, logsumexp=problem.api_logsumexp(lse) if config.training else None)
+    output = to_physical(problem.zero_invalid_q(o), config.layout, np.float64)
+    logsumexp = problem.api_logsumexp(lse) if config.training else None
+    output, logsumexp = masked_rows.forward_output(np, config, operands, output, logsumexp, np.float64)
+    return AttentionOutput(output=cast(output, io_dtype(config)), logsumexp=logsumexp)
 
 
 def _score_mod_vjp(problem: Problem, score_input: np.ndarray, ds: np.ndarray) -> np.ndarray:
@@ -106,7 +111,9 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
     if config.fp8:
         return fp8.backward(config, operands, output, grad_output, logsumexp, dropout_mask)
     problem = load(config, operands)
-    o, do = problem.read_q_like(output), problem.read_q_like(grad_output)
+    kernel_do, logsumexp = masked_rows.backward_residuals(np, config, operands, as_float64(grad_output),
+                                                          as_float64(logsumexp))
+    o, do = problem.read_q_like(output), problem.read_q_like(kernel_do)
     lse = problem.token_logsumexp(logsumexp)
 
     s, score_input = scores(problem, config.scale)
@@ -121,11 +128,12 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
     dq = config.scale * np.einsum("bnts,bnsh->bnth", ds, problem.k)
     dk = config.scale * np.einsum("bnts,bnth->bnsh", ds, problem.q)
     dv = np.einsum("bnts,bntd->bnsd", p * drop, do)
+    dv = to_physical(problem.zero_invalid_kv(problem.sum_query_groups(dv)), config.layout, np.float64)
     dtype = io_dtype(config)
     grads = AttentionGrads(
         dq=to_physical(problem.zero_invalid_q(dq), config.layout, dtype),
         dk=to_physical(problem.zero_invalid_kv(problem.sum_query_groups(dk)), config.layout, dtype),
-        dv=to_physical(problem.zero_invalid_kv(problem.sum_query_groups(dv)), config.layout, dtype),
+        dv=cast(masked_rows.backward_dv(np, config, operands, as_float64(grad_output), dv, np.float64), dtype),
     )
     if config.has_dbias:
         bias = np.asarray(operands.bias)

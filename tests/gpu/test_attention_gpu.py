@@ -98,7 +98,7 @@ def _operands(config, rng, *, poison):
 
     With ``poison`` the Q/K/V tokens outside every sequence hold a large constant.  Not NaN: cuDNN
     reads them inside its tiles and masks their contribution, so NaN there would propagate (measured
-    on the H200, cuDNN 9.19; documented in :mod:`cudnn_attn.fronts.execution`)."""
+    on the H200, cuDNN 9.19; documented in :mod:`cudnn_attn.engine.prepared`)."""
     operands = random_operands(config, rng, poison=poison)
     if poison:
         operands = operands.replace(**{name: replace_nan(getattr(operands, name), GARBAGE)

@@ -8,7 +8,7 @@ output; the gradients add the bf16 rounding of every block's dQ/dK/dV (2 blocks 
 with 2 GPUs), the same order.
 
 Run: ``pytest -m gpu tests/gpu/test_context_parallel_gpu.py`` (the 2-GPU tests need the 2-GPU machine).
-The CuPy-path lift tests pass once ``cudnn_attn.fronts.execution`` applies :func:`cudnn_attn.core.padded_call.lift`.
+The CuPy-path lift tests pass once ``cudnn_attn.engine.prepared`` applies :func:`cudnn_attn.core.padded_call.lift`.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def test_jax_bridge_backward_at_a_single_token():
 
 
 def test_cupy_path_trains_with_a_bias_at_odd_lengths_and_backward_at_a_single_token():
-    """Needs cudnn_attn.fronts.execution to apply cudnn_attn.core.padded_call."""
+    """Needs cudnn_attn.engine.prepared to apply cudnn_attn.core.padded_call."""
     import cupy as cp
 
     rng = np.random.default_rng(44)

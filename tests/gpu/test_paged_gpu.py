@@ -8,7 +8,7 @@ sequence lengths (so partly filled last blocks).
 Poison.  Cache blocks that no page table references hold NaN: cuDNN never reads them, so any NaN in a
 result means a leak.  Everything cuDNN does read but masks - the tail of a sequence's last blocks and
 the query rows past ``q_seqlen`` - holds a large finite constant instead (NaN there propagates through
-the masked tile arithmetic; measured on the H200 with cuDNN 9.19, see :mod:`cudnn_attn.fronts.execution`).
+the masked tile arithmetic; measured on the H200 with cuDNN 9.19, see :mod:`cudnn_attn.engine.prepared`).
 The public call allocates its own output, so every element of it is checked finite and against the
 reference; so is the native call's output, written into a NaN-filled buffer.
 
