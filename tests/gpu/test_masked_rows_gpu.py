@@ -18,9 +18,9 @@ import cudnn_attn
 from cudnn_attn import MaskType, reference
 from cudnn_attn.core import masked_rows
 from cudnn_attn.core.validation import validate_call
-from cudnn_attn.engine.cache import graph_cache
-from cudnn_attn.engine.plan import graph_inputs
 from cudnn_attn.engine import prepared
+from cudnn_attn.engine.cache import graph_cache
+from cudnn_attn.engine.call import CallSpec
 from cudnn_attn.graphs import packing
 
 from ._checks import assert_close, assert_lse_close, io_dtype, poisoned
@@ -164,7 +164,7 @@ def test_cudnn_output_and_logsumexp_of_rows_without_keys(case):
     gpu = validate_call(*(cp.asarray(x) for x in arrays), training=True,
                         **{n: cp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in host.items()})[1]
     plan = graph_cache.plan(config, "fwd", 0)
-    inputs, _ = graph_inputs(cp, config, "fwd", execution.named_arrays(config, "fwd", gpu))
+    inputs, _ = CallSpec.of(config, "fwd").bind(cp, prepared.named_arrays(config, "fwd", gpu))
     inputs = {t: cp.ascontiguousarray(x) for t, x in inputs.items()}
     results = [poisoned(spec.shape, spec.dtype) for spec in plan.results]
     context, stream = plan.context, cp.cuda.get_current_stream().ptr
