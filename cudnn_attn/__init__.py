@@ -32,6 +32,16 @@ __all__ = [
 ]
 __version__ = VERSION
 
+
+def __getattr__(name: str):
+    """``cudnn_attn.reference`` (the NumPy reference) on first use: ``import cudnn_attn`` does not import it."""
+    if name == "reference":
+        import cudnn_attn.reference as reference
+
+        return reference
+    raise AttributeError(f"module 'cudnn_attn' has no attribute {name!r}")
+
+
 from .engine import preload as _preload
 
 _preload.start()        # `import cudnn` on a thread while the caller sets up (cudnn_attn.engine.preload)
