@@ -8,6 +8,7 @@ composable mask (:mod:`cudnn_attn.core.masks`); the configuration's static mask 
 """
 
 from cudnn_attn.core.config import AttentionConfig, AttentionOperands, DiagonalAlignment
+from cudnn_attn.core.diagonal_warning import TopLeftCausalWarning
 from cudnn_attn.core.environment import VERSION
 from cudnn_attn.core.errors import NoGPUError, UnsupportedConfigurationError
 from cudnn_attn.core.masks import MaskSpec, alibi, causal, keep, padding, segments, window
@@ -26,7 +27,7 @@ from cudnn_attn.fronts.cupy import (
 __all__ = [
     "AttentionConfig", "AttentionGrads", "AttentionLayout", "AttentionOperands", "AttentionOutput", "AuxRequest",
     "BoundAttention", "DiagonalAlignment", "FP8Params", "GraphCache", "Kind", "MaskSpec", "MaskType", "NoGPUError",
-    "UnsupportedConfigurationError", "alibi", "attention", "bind", "causal", "dot_product_attention",
+    "TopLeftCausalWarning", "UnsupportedConfigurationError", "alibi", "attention", "bind", "causal", "dot_product_attention",
     "dot_product_attention_bwd", "graph_cache", "keep", "padding", "paged_attention", "segments",
     "window",
 ]

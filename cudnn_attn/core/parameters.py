@@ -24,6 +24,7 @@ import contextlib
 import inspect
 from typing import Any, Callable, Iterator, NamedTuple
 
+from .diagonal_warning import warn_top_left
 from .masks import as_mask
 from .types import MaskType
 
@@ -175,7 +176,11 @@ def finish(call: NamedTuple, config: Any) -> Any:
         return config
     mask = call.mask
     static = mask.static(padding=config.mask.padding)
-    return config if static == config.mask else config.replace(mask=static)
+    if static == config.mask:
+        return config
+    config = config.replace(mask=static)
+    warn_top_left(config)
+    return config
 
 
 @contextlib.contextmanager

@@ -48,6 +48,7 @@ from .config import (
     RealRule,
     ScoreModSpec,
 )
+from .diagonal_warning import warn_top_left
 from .score_mod_spec import score_mod_spec
 from .types import FP8_PARAM_KEYS, AttentionLayout, MaskType
 
@@ -462,6 +463,7 @@ def validate_call(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
         dropout_rate=dropout_rate, packing=packing, paging=paging, score_mod=score_mod_spec,
         sink=sink is not None, training=training, deterministic=deterministic,
     )
+    warn_top_left(config)
     operands = AttentionOperands(
         query=query, key=key, value=value, bias=bias_array,
         q_seqlen=q_seqlen if padding else None, kv_seqlen=kv_seqlen if padding else None,

@@ -1,6 +1,8 @@
 """The seed-compatible entry points (JAX's ``dot_product_attention`` / ``paged_attention`` argument
 names and defaults, from :mod:`cudnn_attn.core.parameters`) and the native ``attention`` on NumPy arrays,
-running the reference.
+running the reference.  They refuse what the CuPy front would refuse on the CPU fronts' GPU target
+(:mod:`cudnn_attn.core.cpu_target`; ``$CUDNN_ATTN_CPU_TARGET=off`` for none); :func:`.core.forward` and
+:func:`.core.backward` check no target.
 
 Extensions, keyword-only after the seed's: ``diagonal_alignment`` ("top_left" or "bottom_right"),
 ``sink`` (float32 ``(N,)`` attention-sink logits) and ``dropout_mask`` (the ``(B, N, T, S)`` keep-mask
@@ -13,8 +15,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from cudnn_attn.core import parameters
-from cudnn_attn.core.types import AttentionGrads, AttentionOutput
+from cudnn_attn.core import cpu_target, parameters
+from cudnn_attn.core.types import AttentionGrads, AttentionOutput, Front, Kind
 from cudnn_attn.core.validation import validate_backward, validate_call
 
 from .core import backward, forward
@@ -24,7 +26,9 @@ def _forward(call: NamedTuple) -> AttentionOutput:
     arrays, static = parameters.arguments(call)
     with parameters.native_names(call):
         config, operands = validate_call(**arrays, **static, xp=np)
-    return forward(parameters.finish(call, config), operands, seed=call.seed, dropout_mask=call.dropout_mask)
+    config = parameters.finish(call, config)
+    cpu_target.check(config, kind=Kind.FORWARD, front=Front.CUPY)
+    return forward(config, operands, seed=call.seed, dropout_mask=call.dropout_mask)
 
 
 @parameters.front(parameters.NATIVE, "deterministic", "dropout_mask")
@@ -59,5 +63,6 @@ def dot_product_attention_bwd(call: NamedTuple) -> AttentionGrads:
     arrays, static = parameters.arguments(call, backward=True)
     config, operands = validate_call(**arrays, **static, xp=np)
     validate_backward(config, call.output, call.grad_output, call.logsumexp)
+    cpu_target.check(config, kind=Kind.BACKWARD, front=Front.CUPY)
     return backward(config, operands, call.output, call.grad_output, call.logsumexp, seed=call.seed,
                     dropout_mask=call.dropout_mask)
