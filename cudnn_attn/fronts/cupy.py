@@ -473,7 +473,8 @@ class BoundAttention:
         if kind == BWD:
             validate_backward(config, *arrays[3:])
         if lifted_config(config) is not None:
-            raise ValueError(f"bind: the {kind} of {config.describe()} runs padded to even lengths (cudnn_attn.core.padded_call); "
+            raise ValueError(f"bind: the {kind} of {config.describe()} runs lifted (padded, transposed to BTNH or its "
+                             "diagonal folded into the bias: cudnn_attn.core.padded_call); "
                              "call dot_product_attention / dot_product_attention_bwd for it")
         return _Direct(config, kind, arrays, self._autotune, self._BWD_NAMES[:len(arrays)])
 
