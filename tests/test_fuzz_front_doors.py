@@ -17,7 +17,10 @@ functions of the wrong arity/result, FP8 with dropout.  The contract:
   ``AttributeError``, ...);
 * under ``jit``, a bad *value* in a traced array is clamped (no error); with ``check_values=True`` the
   call fails at run time and XLA's message names the argument;
-* the support query never raises for valid arguments.
+* the support query never raises for valid arguments;
+* borderline valid calls (``scale=None``, packed segments in BNTH, bottom-right causal with a bias) run on
+  every front, and the drop-in takes what ``jax.nn`` takes (lists, tuples, Python scalars, bool and int
+  biases); a float 0/1 mask is refused naming ``mask``, as ``jax.nn`` refuses it.
 
 A failure prints its case (front door, argument, value) and the one-line reproduction of tests/conftest.py.
 """
