@@ -8,6 +8,7 @@ composable mask (:mod:`cudnn_attn.core.masks`); the configuration's static mask 
 """
 
 from cudnn_attn.core.config import AttentionConfig, AttentionOperands, DiagonalAlignment
+from cudnn_attn.core.diagonal_warning import TopLeftCausalWarning
 from cudnn_attn.core.environment import VERSION
 from cudnn_attn.core.errors import NoGPUError, UnsupportedConfigurationError
 from cudnn_attn.core.masks import MaskSpec, alibi, causal, keep, padding, segments, window
@@ -26,11 +27,21 @@ from cudnn_attn.fronts.cupy import (
 __all__ = [
     "AttentionConfig", "AttentionGrads", "AttentionLayout", "AttentionOperands", "AttentionOutput", "AuxRequest",
     "BoundAttention", "DiagonalAlignment", "FP8Params", "GraphCache", "Kind", "MaskSpec", "MaskType", "NoGPUError",
-    "UnsupportedConfigurationError", "alibi", "attention", "bind", "causal", "dot_product_attention",
+    "TopLeftCausalWarning", "UnsupportedConfigurationError", "alibi", "attention", "bind", "causal", "dot_product_attention",
     "dot_product_attention_bwd", "graph_cache", "keep", "padding", "paged_attention", "segments",
     "window",
 ]
 __version__ = VERSION
+
+
+def __getattr__(name: str):
+    """``cudnn_attn.reference`` (the NumPy reference) on first use: ``import cudnn_attn`` does not import it."""
+    if name == "reference":
+        import cudnn_attn.reference as reference
+
+        return reference
+    raise AttributeError(f"module 'cudnn_attn' has no attribute {name!r}")
+
 
 from .engine import preload as _preload
 

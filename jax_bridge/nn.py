@@ -6,9 +6,11 @@ semantics, translated onto the library's configuration:
 =====================================  =====================================================================
 ``jax.nn``                             here
 =====================================  =====================================================================
-``query`` ``(B, T, N, H)`` / ``(T, N, H)``  BTNH layout (a missing batch dimension is added and removed)
+``query`` ``(B, T, N, H)``, or rank < 4    BTNH layout (missing leading dimensions are added and removed)
 ``key``/``value`` with ``K`` heads     grouped-query attention (``N`` a multiple of ``K``)
-``bias`` broadcastable to (B, N, T, S)  additive bias, cast to the query's dtype; differentiable
+``bias`` broadcastable to (B, N, T, S)  additive bias of any real or bool dtype, cast to the query's dtype (a
+                                       bool bias adds 1 where True, as ``jax.nn``'s float32 logits do);
+                                       rank <= 4, leading dimensions added; differentiable
 ``mask`` (boolean, True keeps)         :func:`~cudnn_attn.core.masks.keep`: folded into the bias (large negative)
 ``scale=None``                         ``1 / sqrt(H)``
 ``is_causal``                          top-left causal mask (:func:`~cudnn_attn.core.masks.causal`)
@@ -18,14 +20,16 @@ semantics, translated onto the library's configuration:
                                        (``w`` means ``(w, w)``); with ``is_causal`` the right side is 0
 =====================================  =====================================================================
 
-The call is the native :func:`~.api.attention` with that :class:`~cudnn_attn.core.masks.MaskSpec`.
-Every argument is checked before anything is computed, and errors name the drop-in's own arguments
-(``query_seq_lengths``, ``local_window_size``, ``is_causal``, ...). Refused with a ``ValueError``:
-anything but arrays for ``query``/``key``/``value``/``bias``/``mask`` and the lengths, ranks other
-than 3 or 4, empty dimensions, float32/float64 inputs (cuDNN attention computes on float16 and
-bfloat16; cast first), a non-boolean ``mask`` (``jax.nn`` requires booleans; pass additive masks as
-``bias``), lengths that are not int32 ``(B,)`` or (when their values are known, or with
-``check_values``) lie outside ``[0, T]`` / ``[0, S]``, and window sizes that are not ints ``>= 0``.
+Every array argument may be anything ``jnp.asarray`` takes (NumPy arrays, lists, tuples, Python scalars),
+as in ``jax.nn``.  The call is the native :func:`~.api.attention` with that
+:class:`~cudnn_attn.core.masks.MaskSpec`.  Every argument is checked before anything is computed, and errors
+name the drop-in's own arguments (``query_seq_lengths``, ``local_window_size``, ``is_causal``, ...).
+Refused with a ``ValueError``, as ``jax.nn`` refuses them: what ``jnp.asarray`` cannot convert, ranks above
+4, Q/K/V of different dtypes or shapes, a ``mask`` that is not boolean (a 0/1 float keep-mask, such as
+Flax's, is passed as ``mask=m > 0``), lengths that are not int32 ``(B,)``, window sizes that are not ints
+``>= 0``.  Refused here and not by ``jax.nn``: float32/float64 Q/K/V (cuDNN attention computes on float16 and
+bfloat16; cast first), empty dimensions, complex biases, an ``is_causal`` that is not a bool, and lengths
+whose known values (or, with ``check_values``, run-time values) lie outside ``[0, T]`` / ``[0, S]``.
 ``return_residual`` and ``implementation`` are not part of the drop-in: the logsumexp is available
 from :func:`~.api.dot_product_attention`. A query row whose keys are all masked out (by ``mask``)
 returns the mean of V over its keys, as ``jax.nn``'s XLA path does, in fp16 and bf16
@@ -53,28 +57,73 @@ def _describe(x: Any) -> str:
     return f"{dtype_name(x)}{list(x.shape)}" if is_array(x) else type(x).__name__
 
 
-def _check_arrays(query: Any, key: Any, value: Any) -> bool:
-    """Q/K/V are arrays of rank 4 ``(B, T, N, H)`` or 3 ``(T, N, H)``, alike and without empty dimensions;
-    returns whether they are unbatched (rank 3)."""
-    arrays = {"query": query, "key": key, "value": value}
-    for name, x in arrays.items():
-        if not is_array(x):
-            raise ValueError(f"{name}: expected an array, got {type(x).__name__}")
-        if x.ndim not in (3, 4):
-            raise ValueError(f"{name}: must have rank 4 (B, T, N, H) or 3 (T, N, H), got {_describe(x)}")
+def _array(name: str, x: Any) -> Any:
+    """``x`` as ``jax.nn`` reads it: an array, or what ``jnp.asarray`` makes of a list, tuple or scalar."""
+    if x is None or is_array(x):
+        return x
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{name}: expected an array or what jnp.asarray takes (a list, tuple or scalar), got "
+                         f"{type(x).__name__} ({error})") from None
+
+
+def _four_dimensional(name: str, x: Any, rule: str) -> Any:
+    """``x`` with leading dimensions of size 1 up to rank 4 (``jax.nn``'s rule); a higher rank is refused."""
+    if x.ndim > 4:
+        raise ValueError(f"{name}: must have rank <= 4 {rule}, got {_describe(x)}")
+    return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape)) if x.ndim < 4 else x
+
+
+def _check_arrays(query: Any, key: Any, value: Any) -> tuple[Any, Any, Any, tuple[int, ...]]:
+    """Q/K/V as 4-D ``(B, T, N, H)`` arrays (leading dimensions added), alike and without empty dimensions,
+    and the query's own shape (the output's)."""
+    found, shape = [], None
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x is None:
+            raise ValueError(f"{name}: expected an array, got None")
+        x = _array(name, x)
+        shape = tuple(x.shape) if shape is None else shape
+        x = _four_dimensional(name, x, "(B, T, N, H); lower ranks get leading dimensions")
         if 0 in x.shape:
             raise ValueError(f"{name}: every dimension must be >= 1, got {_describe(x)}")
-    if not query.ndim == key.ndim == value.ndim:
-        raise ValueError("query/key/value: must have the same rank, got "
-                         + ", ".join(f"{n}={_describe(x)}" for n, x in arrays.items()))
-    return query.ndim == 3
+        found.append(x)
+    query, key, value = found
+    if tuple(value.shape) != tuple(key.shape):
+        raise ValueError(f"value: must have the shape of key {list(key.shape)} (jax.nn's rule), got {_describe(value)}")
+    return query, key, value, shape
 
 
-def _check_lengths(name: str, lengths: Any, batch: int) -> None:
+def _check_lengths(name: str, lengths: Any, batch: int) -> Any:
+    lengths = _array(name, lengths)
     if lengths is None:
-        return
-    if not is_array(lengths) or dtype_name(lengths) != "int32" or tuple(lengths.shape) != (batch,):
+        return None
+    if dtype_name(lengths) != "int32" or tuple(lengths.shape) != (batch,):
         raise ValueError(f"{name}: must be an int32 array of shape (B,) = ({batch},), got {_describe(lengths)}")
+    return lengths
+
+
+def _bias(bias: Any, dtype: Any) -> Any:
+    """``bias`` as an array of the query's dtype (bool and int biases too: ``jax.nn`` adds them to float32 logits)."""
+    bias = _array("bias", bias)
+    if bias is None:
+        return None
+    bias = _four_dimensional("bias", bias, "broadcastable to (B, N, T, S)")
+    kind = np.dtype(bias.dtype).kind if dtype_name(bias) != "bfloat16" else "f"
+    if kind not in "biuf":
+        raise ValueError(f"bias: must be real or boolean (added to the scores), got {_describe(bias)}")
+    return jnp.asarray(bias).astype(dtype)
+
+
+def _mask(mask: Any) -> Any:
+    mask = _array("mask", mask)
+    if mask is None:
+        return None
+    mask = _four_dimensional("mask", mask, "broadcastable to (B, N, T, S)")
+    if dtype_name(mask) != "bool":
+        raise ValueError(f"mask: must be boolean (True keeps), as in jax.nn, got {_describe(mask)}; a 0/1 float "
+                         "keep-mask (1 keeps, as Flax's masks) is mask=m > 0")
+    return mask
 
 
 def _window(local_window_size: Any, is_causal: bool) -> tuple[int, int] | None:
@@ -104,24 +153,16 @@ def dot_product_attention_nn(query: Any, key: Any, value: Any, bias: Any = None,
 
     ``cuda_graph``, ``backend`` and ``check_values`` are this library's options (see :mod:`.api`).
     """
-    unbatched = _check_arrays(query, key, value)
+    query, key, value, shape = _check_arrays(query, key, value)
     if not isinstance(is_causal, (bool, np.bool_)):
         raise ValueError(f"is_causal: must be True or False, got {is_causal!r}")
     window = _window(local_window_size, bool(is_causal))
-    batch = 1 if unbatched else query.shape[0]
-    _check_lengths("query_seq_lengths", query_seq_lengths, batch)
-    _check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
-    for name, x in (("bias", bias), ("mask", mask)):
-        if x is not None and not is_array(x):
-            raise ValueError(f"{name}: expected an array or None, got {type(x).__name__}")
-    if mask is not None and dtype_name(mask) != "bool":
-        raise ValueError(f"mask: must be boolean (True keeps), got {_describe(mask)}; pass an additive mask as bias")
-
+    batch = query.shape[0]
+    query_seq_lengths = _check_lengths("query_seq_lengths", query_seq_lengths, batch)
+    key_value_seq_lengths = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
+    mask = _mask(mask)
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    if unbatched:
-        query, key, value = query[None], key[None], value[None]
-    if bias is not None and dtype_name(bias) in ("float16", "bfloat16", "float32", "float64"):
-        bias = jnp.asarray(bias).astype(query.dtype)
+    bias = _bias(bias, query.dtype)
     spec = masks.MaskSpec()
     if is_causal:
         spec = spec & masks.causal()
@@ -136,4 +177,4 @@ def dot_product_attention_nn(query: Any, key: Any, value: Any, bias: Any = None,
     call = attention.arguments(query, key, value, mask=spec, bias=bias, scale=scale, cuda_graph=cuda_graph,
                                backend=backend, check_values=check_values)
     output = forward_call(call, names=NAMES).output
-    return output[0] if unbatched else output
+    return output.reshape(shape) if tuple(output.shape) != shape else output

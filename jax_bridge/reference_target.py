@@ -9,6 +9,9 @@ Two ways to reach it from XLA:
 * ``jax.pure_callback`` (:func:`reference_callback`, :attr:`Backend.CALLBACK`), for environments
   where an FFI target cannot be registered.
 
+Both refuse at lowering what the cuDNN target would refuse on the CPU fronts' GPU target
+(:mod:`cudnn_attn.core.cpu_target`), as the cuDNN target refuses what its GPU cannot run.
+
 Dropout uses NumPy's generator seeded with the call site's seed (the reference's convention), not
 cuDNN's Philox stream.
 """
@@ -20,6 +23,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from cudnn_attn import reference
+from cudnn_attn.core import cpu_target
+from cudnn_attn.core.types import Front
 
 from . import ffi
 from .call_site import TARGET, AttentionCall, registry
@@ -64,6 +69,7 @@ def lower(ctx: Any, *args: Any, kind: str, config: Any, options: Any) -> Any:
     meaning here: command buffers are a GPU feature)."""
     import jax
 
+    cpu_target.check(config, kind=kind, front=Front.JAX)
     key = registry.key(AttentionCall(config, kind, options.seed))
     return jax.ffi.ffi_lowering(TARGET)(ctx, *args, key=np.int64(key))
 
@@ -72,6 +78,7 @@ def reference_callback(site: AttentionCall, *arrays: Any) -> list[Any]:
     """The call site as ``jax.pure_callback`` (host copies of the operands; any platform)."""
     import jax
 
+    cpu_target.check(site.config, kind=site.kind, front=Front.JAX)
     shapes = result_shapes(site.config, site.kind)
     result_types = [jax.ShapeDtypeStruct(*shapes[name]) for name in site.results]
 

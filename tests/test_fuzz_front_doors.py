@@ -17,7 +17,10 @@ functions of the wrong arity/result, FP8 with dropout.  The contract:
   ``AttributeError``, ...);
 * under ``jit``, a bad *value* in a traced array is clamped (no error); with ``check_values=True`` the
   call fails at run time and XLA's message names the argument;
-* the support query never raises for valid arguments.
+* the support query never raises for valid arguments;
+* borderline valid calls (``scale=None``, packed segments in BNTH, bottom-right causal with a bias) run on
+  every front, and the drop-in takes what ``jax.nn`` takes (lists, tuples, Python scalars, bool and int
+  biases); a float 0/1 mask is refused naming ``mask``, as ``jax.nn`` refuses it.
 
 A failure prints its case (front door, argument, value) and the one-line reproduction of tests/conftest.py.
 """
@@ -155,7 +158,7 @@ def _bad_arrays(name: str, fronts: tuple[str, ...], features: str = "plain") -> 
 
 CATALOGUE: list[Bad] = [
     *(Bad("seed", _label(v), _const(v), EVERY_CALL) for v in (None, "42", True, -1, 1.5, 2 ** 64)),
-    *(Bad("scale", _label(v), _const(v), EVERY_CALL) for v in (10 ** 400, math.nan, math.inf, "0.1", None, True, 1j)),
+    *(Bad("scale", _label(v), _const(v), EVERY_CALL) for v in (10 ** 400, math.nan, math.inf, "0.1", True, 1j)),
     *(Bad("dropout_rate", _label(v), _const(v), EVERY_CALL) for v in (10 ** 400, 1.0, -0.1, "0.1", None, math.nan)),
     *(Bad("mask_type", repr(v), _const(v), EVERY_CALL) for v in ("causal", 3, None)),
     *(Bad("qkv_layout", repr(v), _const(v), EVERY_CALL) for v in ("XYZ", 3, None)),
@@ -200,6 +203,9 @@ CATALOGUE: list[Bad] = [
     Bad("use_fp8", "'yes'", _const("yes"), ATTENTION),
     Bad("dropout_rate", "fp8-with-dropout", _const(0.1), ("reference", "jax", "jax_jit"), unsupported=True,
         extra=(("use_fp8", True), ("fp8", True), ("mask_type", MaskType.NO_MASK)), named="dropout"),
+    Bad("bias", "bottom-right-padding", lambda c: np.zeros((1, 1, T, S), c["query"].dtype), ATTENTION, "padded",
+        unsupported=True, extra=(("mask_type", MaskType.PADDING_CAUSAL), ("diagonal_alignment", "bottom_right")),
+        named="bottom-right"),
     Bad("score_mod", "not-callable", _const("tanh"), ATTENTION),
     Bad("score_mod", "arity", _const(lambda s, a: s), ATTENTION),
     Bad("score_mod", "returns-None", _const(lambda s: None), ATTENTION),
@@ -346,6 +352,46 @@ def test_front_door(case: Case):
         pytest.fail(f"{case.describe()} raised nothing")
 
 
+# -- borderline calls that run on every front ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Borderline:
+    """A valid call that once surprised: ``changes(call)`` returns the arguments to set; it must run."""
+
+    label: str
+    features: str
+    changes: Callable[[dict], dict]
+
+
+def _packed_bnth(call: dict) -> dict:
+    return {n: np.ascontiguousarray(np.swapaxes(call[n], 1, 2)) for n in ("query", "key", "value")} | \
+        {"qkv_layout": "BNTH"}
+
+
+BORDERLINE = [
+    Borderline("scale-None", "plain", lambda c: {"scale": None}),
+    Borderline("packed-BNTH", "packed", _packed_bnth),
+    Borderline("bottom-right-causal-bias", "plain", lambda c: {
+        "mask_type": MaskType.CAUSAL, "diagonal_alignment": "bottom_right",
+        "bias": np.random.default_rng(3).standard_normal((1, 1, T, S)).astype(c["query"].dtype)}),
+]
+
+
+def _finite(result: Any) -> bool:
+    leaves = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(result) if x is not None]
+    return bool(leaves) and all(np.isfinite(x).all() for x in leaves)
+
+
+@pytest.mark.parametrize("front", ATTENTION)
+@pytest.mark.parametrize("case", BORDERLINE, ids=[b.label for b in BORDERLINE])
+def test_borderline_call_runs(case: Borderline, front: str):
+    seed = SEED + BORDERLINE.index(case)
+    call = Base.draw(random.Random(seed), case.features).call(np.random.default_rng(seed))
+    call.update(case.changes(call))
+    if front == "reference_bwd":
+        call.update(_residuals(call, np.random.default_rng(seed + 1)))
+    assert _finite(FRONTS[front](call)), f"{front}({case.label}, seed={seed}): non-finite results"
+
+
 # -- the jax.nn drop-in ---------------------------------------------------------------------------------------
 NN_BAD = [
     ("query", "scalar", lambda c: jnp.float16(1.0)),
@@ -364,11 +410,15 @@ NN_BAD = [
     ("is_causal", "None", lambda c: None),
     ("query_seq_lengths", "float32", lambda c: jnp.ones((B,), jnp.float32)),
     ("query_seq_lengths", "shape", lambda c: jnp.ones((B + 1,), jnp.int32)),
-    ("key_value_seq_lengths", "list", lambda c: [3, 4]),
+    ("key_value_seq_lengths", "list-of-floats", lambda c: [3.0, 4.0]),
     ("query_seq_lengths", "-1", lambda c: jnp.asarray([-1, 3], jnp.int32)),
     ("key_value_seq_lengths", "999", lambda c: jnp.asarray([999, 3], jnp.int32)),
     ("mask", "int32", lambda c: jnp.zeros((T, S), jnp.int32)),
-    ("bias", "list", lambda c: [[0.0]]),
+    ("bias", "list-rank-5", lambda c: [[[[[0.0]]]]]),
+    ("bias", "complex", lambda c: jnp.zeros((T, S), jnp.complex64)),
+    ("bias", "string", lambda c: "0.5"),
+    ("mask", "float-0-1", lambda c: jnp.ones((T, S), jnp.float32)),
+    ("mask", "list-of-floats", lambda c: [[1.0] * S] * T),
     ("bias", "shape", lambda c: jnp.zeros((3, 1, T, S), jnp.float16)),
     ("scale", "10**400", lambda c: 10 ** 400),
     ("scale", "'0.1'", lambda c: "0.1"),
@@ -400,6 +450,32 @@ def test_jax_nn_drop_in(argument, label, change, jit):
         pytest.fail(f"{describe} raised {type(error).__name__} instead of ValueError: {error}")
     else:
         pytest.fail(f"{describe} raised nothing")
+
+
+NN_GOOD = [
+    ("bias", "list", lambda c: np.ones((T, S)).tolist()),
+    ("bias", "tuple", lambda c: tuple(tuple(row) for row in np.ones((T, S)).tolist())),
+    ("bias", "python-scalar", lambda c: 0.5),
+    ("bias", "bool", lambda c: jnp.eye(T, S, dtype=bool)),
+    ("bias", "int32", lambda c: jnp.ones((1, 1, T, S), jnp.int32)),
+    ("bias", "numpy-float64", lambda c: np.zeros((T, S))),
+    ("mask", "list", lambda c: np.ones((T, S), bool).tolist()),
+    ("mask", "python-bool", lambda c: True),
+    ("scale", "None", lambda c: None),
+    ("key_value_seq_lengths", "list", lambda c: [3, 4]),
+    ("query", "numpy", lambda c: np.asarray(c["query"])),
+]
+
+
+@pytest.mark.parametrize("argument, label, change", NN_GOOD, ids=[_id(f"{a}-{label}") for a, label, _ in NN_GOOD])
+def test_jax_nn_drop_in_takes_what_jax_nn_takes(argument, label, change):
+    rng = np.random.default_rng(SEED + len(argument) + len(label))
+    call = dict(query=jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float16),
+                key=jnp.asarray(rng.standard_normal((B, S, 1, H)), jnp.float16),
+                value=jnp.asarray(rng.standard_normal((B, S, 1, H)), jnp.float16))
+    call[argument] = change(call)
+    out = jb.dot_product_attention_nn(**call)
+    assert out.shape == (B, T, N, H) and _finite(out), f"dot_product_attention_nn({argument}={label})"
 
 
 # -- the support query --------------------------------------------------------------------------------------------

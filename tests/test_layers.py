@@ -141,6 +141,8 @@ DEFERRED = {
     ("cudnn_attn.tools.cli", "cudnn_attn.persist.build"): "imports the cuDNN frontend (info and cache work "
                                                           "without it)",
     ("cudnn_attn.tools.cli", "cudnn_attn.graphs.target"): "imports the cuDNN frontend",
+    ("cudnn_attn", "cudnn_attn.reference"): "the package's lazy attribute cudnn_attn.reference (module "
+                                            "__getattr__): import cudnn_attn does not import the reference",
     ("cudnn_attn.tools.demo", "cudnn_attn.jax_bridge"): "imports JAX, which the demo uses only when installed",
 }
 

@@ -70,7 +70,8 @@ def test_differentiable_bias_gets_a_gradient_and_boolean_mask_does_not():
     assert dot_product_attention_bwd(q, k, v, out, d_out, lse, None, keep).dbias is None
 
 
-def test_extension_keywords():
+def test_extension_keywords(monkeypatch):
+    monkeypatch.setenv("CUDNN_ATTN_CPU_TARGET", "off")          # bottom-right with dropout: no GPU runs it
     q, k, v = qkv(seed=6)
     sink = np.random.default_rng(7).standard_normal(N).astype(np.float32)
     keep = np.random.default_rng(8).random((B, N, T, S)) > 0.25
@@ -100,7 +101,8 @@ def test_paged_attention_equals_contiguous_call():
     assert np.isfinite(out.astype(float)).all()
 
 
-def test_fp8_call_returns_output_and_amax_values():
+def test_fp8_call_returns_output_and_amax_values(monkeypatch):
+    monkeypatch.setenv("CUDNN_ATTN_CPU_TARGET", "off")          # FP8 at head dim 8: no GPU runs it
     q, k, v = (x.astype(np.float32).astype("float8_e4m3fn") for x in qkv(np.float32, seed=11))
     params = {name: np.ones((1, 1, 1, 1), np.float32) for name in FP8_PARAM_KEYS}
     params["scale_s"] = np.full((1, 1, 1, 1), 256, np.float32)

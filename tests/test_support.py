@@ -39,6 +39,7 @@ BASE = AttentionConfig(batch=2, q_heads=4, kv_heads=4, q_len=128, kv_len=128, qk
 FP8 = BASE.replace(dtype="float8_e4m3fn", qk_dim=128, v_dim=128)
 CAUSAL = MaskSpec(right_bound=0)
 BOTTOM_RIGHT = MaskSpec(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT)
+BOTTOM_RIGHT_PADDED = MaskSpec(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT, padding=True)
 WINDOW = MaskSpec(right_bound=0, left_bound=32)
 PADDING = MaskSpec(padding=True)
 BIAS = BiasSpec(shape=(1, 4, 128, 128), differentiable=True)
@@ -215,8 +216,11 @@ CASES = [
      "head dim: (160, 160) in the backward (sm100 serves", CUDNN, BASE.replace(qk_dim=192, v_dim=128, training=True)),
     ("alibi-without-causal", BASE.replace(mask=MaskSpec(alibi=True)), SM90, "ALiBi: needs a causal mask", CUDNN,
      BASE.replace(mask=MaskSpec(alibi=True, right_bound=0))),
-    ("bottom-right-bias-dropout", BASE.replace(mask=BOTTOM_RIGHT, bias=BIAS, dropout_rate=0.1), SM90,
-     "bottom-right causal mask: cannot be combined with bias, dropout", CUDNN, BASE.replace(mask=BOTTOM_RIGHT)),
+    ("bottom-right-padding-bias-dropout", BASE.replace(mask=BOTTOM_RIGHT_PADDED, bias=BIAS, dropout_rate=0.1), SM90,
+     "bottom-right causal mask: cannot be combined with bias and a padding mask, dropout", CUDNN,
+     BASE.replace(mask=BOTTOM_RIGHT, bias=BIAS, dropout_rate=0.1)),
+    ("bottom-right-dropout", BASE.replace(mask=BOTTOM_RIGHT, dropout_rate=0.1), SM90,
+     "bottom-right causal mask: cannot be combined with dropout", CUDNN, BASE.replace(mask=BOTTOM_RIGHT)),
     ("bottom-right-T>S", BASE.replace(mask=BOTTOM_RIGHT, q_len=192), SM90,
      "bottom-right causal mask: needs T <= S without padding, found T=192 > S=128", CUDNN,
      BASE.replace(mask=MaskSpec(right_bound=0, padding=True, alignment=DiagonalAlignment.BOTTOM_RIGHT), q_len=192)),
@@ -258,9 +262,6 @@ CASES = [
      "FP8 attention: training needs qk_dim == v_dim == 128, found (64, 64)", LIBRARY, FP8.replace(training=True)),
     ("fp8-training-T100", FP8.replace(q_len=100, training=True), SM90,
      "FP8 attention: training needs T and S multiples of 128, found T=100, S=128", LIBRARY, FP8.replace(q_len=100)),
-    ("packed-BNTH", BASE.replace(layout=AttentionLayout.BNTH, **PACKED), SM90,
-     "packed segments: need the token-major BTNH layout (ragged offsets index tokens), found BNTH", LIBRARY,
-     BASE.replace(**PACKED)),
     ("packed-bias", BASE.replace(bias=BIAS, **PACKED), SM90, "packed segments: cannot be combined with bias",
      LIBRARY, BASE.replace(**PACKED)),
     ("packed-paged", BASE.replace(paging=PAGED["paging"], **PACKED), SM90,
@@ -309,14 +310,14 @@ def test_missing_gpu_and_cudnn_are_reasons_of_their_own():
 
 
 def test_check_supported_raises_with_reasons_config_and_environment():
-    config = BASE.replace(mask=BOTTOM_RIGHT, bias=BIAS)
+    config = BASE.replace(mask=BOTTOM_RIGHT_PADDED, bias=BIAS)
     with pytest.raises(UnsupportedConfigurationError) as raised:
         check_supported(config, SM90)
     error = raised.value
     assert isinstance(error, NotImplementedError)
-    assert error.reasons == ["bottom-right causal mask: cannot be combined with bias"]
+    assert error.reasons == ["bottom-right causal mask: cannot be combined with bias and a padding mask"]
     assert error.config is config and error.environment is SM90
-    assert "  - bottom-right causal mask: cannot be combined with bias" in str(error)
+    assert "  - bottom-right causal mask: cannot be combined with bias and a padding mask" in str(error)
     assert "environment: cuDNN 9.19.0, sm90 (NVIDIA H200, deviceless)" in str(error)
 
 
@@ -398,3 +399,14 @@ def test_the_table_never_raises_for_a_configuration(config, front):
 def test_a_bad_front_is_an_argument_error():
     with pytest.raises(ValueError, match="front: expected one of 'cupy', 'jax', 'reference'"):
         not_supported_reasons(BASE, SM90, front="torch")
+
+
+def test_what_a_lift_serves_is_not_refused_but_the_builder_cannot_declare_it():
+    """Packed BNTH runs as BTNH, bottom-right causal with a bias (no padding) folded into the bias
+    (cudnn_attn.core.padded_call): no front refuses them; the builder is only ever given the lifted call."""
+    packed_bnth = BASE.replace(layout=AttentionLayout.BNTH, training=True, **PACKED)
+    assert not_supported_reasons(packed_bnth, SM90) == []
+    with pytest.raises(UnsupportedConfigurationError, match="need the token-major BTNH layout"):
+        support.check_structure(packed_bnth, kind="fwd")
+    assert not_supported_reasons(BASE.replace(mask=BOTTOM_RIGHT, bias=BIAS, dropout_rate=0.1, training=True),
+                                 SM90) == []

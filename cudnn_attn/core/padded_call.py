@@ -1,5 +1,17 @@
-"""Two kernel limits lifted by padding the call: training with a bias at odd ``T`` or ``S``, and the
-backward at ``T == S == 1``.
+"""Kernel limits lifted by reshaping the call: training with a bias at odd ``T`` or ``S`` and the backward at
+``T == S == 1`` (padded), packed segments in the BNTH layout (run as BTNH).
+
+Packed segments need the token-major BTNH layout (cuDNN's ragged offsets index tokens).  A packed BNTH call
+runs as BTNH: Q/K/V (and the backward's O and dO) are transposed in, the output and dQ/dK/dV transposed back;
+the logsumexp's ``(B*M, N, T)`` shape is the same in both layouts, and offsets and lengths count tokens in
+both.  The transposition comes first, so a packed BNTH backward at ``T == S == 1`` is transposed, then padded.
+
+cuDNN refuses a bottom-right causal mask (or window) next to a bias.  Without padding its diagonal is the
+static offset ``S - T``, so such a call runs with the mask folded into the bias, as validation folds a
+boolean mask: the bias gets the large negative number of the io dtype at every key ``j`` with
+``d = j - i - (S - T) > right_bound`` or ``-d >= left_bound``, and the configuration loses its diagonal.
+The bias keeps its shape and stays differentiable; dbias is 0 at the masked keys, as with the mask.  With a
+padding mask the diagonal moves with each sequence's lengths, and the call stays refused.
 
 cuDNN's training graphs need even sequence lengths when a bias is present (the seed refuses such calls:
 "cuDNN doesn't support bias with odd sequence length in training"), and its backward refuses
@@ -33,10 +45,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .config import AttentionConfig, AttentionOperands, BiasSpec
+from .config import AttentionConfig, AttentionOperands, BiasSpec, DiagonalAlignment
 from .types import AttentionGrads, AttentionLayout, AttentionOutput
+from .validation import LARGE_NEGATIVE
 
-__all__ = ["Lifted", "lift", "lifted_config"]
+__all__ = ["Lifted", "folds_diagonal", "lift", "lifted_config"]
 
 
 def _padded_lengths(config: AttentionConfig) -> tuple[int, int] | None:
@@ -50,11 +63,31 @@ def _padded_lengths(config: AttentionConfig) -> tuple[int, int] | None:
     return None
 
 
+def _transposed(config: AttentionConfig) -> bool:
+    """``config`` runs in the BTNH layout instead of its own (packed segments in BNTH)."""
+    return config.packing is not None and config.layout is not AttentionLayout.BTNH
+
+
+def folds_diagonal(config: AttentionConfig) -> bool:
+    """``config``'s bottom-right diagonal runs folded into its bias (module doc)."""
+    mask = config.mask
+    return (mask.alignment is DiagonalAlignment.BOTTOM_RIGHT and mask.right_bound is not None
+            and config.bias is not None and not mask.padding and not mask.alibi and not config.fp8
+            and config.score_mod is None)
+
+
 def lifted_config(config: AttentionConfig) -> AttentionConfig | None:
-    """The padded configuration that runs ``config`` (module doc), or ``None`` when it runs as it is."""
-    lengths = _padded_lengths(config)
-    if lengths is None:
+    """The configuration that runs ``config`` (module doc), or ``None`` when it runs as it is."""
+    lengths, transposed, folds = _padded_lengths(config), _transposed(config), folds_diagonal(config)
+    if lengths is None and not transposed and not folds:
         return None
+    if transposed:
+        config = config.replace(layout=AttentionLayout.BTNH)
+    if folds:
+        config = config.replace(mask=dataclasses.replace(config.mask, right_bound=None, left_bound=None,
+                                                          alignment=DiagonalAlignment.TOP_LEFT))
+    if lengths is None:
+        return config
     q_len, kv_len = lengths
     bias = config.bias and BiasSpec(config.bias.shape[:2] + (q_len, kv_len), config.bias.differentiable)
     return config.replace(q_len=q_len, kv_len=kv_len, bias=bias, mask=dataclasses.replace(config.mask, padding=True))
@@ -62,12 +95,24 @@ def lifted_config(config: AttentionConfig) -> AttentionConfig | None:
 
 @dataclass(frozen=True)
 class Lifted:
-    """A call padded to even lengths: run :attr:`config` on :attr:`operands`, then :meth:`unpad` the results."""
+    """A call padded to even lengths and/or transposed to BTNH: run :attr:`config` on :attr:`operands`, then
+    :meth:`unpad` the results."""
 
     config: AttentionConfig
     operands: AttentionOperands
     original: AttentionConfig
     xp: Any
+
+    @property
+    def _transposed(self) -> bool:
+        return self.config.layout is not self.original.layout
+
+    def _swap(self, x: Any) -> Any:
+        """``x`` with its sequence and head axes exchanged (BNTH <-> BTNH) when the call is transposed, dense."""
+        if x is None or not self._transposed:
+            return x
+        x = self.xp.swapaxes(x, 1, 2)
+        return self.xp.ascontiguousarray(x) if hasattr(self.xp, "ascontiguousarray") else x
 
     @property
     def _seq_axis(self) -> int:
@@ -83,11 +128,11 @@ class Lifted:
     def residuals(self, output: Any, grad_output: Any, logsumexp: Any) -> tuple[Any, Any, Any]:
         """The backward's O, dO and logsumexp, padded like the queries."""
         extra = self.config.q_len - self.original.q_len
-        return (self._pad(output, self._seq_axis, extra), self._pad(grad_output, self._seq_axis, extra),
-                self._pad(logsumexp, 2, extra))
+        return (self._pad(self._swap(output), self._seq_axis, extra),
+                self._pad(self._swap(grad_output), self._seq_axis, extra), self._pad(logsumexp, 2, extra))
 
     def unpad(self, result: AttentionOutput | AttentionGrads) -> AttentionOutput | AttentionGrads:
-        """``result`` of the padded call, sliced back to the original lengths."""
+        """``result`` of the lifted call, sliced back to the original lengths and layout."""
         t, s, axis = self.original.q_len, self.original.kv_len, self._seq_axis
 
         def cut(x: Any, length: int, *axes: int) -> Any:
@@ -99,13 +144,25 @@ class Lifted:
             return x[tuple(index)]
 
         if isinstance(result, AttentionOutput):
-            return result._replace(output=cut(result.output, t, axis), logsumexp=cut(result.logsumexp, t, 2))
-        return result._replace(dq=cut(result.dq, t, axis), dk=cut(result.dk, s, axis), dv=cut(result.dv, s, axis),
-                               dbias=cut(result.dbias, t, 2, 3))
+            return result._replace(output=self._swap(cut(result.output, t, axis)),
+                                   logsumexp=cut(result.logsumexp, t, 2))
+        return result._replace(dq=self._swap(cut(result.dq, t, axis)), dk=self._swap(cut(result.dk, s, axis)),
+                               dv=self._swap(cut(result.dv, s, axis)), dbias=cut(result.dbias, t, 2, 3))
+
+
+def _fold_diagonal(config: AttentionConfig, bias: Any, xp: Any) -> Any:
+    """``bias`` plus the large negative number at the keys ``config``'s bottom-right diagonal masks (module doc)."""
+    mask, t, s = config.mask, config.q_len, config.kv_len
+    d = xp.arange(s)[None, :] - xp.arange(t)[:, None] - (s - t)
+    keep = d <= mask.right_bound
+    if mask.left_bound is not None:
+        keep = keep & (-d < mask.left_bound)
+    negative = xp.asarray(LARGE_NEGATIVE[config.dtype], dtype=bias.dtype)
+    return bias + xp.where(keep, xp.asarray(0, dtype=bias.dtype), negative)
 
 
 def lift(config: AttentionConfig, operands: AttentionOperands, xp: Any) -> Lifted | None:
-    """The padded call of ``config`` on ``operands`` (module doc), or ``None`` when it runs as it is."""
+    """The lifted call of ``config`` on ``operands`` (module doc), or ``None`` when it runs as it is."""
     padded = lifted_config(config)
     if padded is None:
         return None
@@ -113,11 +170,13 @@ def lift(config: AttentionConfig, operands: AttentionOperands, xp: Any) -> Lifte
     lifted = Lifted(padded, operands, config, xp)
     axis = lifted._seq_axis
     batch = config.batch
+    bias = _fold_diagonal(config, operands.bias, xp) if folds_diagonal(config) else operands.bias
     changes: dict[str, Any] = dict(
-        query=lifted._pad(operands.query, axis, extra_q), key=lifted._pad(operands.key, axis, extra_kv),
-        value=lifted._pad(operands.value, axis, extra_kv),
-        bias=lifted._pad(lifted._pad(operands.bias, 2, extra_q), 3, extra_kv))
-    if not config.mask.padding:
+        query=lifted._pad(lifted._swap(operands.query), axis, extra_q),
+        key=lifted._pad(lifted._swap(operands.key), axis, extra_kv),
+        value=lifted._pad(lifted._swap(operands.value), axis, extra_kv),
+        bias=lifted._pad(lifted._pad(bias, 2, extra_q), 3, extra_kv))
+    if not config.mask.padding and padded.mask.padding:
         changes["q_seqlen"] = xp.full((batch,), config.q_len, dtype=xp.int32)
         changes["kv_seqlen"] = xp.full((batch,), config.kv_len, dtype=xp.int32)
     return dataclasses.replace(lifted, operands=operands.replace(**changes))

@@ -21,6 +21,7 @@ import contextlib
 import inspect
 from typing import Any, Callable, Iterator, NamedTuple
 
+from .diagonal_warning import warn_top_left
 from .masks import as_mask
 from .types import MaskType
 
@@ -37,7 +38,7 @@ PARAMETERS: dict[str, tuple[Any, str]] = {
     "q_offsets": (None, "Any"), "kv_offsets": (None, "Any"), "page_table_k": (None, "Any"),
     "page_table_v": (None, "Any"), "fp8_params": (None, "FP8Params | None"), "score_mod_args": ((), "Sequence[Any]"),
     # the seed's keywords
-    "scale": (1.0, "float"), "mask_type": (MaskType.NO_MASK, "MaskType"), "seed": (42, "int"),
+    "scale": (1.0, "float | None"), "mask_type": (MaskType.NO_MASK, "MaskType"), "seed": (42, "int"),
     "dropout_rate": (0.0, "float"), "qkv_layout": ("BTNH", "str"), "sliding_window_length": (None, "int | None"),
     "score_mod": (None, "Callable[..., Any] | None"), "use_fp8": (False, "bool"), "return_residual": (False, "bool"),
     # extensions every front has
@@ -147,12 +148,9 @@ def arguments(call: NamedTuple, *, backward: bool = False) -> tuple[dict[str, An
 def _native_arguments(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     mask = as_mask(given["mask"])
     query = given["query"]
-    scale = given["scale"]
-    if scale is None:
-        scale = 1.0 / float(query.shape[-1]) ** 0.5 if hasattr(query, "shape") and len(query.shape) else 1.0
     arrays = dict(query=query, key=given["key"], value=given["value"], bias=given["bias"], **mask.seed_arrays(),
                   fp8_params=given["fp8_params"], sink=given["sink"])
-    static = dict(scale=scale, dropout_rate=given["dropout_rate"], qkv_layout=given["layout"],
+    static = dict(scale=given["scale"], dropout_rate=given["dropout_rate"], qkv_layout=given["layout"],
                   use_fp8=given["fp8_params"] is not None, training=wants_logsumexp(given["return_aux"]),
                   mask_type=MaskType.PADDING if mask.q_lengths is not None else MaskType.NO_MASK,
                   deterministic=given.get("deterministic", False))
@@ -166,7 +164,11 @@ def finish(call: NamedTuple, config: Any) -> Any:
         return config
     mask = call.mask
     static = mask.static(padding=config.mask.padding)
-    return config if static == config.mask else config.replace(mask=static)
+    if static == config.mask:
+        return config
+    config = config.replace(mask=static)
+    warn_top_left(config)
+    return config
 
 
 @contextlib.contextmanager

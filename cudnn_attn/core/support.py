@@ -33,6 +33,7 @@ from typing import Callable
 from .config import CUDNN_DTYPES, AttentionConfig, DiagonalAlignment, ragged_offset_dtype
 from .environment import Environment, format_version
 from .errors import UnsupportedConfigurationError
+from .padded_call import folds_diagonal
 from .score_mod_spec import score_mod_refusals
 from .types import AttentionLayout, Front, Kind
 
@@ -185,9 +186,12 @@ def _alibi_needs_causal(c: AttentionConfig, env: Environment) -> str | None:
 
 
 def _bottom_right_exclusions(c: AttentionConfig, env: Environment) -> str | None:
+    # Without padding, a bias takes the diagonal in (cudnn_attn.core.padded_call); then dropout is fine too.
     if not _bottom_right(c):
         return None
-    found = _present(("bias", c.bias is not None), ("dropout", c.has_dropout), ("ALiBi", c.mask.alibi))
+    folded = folds_diagonal(c)
+    found = _present(("bias" + (" and a padding mask" if c.mask.padding else ""), c.bias is not None and not folded),
+                     ("dropout", c.has_dropout and not folded), ("ALiBi", c.mask.alibi))
     return f"cannot be combined with {found}" if found else None
 
 
@@ -365,6 +369,7 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     Restriction("attention sink", _sink_needs_queries, CUDNN),
     # The backward at T == S == 1 (refused by cuDNN) and training with a bias at odd T or S (refused by
     # the seed) run padded to even lengths (cudnn_attn.core.padded_call): no rule, users never meet them.
+    # Packed BNTH runs transposed to BTNH, and bottom-right without padding folded into a bias, likewise.
     Restriction("deterministic backward", _deterministic_sm100, CUDNN),
     Restriction("packed segments with dbias", _packed_dbias_sm100, CUDNN),
     Restriction("FP8 attention", _fp8_bias, CUDNN, fronts=EVERY_FRONT, structural=(Kind.BACKWARD,)),
@@ -380,7 +385,8 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     Restriction("FP8 attention", _fp8_extras, LIBRARY, fronts=EVERY_FRONT, structural=(Kind.BACKWARD,)),
     Restriction("FP8 attention", _fp8_training_head_dim, LIBRARY),
     Restriction("FP8 attention", _fp8_training_lengths, LIBRARY),
-    Restriction("packed segments", _packed_layout, LIBRARY, structural=KINDS),
+    # The builder cannot declare it; every call that has it runs transposed (padded_call): no call meets it.
+    Restriction("packed segments", _packed_layout, LIBRARY, kinds=(), structural=KINDS),
     Restriction("packed segments", _packed_bias, LIBRARY, structural=KINDS),
     Restriction("packed segments", _packed_paged, LIBRARY, fronts=EVERY_FRONT, structural=KINDS),
     Restriction("score_mod", _score_mod_args, LIBRARY, structural=KINDS),

@@ -48,6 +48,7 @@ from .config import (
     RealRule,
     ScoreModSpec,
 )
+from .diagonal_warning import warn_top_left
 from .score_mod_spec import score_mod_spec
 from .types import FP8_PARAM_KEYS, AttentionLayout, MaskType
 
@@ -356,6 +357,11 @@ def _prepare_bias(call: _ArgumentCheck, bias: Any, mask: Any, full: tuple[int, i
     return folded, BiasSpec(shape=combined, differentiable=differentiable), keep
 
 
+def default_scale(head_dim: int) -> float:
+    """The softmax scale ``scale=None`` stands for on every front: ``1 / sqrt(H)``."""
+    return 1.0 / math.sqrt(head_dim)
+
+
 def _check_real(call: _ArgumentCheck, name: str, value: Any, rule: RealRule) -> float:
     try:
         return rule.check(value)
@@ -394,7 +400,7 @@ def _check_score_mod(call: _ArgumentCheck, score_mod: Any, score_mod_args: Seque
 def validate_call(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, q_seqlen: Any = None,
                   kv_seqlen: Any = None, q_offsets: Any = None, kv_offsets: Any = None, page_table_k: Any = None,
                   page_table_v: Any = None, fp8_params: Any = None, score_mod_args: Sequence[Any] = (),
-                  sink: Any = None, *, scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK,
+                  sink: Any = None, *, scale: float | None = 1.0, mask_type: MaskType = MaskType.NO_MASK,
                   dropout_rate: float = 0.0, qkv_layout: Any = "BTNH", sliding_window_length: int | None = None,
                   score_mod: Callable[..., Any] | None = None, use_fp8: bool = False, training: bool = False,
                   diagonal_alignment: Any = "top_left", deterministic: bool = False, fp8_dtype: str | None = None,
@@ -406,7 +412,8 @@ def validate_call(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
     and ``deterministic`` selects deterministic backward accumulation.  With ``use_fp8``, ``fp8_dtype``
     (``"float8_e4m3fn"`` or ``"float8_e5m2"``) reads ``uint8`` Q/K/V as the bytes of that FP8 format
     (CuPy has no float8 dtype); ``config.dtype`` is then the FP8 format.  ``xp`` is the array namespace
-    used to fold ``mask`` into the bias (detected from ``query`` when ``None``).
+    used to fold ``mask`` into the bias (detected from ``query`` when ``None``).  ``scale=None`` is
+    ``1 / sqrt(H)`` (:func:`default_scale`), as in ``jax.nn.dot_product_attention``.
 
     Returns the static :class:`AttentionConfig` and the :class:`AttentionOperands` holding the arrays
     (``bias`` combined with ``mask``, ``keep_mask`` a boolean ``mask`` as 4-D; seqlens only where a padding
@@ -444,7 +451,7 @@ def validate_call(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
     padding = mask_type in _PADDING_MASKS or packing is not None or paging is not None
     mask_spec = _mask_spec(call, mask_type, sliding_window_length, diagonal_alignment, padding)
 
-    scale = _check_real(call, "scale", scale, SCALE_RULE)
+    scale = default_scale(q.dim) if scale is None else _check_real(call, "scale", scale, SCALE_RULE)
     dropout_rate = _check_real(call, "dropout_rate", dropout_rate, DROPOUT_RULE)
     score_mod_spec = _check_score_mod(call, score_mod, score_mod_args, (q.batch, q.heads, q.length, k.length))
     if sink is not None and (dtype_name(sink) != "float32" or _shape(sink) != (q.heads,)):
@@ -459,6 +466,7 @@ def validate_call(query: Any, key: Any, value: Any, bias: Any = None, mask: Any 
         dropout_rate=dropout_rate, packing=packing, paging=paging, score_mod=score_mod_spec,
         sink=sink is not None, training=training, deterministic=deterministic,
     )
+    warn_top_left(config)
     operands = AttentionOperands(
         query=query, key=key, value=value, bias=bias_array,
         q_seqlen=q_seqlen if padding else None, kv_seqlen=kv_seqlen if padding else None,

@@ -247,7 +247,7 @@ def attention(query: Any, key: Any, value: Any, *, mask: MaskSpec | None = None,
 def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, q_seqlen: Any = None,
                           kv_seqlen: Any = None, q_offsets: Any = None, kv_offsets: Any = None,
                           fp8_params: FP8Params | None = None, score_mod_args: Sequence[Any] = (), *,
-                          scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK, seed: int = 42,
+                          scale: float | None = 1.0, mask_type: MaskType = MaskType.NO_MASK, seed: int = 42,
                           dropout_rate: float = 0.0, qkv_layout: str = "BTNH",
                           sliding_window_length: int | None = None, score_mod: Callable[..., Any] | None = None,
                           use_fp8: bool = False, return_residual: bool = False, diagonal_alignment: str = "top_left",
@@ -291,7 +291,7 @@ def _plain(call: Any) -> bool:
 @parameters.front(parameters.PAGED, "stream", "autotune", "out_type", "check_values")
 def paged_attention(query: Any, key: Any, value: Any, q_seqlen: Any, kv_seqlen: Any, page_table_k: Any,
                     page_table_v: Any, bias: Any = None, mask: Any = None, fp8_params: FP8Params | None = None, *,
-                    scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK, seed: int = 42,
+                    scale: float | None = 1.0, mask_type: MaskType = MaskType.NO_MASK, seed: int = 42,
                     dropout_rate: float = 0.0, qkv_layout: str = "BTNH", sliding_window_length: int | None = None,
                     use_fp8: bool = False, return_residual: bool = False, diagonal_alignment: str = "top_left",
                     sink: Any = None, stream: Any = None, autotune: bool | None = None, out_type: str | None = None,
@@ -311,7 +311,7 @@ def paged_attention(query: Any, key: Any, value: Any, q_seqlen: Any, kv_seqlen: 
 def dot_product_attention_bwd(query: Any, key: Any, value: Any, output: Any, grad_output: Any, logsumexp: Any,
                               bias: Any = None, mask: Any = None, q_seqlen: Any = None, kv_seqlen: Any = None,
                               q_offsets: Any = None, kv_offsets: Any = None, fp8_params: FP8Params | None = None,
-                              score_mod_args: Sequence[Any] = (), *, scale: float = 1.0,
+                              score_mod_args: Sequence[Any] = (), *, scale: float | None = 1.0,
                               mask_type: MaskType = MaskType.NO_MASK, seed: int = 42, dropout_rate: float = 0.0,
                               qkv_layout: str = "BTNH", sliding_window_length: int | None = None,
                               score_mod: Callable[..., Any] | None = None, use_fp8: bool = False,
@@ -395,8 +395,9 @@ class BoundAttention:
             validate_backward(config, *arrays[3:])
         call = prepared_call(config, kind, arrays[0].data.device_id, self._autotune)
         if call.padded is not None:
-            raise ValueError(f"bind: the {kind} of {config.describe()} runs padded to even lengths "
-                             "(cudnn_attn.core.padded_call); call dot_product_attention / dot_product_attention_bwd for it")
+            raise ValueError(f"bind: the {kind} of {config.describe()} runs lifted (padded, transposed to BTNH or its "
+                             "diagonal folded into the bias: cudnn_attn.core.padded_call); "
+                             "call dot_product_attention / dot_product_attention_bwd for it")
         call.plan()                                          # built now
         typed = [prepared.descriptor(x) for x in arrays]
         return _Bound(call, call.direct_order(self._BWD_NAMES[:len(arrays)]), typed, sum(map(tuple, typed), ()))
@@ -460,7 +461,7 @@ class _Bound(NamedTuple):
         return call.direct(pointers, seed, out)
 
 
-def bind(query: Any, key: Any, value: Any, *, scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK,
+def bind(query: Any, key: Any, value: Any, *, scale: float | None = 1.0, mask_type: MaskType = MaskType.NO_MASK,
          seed: int = 42, dropout_rate: float = 0.0, qkv_layout: str = "BTNH",
          sliding_window_length: int | None = None, return_residual: bool = False,
          diagonal_alignment: str = "top_left", deterministic: bool = False,

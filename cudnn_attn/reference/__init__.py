@@ -7,10 +7,11 @@
   seed-compatible entry points on NumPy arrays; :func:`attention` the native one (named results).
 
 What it runs is the support table's to say (:mod:`cudnn_attn.core.support`, the one authority on
-"unsupported"): it refuses only the rows no front runs (``not_supported_reasons(config,
-front="reference")``, raised by :func:`~cudnn_attn.core.support.check_everywhere`), so it runs everything a GPU
-runs and more (a training head dim of 320, FP8 with padding); what a GPU would refuse is
-``not_supported_reasons(config, env)`` of the same table.
+"unsupported").  :func:`forward` and :func:`backward` refuse only the rows no front runs (``not_supported_reasons(config,
+front="reference")``, raised by :func:`~cudnn_attn.core.support.check_everywhere`): they run everything a GPU
+runs and more (a training head dim of 320, FP8 with padding), the exact oracle of the tests.  The public
+functions refuse in addition what the CuPy front would refuse on the CPU fronts' GPU target
+(:mod:`cudnn_attn.core.cpu_target`: sm90 unless ``$CUDNN_ATTN_CPU_TARGET`` names another, ``off`` for none).
 
 Everything is computed in float64 and rounded once, at the end, to the io dtype (logsumexp: float32).
 Modules: :mod:`.tensors` (layouts, pages, dtypes), :mod:`.segments` (padding and packed sequences),

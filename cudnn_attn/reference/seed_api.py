@@ -1,6 +1,8 @@
 """The seed-compatible entry points (JAX's ``dot_product_attention`` / ``paged_attention`` argument
 names and defaults, from :mod:`cudnn_attn.core.parameters`) and the native ``attention`` on NumPy arrays,
-running the reference.
+running the reference.  They refuse what the CuPy front would refuse on the CPU fronts' GPU target
+(:mod:`cudnn_attn.core.cpu_target`; ``$CUDNN_ATTN_CPU_TARGET=off`` for none); :func:`.core.forward` and
+:func:`.core.backward` check no target.
 
 Extensions, keyword-only after the seed's: ``diagonal_alignment`` ("top_left" or "bottom_right"),
 ``sink`` (float32 ``(N,)`` attention-sink logits) and ``dropout_mask`` (the ``(B, N, T, S)`` keep-mask
@@ -13,10 +15,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from cudnn_attn.core import parameters
+from cudnn_attn.core import cpu_target, parameters
 from cudnn_attn.core.masks import MaskSpec
 from cudnn_attn.core.parameters import AuxRequest
-from cudnn_attn.core.types import AttentionGrads, AttentionOutput, FP8Params, MaskType
+from cudnn_attn.core.types import AttentionGrads, AttentionOutput, FP8Params, Front, Kind, MaskType
 from cudnn_attn.core.validation import validate_backward, validate_call
 
 from .core import backward, forward
@@ -26,7 +28,9 @@ def _forward(call: NamedTuple) -> AttentionOutput:
     arrays, static = parameters.arguments(call)
     with parameters.native_names(call):
         config, operands = validate_call(**arrays, **static, xp=np)
-    return forward(parameters.finish(call, config), operands, seed=call.seed, dropout_mask=call.dropout_mask)
+    config = parameters.finish(call, config)
+    cpu_target.check(config, kind=Kind.FORWARD, front=Front.CUPY)
+    return forward(config, operands, seed=call.seed, dropout_mask=call.dropout_mask)
 
 
 @parameters.front(parameters.NATIVE, "deterministic", "dropout_mask")
@@ -44,7 +48,7 @@ def attention(query: Any, key: Any, value: Any, *, mask: MaskSpec | None = None,
 def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, q_seqlen: Any = None,
                           kv_seqlen: Any = None, q_offsets: Any = None, kv_offsets: Any = None,
                           fp8_params: FP8Params | None = None, score_mod_args: Sequence[Any] = (), *,
-                          scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK, seed: int = 42,
+                          scale: float | None = 1.0, mask_type: MaskType = MaskType.NO_MASK, seed: int = 42,
                           dropout_rate: float = 0.0, qkv_layout: str = "BTNH",
                           sliding_window_length: int | None = None, score_mod: Callable[..., Any] | None = None,
                           use_fp8: bool = False, return_residual: bool = False, diagonal_alignment: str = "top_left",
@@ -58,7 +62,7 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
 @parameters.front(parameters.PAGED, "dropout_mask")
 def paged_attention(query: Any, key: Any, value: Any, q_seqlen: Any, kv_seqlen: Any, page_table_k: Any,
                     page_table_v: Any, bias: Any = None, mask: Any = None, fp8_params: FP8Params | None = None, *,
-                    scale: float = 1.0, mask_type: MaskType = MaskType.NO_MASK, seed: int = 42,
+                    scale: float | None = 1.0, mask_type: MaskType = MaskType.NO_MASK, seed: int = 42,
                     dropout_rate: float = 0.0, qkv_layout: str = "BTNH", sliding_window_length: int | None = None,
                     use_fp8: bool = False, return_residual: bool = False, diagonal_alignment: str = "top_left",
                     sink: Any = None, dropout_mask: Any = None) -> Any:
@@ -72,7 +76,7 @@ def paged_attention(query: Any, key: Any, value: Any, q_seqlen: Any, kv_seqlen: 
 def dot_product_attention_bwd(query: Any, key: Any, value: Any, output: Any, grad_output: Any, logsumexp: Any,
                               bias: Any = None, mask: Any = None, q_seqlen: Any = None, kv_seqlen: Any = None,
                               q_offsets: Any = None, kv_offsets: Any = None, fp8_params: FP8Params | None = None,
-                              score_mod_args: Sequence[Any] = (), *, scale: float = 1.0,
+                              score_mod_args: Sequence[Any] = (), *, scale: float | None = 1.0,
                               mask_type: MaskType = MaskType.NO_MASK, seed: int = 42, dropout_rate: float = 0.0,
                               qkv_layout: str = "BTNH", sliding_window_length: int | None = None,
                               score_mod: Callable[..., Any] | None = None, use_fp8: bool = False,
@@ -88,5 +92,6 @@ def dot_product_attention_bwd(query: Any, key: Any, value: Any, output: Any, gra
     arrays, static = parameters.arguments(call, backward=True)
     config, operands = validate_call(**arrays, **static, xp=np)
     validate_backward(config, call.output, call.grad_output, call.logsumexp)
+    cpu_target.check(config, kind=Kind.BACKWARD, front=Front.CUPY)
     return backward(config, operands, call.output, call.grad_output, call.logsumexp, seed=call.seed,
                     dropout_mask=call.dropout_mask)

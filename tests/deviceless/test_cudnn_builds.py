@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from cudnn_attn.core.config import MaskSpec
+from cudnn_attn.core.padded_call import lifted_config
 from cudnn_attn.graphs import ALL_PLANS, TensorId
 
 from .matrix import (
@@ -75,6 +76,17 @@ ROWS = {
     "fp8-d64-inference": (fp8(d=64, training=False, mask=CAUSAL), FWD),
 }
 
+
+# Calls that run lifted (cudnn_attn.core.padded_call): what cuDNN is given is the lifted configuration.
+LIFTED = {
+    "packed-BNTH-causal": (config(packing=packed(), mask=PADDING_CAUSAL, layout=BNTH), FWD_BWD),
+    "bottom-right-causal-bias-T<S": (config(q_len=64, mask=MaskSpec(right_bound=0, alignment=BOTTOM_RIGHT),
+                                            bias=bias((1, N, 64, S))), FWD_BWD),
+    "bottom-right-window-bias-dropout": (config(mask=MaskSpec(right_bound=0, left_bound=32, alignment=BOTTOM_RIGHT),
+                                                bias=bias((B, 1, T, S)), dropout_rate=0.1), FWD_BWD),
+}
+for _name, (_cfg, _kinds) in LIFTED.items():
+    ROWS[f"lifted-{_name}"] = (lifted_config(_cfg), _kinds)
 
 CASES = [pytest.param(cfg, kind, id=f"{name}-{kind}") for name, (cfg, kinds) in ROWS.items() for kind in kinds]
 

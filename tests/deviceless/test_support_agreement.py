@@ -1,8 +1,9 @@
 """The support table agrees with cuDNN 9.19 on sm90 (deviceless builds).
 
-For every configuration, supported or not: cuDNN accepts it (the forward builds, and the backward too
-when ``training``) exactly when ``support.not_supported_reasons(config, Environment.sm90(),
-enforced_by=CUDNN)`` is empty.  Rules the library enforces on its own (the seed's policy) are not
+For every configuration, supported or not: cuDNN accepts what the library hands it - the configuration, or
+the lifted one where a lift serves it (``cudnn_attn.core.padded_call``: packed BNTH runs as BTNH, bottom-right
+causal with a bias folded into the bias) - (the forward builds, and the backward too when ``training``)
+exactly when ``support.not_supported_reasons(config, Environment.sm90(), enforced_by=CUDNN)`` is empty.  Rules the library enforces on its own (the seed's policy) are not
 cuDNN's business; where the graph builder itself refuses a structure cuDNN's API cannot express, the
 support table must refuse it too (for any reason).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from cudnn_attn.core.config import MaskSpec
+from cudnn_attn.core.padded_call import lifted_config
 
 from .matrix import (
     BNTH,
@@ -55,6 +57,10 @@ SUPPORTED = {
     "fp8-training-d128-causal": fp8(mask=CAUSAL),
     "fp8-inference-d64": fp8(d=64, training=False),
     "score_mod-softcap": config(score_mod=SOFTCAP),
+    "lifted-bottom-right-bias": config(mask=BR_CAUSAL, q_len=64, bias=bias((1, N, 64, S))),
+    "lifted-bottom-right-window-bias-dropout": config(mask=MaskSpec(right_bound=0, left_bound=32, alignment=BOTTOM_RIGHT),
+                                                      bias=bias((B, 1, T, S)), dropout_rate=0.1),
+    "lifted-packed-BNTH": config(packing=packed(), layout=BNTH, mask=PADDING),
 }
 
 # Rows the table should simply take from cuDNN (masks expressed inside a score_mod).
@@ -67,7 +73,7 @@ CUDNN_DECIDES = {
 
 UNSUPPORTED = {
     "alibi-without-causal": config(mask=MaskSpec(alibi=True)),
-    "bottom-right-bias": config(mask=BR_CAUSAL, q_len=64, bias=bias((1, N, 64, S))),
+    "bottom-right-padding-bias": config(mask=BR_PADDING_CAUSAL, q_len=64, bias=bias((1, N, 64, S))),
     "bottom-right-dropout": config(mask=BR_CAUSAL, q_len=64, dropout_rate=0.1),
     "bottom-right-alibi": config(mask=MaskSpec(right_bound=0, alibi=True, alignment=BOTTOM_RIGHT)),
     "bottom-right-T>S": config(q_len=192, kv_len=128, mask=BR_CAUSAL),
@@ -81,7 +87,6 @@ UNSUPPORTED = {
     "fp8-bottom-right": fp8(mask=BR_CAUSAL, training=False),
     "fp8-training-packed": fp8(packing=packed(), mask=PADDING_CAUSAL),
     "paged-training": config(paging=paged(), mask=BR_PADDING_CAUSAL),
-    "packed-BNTH": config(packing=packed(), layout=BNTH, mask=PADDING),
     "packed-bias": config(packing=packed(), mask=PADDING, bias=bias((1, N, T, S))),
     "score_mod-alibi": config(score_mod=SOFTCAP, mask=MaskSpec(right_bound=0, alibi=True)),
     "score_mod-softcap-dbias": config(score_mod=SOFTCAP, bias=bias((1, N, T, S))),
@@ -94,7 +99,8 @@ CASES = [pytest.param(cfg, id=f"supported-{name}") for name, cfg in SUPPORTED.it
 
 def _cudnn_verdicts(deviceless, cfg):
     kinds = ("fwd", "bwd") if cfg.training else ("fwd",)
-    return [deviceless.verdict(cfg, kind) for kind in kinds]
+    built = lifted_config(cfg) or cfg                  # what the library hands cuDNN
+    return [deviceless.verdict(built, kind) for kind in kinds]
 
 
 @pytest.mark.parametrize("cfg", CASES)
