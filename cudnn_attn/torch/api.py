@@ -19,10 +19,10 @@ import torch
 
 from cudnn_attn.core.config import DiagonalAlignment
 from cudnn_attn.core.masks import as_mask
-from cudnn_attn.core.parameters import wants_logsumexp
+from cudnn_attn.core.parameters import renamed_arguments, wants_logsumexp
 from cudnn_attn.core.types import AttentionLayout, AttentionOutput
 
-from .ops import attention_op
+from .ops import NAMES, attention_op
 
 __all__ = ["attention", "sdpa"]
 
@@ -34,7 +34,8 @@ def _layout_name(layout: Any) -> str:
     (``torch.compile`` cannot trace an enum's ``__members__``)."""
     name = layout.upper().replace("S", "T") if isinstance(layout, str) else None
     if name not in _OTHER:
-        AttentionLayout.parse(layout)            # raises its ValueError
+        with renamed_arguments(NAMES):
+            AttentionLayout.parse(layout)        # raises its ValueError
     return name
 
 

@@ -35,6 +35,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from cudnn_attn.core.parameters import renamed_arguments
 from cudnn_attn.core.types import MaskType
 from cudnn_attn.core.validation import check_seed, validate_backward, validate_call
 from cudnn_attn.fronts import cupy as cupy_front
@@ -44,6 +45,9 @@ from cudnn_attn.reference import dot_product_attention_bwd as reference_backward
 __all__ = ["attention_op", "attention_backward_op"]
 
 _TAGS = tuple(tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),) if tag is not None)
+# What validation's messages call an argument, and what the operators call it.
+NAMES = {"q_seqlen": "q_lengths", "kv_seqlen": "kv_lengths", "mask": "keep", "qkv_layout": "layout",
+         "sliding_window_length": "window", "training (return_residual)": "training"}
 _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
                  torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
                  torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64), torch.bool: np.dtype(np.bool_),
@@ -84,7 +88,14 @@ def _validated(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_le
     """The call's :class:`~cudnn_attn.core.config.AttentionConfig`, validated on stand-ins (``ValueError``s of
     :func:`~cudnn_attn.core.validation.validate_call`).  The keep-mask stands in with its T and S dims of size
     1 (they broadcast): validation folds it into a bias, which is what the call itself will do."""
-    check_seed(seed)
+    with renamed_arguments(NAMES):
+        check_seed(seed)
+        return _validate_stand_ins(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right,
+                                   window, dropout_rate, seed, layout, training)
+
+
+def _validate_stand_ins(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window,
+                        dropout_rate, seed, layout, training) -> Any:
     keep_shape = None
     if keep is not None:
         _check_keep_dims(keep, query, key, layout)
@@ -144,7 +155,13 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_
                  bottom_right: bool, window: int, dropout_rate: float, seed: int, layout: str,
                  training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """cuDNN attention (module doc): ``(output, logsumexp)``, the logsumexp empty unless ``training``."""
-    static = (scale, causal, bottom_right, window, dropout_rate, seed, layout)
+    with renamed_arguments(NAMES):
+        return _forward(query, key, value, q_lengths, kv_lengths, keep,
+                        (scale, causal, bottom_right, window, dropout_rate, seed, layout), training)
+
+
+def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any, kv_lengths: Any, keep: Any,
+             static: tuple, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if query.device.type == "cuda":
         arguments = _seed_arguments(q_lengths, kv_lengths, keep, *static)
         result = cupy_front.dot_product_attention(query, key, value, **arguments, return_residual=training,
@@ -180,8 +197,14 @@ def attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients ``(dq, dk, dv)`` of :func:`attention_op` (called with the same arguments and ``training``)
     given its ``output``, ``logsumexp`` and the output's gradient."""
-    static = (scale, causal, bottom_right, window, dropout_rate, seed, layout)
-    grad_output = grad_output.contiguous()
+    with renamed_arguments(NAMES):
+        return _backward_grads(query, key, value, output, grad_output.contiguous(), logsumexp, q_lengths, kv_lengths,
+                               keep, (scale, causal, bottom_right, window, dropout_rate, seed, layout))
+
+
+def _backward_grads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
+                    grad_output: torch.Tensor, logsumexp: torch.Tensor, q_lengths: Any, kv_lengths: Any, keep: Any,
+                    static: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if query.device.type == "cuda":
         arguments = _seed_arguments(q_lengths, kv_lengths, keep, *static)
         grads = cupy_front.dot_product_attention_bwd(query, key, value, output, grad_output, logsumexp,
@@ -198,8 +221,9 @@ def _attention_backward_fake(query, key, value, output, grad_output, logsumexp, 
                              causal, bottom_right, window, dropout_rate, seed, layout):
     config = _validated(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window,
                         dropout_rate, seed, layout, True)
-    validate_backward(config, _stand_in("output", output), _stand_in("grad_output", grad_output),
-                      _stand_in("logsumexp", logsumexp))
+    with renamed_arguments(NAMES):
+        validate_backward(config, _stand_in("output", output), _stand_in("grad_output", grad_output),
+                          _stand_in("logsumexp", logsumexp))
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
