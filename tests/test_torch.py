@@ -185,17 +185,19 @@ def test_strided_views_run_in_the_layout_they_are_dense_in(rng):
         assert torch.equal(got.transpose(1, 2), expected)
 
 
-def test_compiled_forward_and_backward_match_eager(rng):
-    q, k, v = _qkv(rng, torch.float16)
-
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static_shapes", "dynamic_shapes"])
+def test_compiled_forward_and_backward_match_eager(rng, dynamic):
+    """With dynamic shapes the fake implementation sees symbolic sizes (it then only computes the shapes)."""
     def loss(q, k, v):
         return (ct.sdpa(q, k, v, causal=True)[0].float() ** 2).sum()
 
-    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
-    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
-    want = torch.autograd.grad(loss(q, k, v), (q, k, v))
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for length in (8, 12):
+        q, k, v = _qkv(rng, torch.float16, T=length, S=length)
+        got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+        want = torch.autograd.grad(loss(q, k, v), (q, k, v))
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
 
 
 def test_dropout_is_reproducible_by_seed(rng):

@@ -181,10 +181,26 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_leng
 @attention_op.register_fake
 def _attention_fake(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window,
                     dropout_rate, seed, layout, training):
-    config = _validated(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window,
-                        dropout_rate, seed, layout, training)
-    output = query.new_empty(config.o_shape)
-    return output, (query.new_empty(config.lse_shape, dtype=torch.float32) if training else _empty_lse(query))
+    if _symbolic(query, key, value, q_lengths, kv_lengths, keep):
+        o_shape, lse_shape = _shapes(query, value, layout)
+    else:
+        config = _validated(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window,
+                            dropout_rate, seed, layout, training)
+        o_shape, lse_shape = config.o_shape, config.lse_shape
+    output = query.new_empty(o_shape)
+    return output, (query.new_empty(lse_shape, dtype=torch.float32) if training else _empty_lse(query))
+
+
+def _symbolic(*tensors: Any) -> bool:
+    """Some dimension is symbolic (``torch.compile`` with dynamic shapes): validation needs concrete sizes, so
+    the fake implementation then only computes the result shapes and the call validates when it runs."""
+    return any(not isinstance(d, int) for x in tensors if x is not None for d in x.shape)
+
+
+def _shapes(query: torch.Tensor, value: torch.Tensor, layout: str) -> tuple[tuple, tuple]:
+    """The output's and the logsumexp's shapes (:class:`~cudnn_attn.core.config.AttentionConfig`'s rule)."""
+    heads, length = (1, 2) if layout == "BNTH" else (2, 1)
+    return (*query.shape[:3], value.shape[3]), (query.shape[0], query.shape[heads], query.shape[length])
 
 
 # -- the backward operator ----------------------------------------------------------------------------------
@@ -219,11 +235,12 @@ def _backward_grads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 @attention_backward_op.register_fake
 def _attention_backward_fake(query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep, scale,
                              causal, bottom_right, window, dropout_rate, seed, layout):
-    config = _validated(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window,
-                        dropout_rate, seed, layout, True)
-    with renamed_arguments(NAMES):
-        validate_backward(config, _stand_in("output", output), _stand_in("grad_output", grad_output),
-                          _stand_in("logsumexp", logsumexp))
+    if not _symbolic(query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep):
+        config = _validated(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window,
+                            dropout_rate, seed, layout, True)
+        with renamed_arguments(NAMES):
+            validate_backward(config, _stand_in("output", output), _stand_in("grad_output", grad_output),
+                              _stand_in("logsumexp", logsumexp))
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
