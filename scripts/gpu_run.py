@@ -10,8 +10,9 @@ Phases (default: ``tests train host jax attention``):
                    fix, exported there by the caller), plain and ``cuda_graph=True``, under a 60 s watchdog:
                    does it still hang / crash?  Runs in the background next to the other phases;
 * ``train``      - per-step times, ours vs ``jax.nn`` cuDNN, tiny and 1024-wide models, 1 and 2 GPUs;
-* ``host``, ``jax``, ``attention``, ``fp8``, ``decode``, ``first_call``, ``context_parallel``, ``autotune``
-                 - ``benchmarks/bench_<phase>.py``; ``soak`` - ``benchmarks/soak.py`` (``--quick`` unless ``--full``,
+* ``host``, ``jax``, ``attention``, ``fp8``, ``decode``, ``first_call``, ``context_parallel``, ``autotune``,
+  ``torch``      - ``benchmarks/bench_<phase>.py`` (``torch``: a transformers Llama training step, cudnn_attn.torch
+                 vs torch's SDPA); ``soak`` - ``benchmarks/soak.py`` (``--quick`` unless ``--full``,
                  or ``PHASE:full`` for one phase);
 * ``soak_ab``    - the soak twice, half the phase's time each: ``CUDNN_ATTN_REPLAY=0``, then replay on (which of
                    them grows device memory); ``SOAK_CALLS`` / ``SOAK_ARGS`` as for ``soak``;
@@ -39,7 +40,7 @@ from collections import Counter, defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.environ.get("OUT", os.path.join(ROOT, "bench_out"))
-BENCHES = ("host", "jax", "attention", "fp8", "decode", "first_call", "context_parallel", "soak", "autotune")
+BENCHES = ("host", "jax", "attention", "fp8", "decode", "first_call", "context_parallel", "soak", "autotune", "torch")
 RESERVE = {"tests": 60, "train": 40, "legacy": 0}       # seconds kept for each later phase (default 30)
 
 
