@@ -17,7 +17,8 @@ seed, layout, training) -> (output, logsumexp)``
 
 CUDA tensors run the library's CuPy front (:func:`cudnn_attn.fronts.cupy.dot_product_attention` and
 ``dot_product_attention_bwd``) on the tensors themselves, zero-copy through DLPack, on torch's current
-stream; results are torch tensors over CuPy's memory pool.  CPU tensors run the NumPy reference
+stream (CuPy's current stream during the call, so the keep-mask's folding and the results' allocation are
+ordered there as well); results are torch tensors over CuPy's memory pool.  CPU tensors run the NumPy reference
 (:mod:`cudnn_attn.reference`, float64 inside): the same validation and results, for tests and machines
 without a GPU.  Both validate with :func:`cudnn_attn.core.validation.validate_call`, so errors are the
 other fronts' (``ValueError`` naming the argument; ``UnsupportedConfigurationError`` from the support table).
@@ -38,6 +39,7 @@ import torch
 from cudnn_attn.core.parameters import renamed_arguments
 from cudnn_attn.core.types import MaskType
 from cudnn_attn.core.validation import check_seed, validate_backward, validate_call
+from cudnn_attn.engine import runtime
 from cudnn_attn.fronts import cupy as cupy_front
 from cudnn_attn.reference import dot_product_attention as reference_forward
 from cudnn_attn.reference import dot_product_attention_bwd as reference_backward
@@ -143,6 +145,12 @@ def _stream(x: torch.Tensor) -> int:
     return torch.cuda.current_stream(x.device).cuda_stream
 
 
+def _on_torch_stream(x: torch.Tensor) -> Any:
+    """torch's current stream of ``x``'s device as CuPy's current stream: what the CuPy front does besides the
+    launch (importing, folding the keep-mask, allocating and exporting the results) is ordered there too."""
+    return runtime.device_context(x.device.index).stream(_stream(x))
+
+
 def _empty_lse(query: torch.Tensor) -> torch.Tensor:
     return query.new_empty((0,), dtype=torch.float32)
 
@@ -164,8 +172,9 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_leng
              static: tuple, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if query.device.type == "cuda":
         arguments = _seed_arguments(q_lengths, kv_lengths, keep, *static)
-        result = cupy_front.dot_product_attention(query, key, value, **arguments, return_residual=training,
-                                                  stream=_stream(query))
+        with _on_torch_stream(query):
+            result = cupy_front.dot_product_attention(query, key, value, **arguments, return_residual=training,
+                                                      stream=_stream(query))
         return (result[0], result[1]) if training else (result, _empty_lse(query))
     if query.device.type != "cpu":
         raise ValueError(f"query: the torch front runs on CUDA (cuDNN) and CPU (the NumPy reference) tensors, "
@@ -223,8 +232,9 @@ def _backward_grads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     static: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if query.device.type == "cuda":
         arguments = _seed_arguments(q_lengths, kv_lengths, keep, *static)
-        grads = cupy_front.dot_product_attention_bwd(query, key, value, output, grad_output, logsumexp,
-                                                     **arguments, stream=_stream(query))
+        with _on_torch_stream(query):
+            grads = cupy_front.dot_product_attention_bwd(query, key, value, output, grad_output, logsumexp,
+                                                         **arguments, stream=_stream(query))
         return grads.dq, grads.dk, grads.dv
     arguments = _seed_arguments(_to_numpy(q_lengths), _to_numpy(kv_lengths), _to_numpy(keep), *static)
     grads = reference_backward(*(_to_numpy(x) for x in (query, key, value, output, grad_output,
