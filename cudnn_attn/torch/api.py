@@ -22,7 +22,7 @@ from cudnn_attn.core.masks import as_mask
 from cudnn_attn.core.parameters import renamed_arguments, wants_logsumexp
 from cudnn_attn.core.types import AttentionLayout, AttentionOutput
 
-from .ops import NAMES, attention_op
+from .ops import NAMES, attention_op, check_call
 
 __all__ = ["attention", "sdpa"]
 
@@ -76,12 +76,13 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
         scale = 1.0 / math.sqrt(query.shape[-1])
     if training is None:
         training = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    static = (float(scale), bool(causal), bool(bottom_right), int(window), float(dropout_rate), int(seed))
+    if not torch.compiler.is_compiling():       # traced: the fake implementation validates
+        check_call(query, key, value, q_lengths, kv_lengths, keep, *static, asked, bool(training))
     transposed = _running_layout(query, key, value)
     running = _OTHER[asked] if transposed else asked
     q, k, v = ((x.transpose(1, 2) if transposed else x).contiguous() for x in (query, key, value))
-    output, logsumexp = attention_op(q, k, v, q_lengths, kv_lengths, keep, float(scale), bool(causal),
-                                     bool(bottom_right), int(window), float(dropout_rate), int(seed), running,
-                                     bool(training))
+    output, logsumexp = attention_op(q, k, v, q_lengths, kv_lengths, keep, *static, running, bool(training))
     return (output.transpose(1, 2) if transposed else output), logsumexp
 
 

@@ -111,6 +111,23 @@ def _validate_stand_ins(query, key, value, q_lengths, kv_lengths, keep, scale, c
     return config
 
 
+_checked: dict[tuple, Any] = {}
+_CHECKED_MAX = 256
+
+
+def check_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any, kv_lengths: Any,
+               keep: Any, *static: Any) -> None:
+    """:func:`_validated` once per call signature (shapes, dtypes, the static arguments): what an eager call
+    checks before it touches the tensors (a layout change copies them on the GPU)."""
+    signature = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in
+                      (query, key, value, q_lengths, kv_lengths, keep)) + static
+    if signature not in _checked:
+        _validated(query, key, value, q_lengths, kv_lengths, keep, *static)
+        if len(_checked) >= _CHECKED_MAX:
+            _checked.clear()
+        _checked[signature] = True
+
+
 def _check_keep_dims(keep: torch.Tensor, query: torch.Tensor, key: torch.Tensor, layout: str) -> None:
     """The keep-mask's T and S dims (validation sees them as 1): each 1 or the call's T and S."""
     sequence = 2 if str(layout).upper() in ("BNTH", "BNSH") else 1
