@@ -16,8 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import cudnn_attn.torch as ct  # noqa: E402
-from cudnn_attn import AuxRequest, causal, keep, padding, window  # noqa: E402
+import cudnn_attn.torch as ct
+from cudnn_attn import AuxRequest, causal, keep, padding, window
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 OPS = ("attention", "attention_backward")

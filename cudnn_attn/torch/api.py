@@ -13,7 +13,7 @@ are opaque to it: :mod:`cudnn_attn.torch.ops`).
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -63,10 +63,10 @@ def _check_tensors(**tensors: Any) -> None:
 
 
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool = False,
-         bottom_right: bool = False, window: int = 0, q_lengths: Optional[torch.Tensor] = None,
-         kv_lengths: Optional[torch.Tensor] = None, keep: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+         bottom_right: bool = False, window: int = 0, q_lengths: torch.Tensor | None = None,
+         kv_lengths: torch.Tensor | None = None, keep: torch.Tensor | None = None, scale: float | None = None,
          dropout_rate: float = 0.0, seed: int = 42, layout: str = "BTNH",
-         training: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+         training: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(output, logsumexp)`` of cuDNN attention (the operator's arguments, :mod:`cudnn_attn.torch.ops`), the
     output in ``layout``.  ``scale=None`` is ``1/sqrt(H)``; ``training=None`` keeps the logsumexp exactly when
     autograd will need it (grad enabled and an input requiring grad); otherwise the logsumexp is empty."""
@@ -87,7 +87,7 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any = None, *,
-              scale: Optional[float] = None, dropout_rate: float = 0.0, seed: int = 42, layout: str = "BTNH",
+              scale: float | None = None, dropout_rate: float = 0.0, seed: int = 42, layout: str = "BTNH",
               return_aux: Any = None) -> AttentionOutput:
     """cuDNN attention on torch tensors with the native API's arguments (:func:`cudnn_attn.attention`).
 

@@ -44,7 +44,7 @@ from cudnn_attn.fronts import cupy as cupy_front
 from cudnn_attn.reference import dot_product_attention as reference_forward
 from cudnn_attn.reference import dot_product_attention_bwd as reference_backward
 
-__all__ = ["attention_op", "attention_backward_op"]
+__all__ = ["attention_backward_op", "attention_op"]
 
 _TAGS = tuple(tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),) if tag is not None)
 # What validation's messages call an argument, and what the operators call it.
@@ -72,24 +72,24 @@ def _seed_arguments(q_lengths: Any, kv_lengths: Any, keep: Any, scale: float, ca
                 diagonal_alignment="bottom_right" if bottom_right and causal else "top_left")
 
 
-def _stand_in(name: str, x: Optional[torch.Tensor], shape: Any = None) -> Any:
-    """A NumPy array of ``x``'s dtype and shape (``shape`` instead, if given) that holds one element (stride 0):
-    what validation reads of ``x`` without its values."""
+def _stand_in(name: str, x: torch.Tensor | None) -> Any:
+    """A NumPy array of ``x``'s dtype and shape that holds one element (stride 0): what validation reads of
+    ``x`` without its values."""
     if x is None:
         return None
     dtype = _NUMPY_DTYPES.get(x.dtype)
     if dtype is None:
         raise ValueError(f"{name}: unsupported dtype {x.dtype} (shape {list(x.shape)}); query/key/value take "
                          f"float16 or bfloat16, lengths int32, keep bool")
-    return np.broadcast_to(np.zeros((), dtype), tuple(x.shape) if shape is None else shape)
+    return np.broadcast_to(np.zeros((), dtype), tuple(x.shape))
 
 
 def _validated(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any, kv_lengths: Any,
                keep: Any, scale: float, causal: bool, bottom_right: bool, window: int, dropout_rate: float,
                seed: int, layout: str, training: bool) -> Any:
     """The call's :class:`~cudnn_attn.core.config.AttentionConfig`, validated on stand-ins (``ValueError``s of
-    :func:`~cudnn_attn.core.validation.validate_call`).  The keep-mask stands in with its T and S dims of size
-    1 (they broadcast): validation folds it into a bias, which is what the call itself will do."""
+    :func:`~cudnn_attn.core.validation.validate_call`).  Validation folds a keep-mask into a bias: one host array
+    of ``(B|1, N|1, T, S)`` elements of the io dtype, made and dropped here."""
     with renamed_arguments(NAMES):
         check_seed(seed)
         return _validate_stand_ins(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right,
@@ -98,13 +98,9 @@ def _validated(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_le
 
 def _validate_stand_ins(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window,
                         dropout_rate, seed, layout, training) -> Any:
-    keep_shape = None
-    if keep is not None:
-        _check_keep_dims(keep, query, key, layout)
-        keep_shape = tuple(keep.shape[:-2]) + (1,) * min(keep.dim(), 2)
     arguments = _seed_arguments(_stand_in("q_lengths", q_lengths), _stand_in("kv_lengths", kv_lengths),
-                                _stand_in("keep", keep, keep_shape), scale, causal, bottom_right, window,
-                                dropout_rate, seed, layout)
+                                _stand_in("keep", keep), scale, causal, bottom_right, window, dropout_rate, seed,
+                                layout)
     arguments.pop("seed")
     config, _ = validate_call(_stand_in("query", query), _stand_in("key", key), _stand_in("value", value),
                               **arguments, training=training, xp=np)
@@ -128,21 +124,9 @@ def check_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_le
         _checked[signature] = True
 
 
-def _check_keep_dims(keep: torch.Tensor, query: torch.Tensor, key: torch.Tensor, layout: str) -> None:
-    """The keep-mask's T and S dims (validation sees them as 1): each 1 or the call's T and S."""
-    sequence = 2 if str(layout).upper() in ("BNTH", "BNSH") else 1
-    if query.dim() != 4 or key.dim() != 4 or keep.dim() == 0:
-        return                                          # validation names the rank error
-    want = (query.shape[sequence], key.shape[sequence])
-    got = tuple(keep.shape[-2:])
-    if any(g not in (1, w) for g, w in zip(got, want[-len(got):])):
-        raise ValueError(f"keep: shape {list(keep.shape)} does not broadcast to (B, N, T, S) = "
-                         f"(B, N, {want[0]}, {want[1]}) (query {list(query.shape)}, key {list(key.shape)}, {layout})")
-
-
 # -- NumPy views of CPU tensors -----------------------------------------------------------------------------
 
-def _to_numpy(x: Optional[torch.Tensor]) -> Any:
+def _to_numpy(x: torch.Tensor | None) -> Any:
     if x is None:
         return None
     x = x.detach().contiguous()
@@ -174,6 +158,7 @@ def _empty_lse(query: torch.Tensor) -> torch.Tensor:
 
 # -- the forward operator -----------------------------------------------------------------------------------
 
+# torch infers the operators' schemas from these annotations (Optional[torch.Tensor] -> "Tensor?").
 @torch.library.custom_op("cudnn_attn::attention", mutates_args=(), tags=_TAGS)
 def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Optional[torch.Tensor],
                  kv_lengths: Optional[torch.Tensor], keep: Optional[torch.Tensor], scale: float, causal: bool,

@@ -19,7 +19,7 @@ call is a custom operator (:mod:`cudnn_attn.torch.ops`), opaque to the tracer.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -29,8 +29,8 @@ __all__ = ["register_transformers", "transformers_attention"]
 
 
 def transformers_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
-                           scaling: Optional[float] = None, is_causal: Optional[bool] = None,
+                           attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                           scaling: float | None = None, is_causal: bool | None = None,
                            **kwargs: Any) -> tuple[torch.Tensor, None]:
     """An attention function of transformers' ``AttentionInterface``: ``query`` ``(B, N, T, H)``, ``key``/``value``
     ``(B, K, S, H)``, ``attention_mask`` the registered mask function's (module doc).  Returns the output

@@ -24,8 +24,8 @@ torch = pytest.importorskip("torch")
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-import cudnn_attn.torch as ct  # noqa: E402
-from cudnn_attn import causal, keep, padding  # noqa: E402
+import cudnn_attn.torch as ct
+from cudnn_attn import causal, keep, padding
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 WATCHDOG_S = 600
