@@ -265,7 +265,7 @@ def test_transformers_attention_refuses_an_additive_mask(rng):
         ct.transformers_attention(torch.nn.Module(), q, k, v, torch.zeros(2, 1, 8, 8, dtype=torch.float16))
 
 
-def _llama(layers=2):
+def _llama(layers=2, left_padding=True):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=1024, intermediate_size=512,
@@ -274,8 +274,9 @@ def _llama(layers=2):
     model = transformers.LlamaForCausalLM(config).to(torch.float16).eval()
     ids = torch.randint(3, 128, (2, 10))
     attention_mask = torch.ones(2, 10, dtype=torch.long)
-    attention_mask[1, :4] = 0                                           # left padding
-    ids[1, :4] = 0
+    if left_padding:
+        attention_mask[1, :4] = 0
+        ids[1, :4] = 0
     return model, ids, attention_mask
 
 
@@ -286,8 +287,11 @@ def _generate(model, implementation, ids, attention_mask, **options):
                               **options)[:, ids.shape[1]:]
 
 
-def test_llama_prefill_and_generate_match_sdpa_on_cpu():
-    model, ids, attention_mask = _llama()
+@pytest.mark.parametrize("left_padding", [True, False], ids=["left_padded", "unpadded"])
+def test_llama_prefill_and_generate_match_sdpa_on_cpu(left_padding):
+    """Left padded, every call has a keep-mask; unpadded, transformers passes none (causal prefill, decoding
+    against the whole cache)."""
+    model, ids, attention_mask = _llama(left_padding=left_padding)
     name = ct.register_transformers()
     with torch.no_grad():
         model.set_attn_implementation("sdpa")
