@@ -174,9 +174,13 @@ def test_dropout_reproducible_by_seed_and_differentiable(rng):
     assert torch.equal(first, second) and not torch.equal(first, other)
     grads = torch.autograd.grad(first.float().sum(), (q, k, v))
     assert all(torch.isfinite(g).all() for g in grads)
-    # E[dropout(P)] = P: over many seeds the mean output approaches the dropout-free one
-    mean = sum(ct.attention(q, k, v, mask=causal(), dropout_rate=0.25, seed=s).output.float() for s in range(64)) / 64
-    plain = ct.attention(q, k, v, mask=causal()).output.float()
+    # E[dropout(P)] = P: the mean over 128 seeds approaches the dropout-free output.  One seed's relative error is
+    # about sqrt(p / (1 - p)) = 0.58 for random values, so the mean's is about 0.58 / sqrt(128) = 0.05; a wrong
+    # 1 / (1 - p) scaling would leave 0.25 or more.
+    with torch.no_grad():
+        mean = sum(ct.attention(q, k, v, mask=causal(), dropout_rate=0.25, seed=s).output.float()
+                   for s in range(128)) / 128
+        plain = ct.attention(q, k, v, mask=causal()).output.float()
     assert float((mean - plain).norm() / plain.norm()) < 0.1
 
 
@@ -218,7 +222,8 @@ def test_llama_generate_matches_sdpa(cache):
             model.set_attn_implementation(name)
             got_logits = model(ids, attention_mask=attention_mask).logits
         valid = attention_mask.bool()
-        assert_close("prefill logits", _host(got_logits[valid]), _host(want_logits[valid]), "float16", scale=2.0)
+        # two fp16 attention kernels through three layers: 5x the one-kernel bound
+        assert_close("prefill logits", _host(got_logits[valid]), _host(want_logits[valid]), "float16", scale=5.0)
         want = _generate(model, "sdpa", ids, attention_mask, cache)
         got = _generate(model, name, ids, attention_mask, cache)
     finally:
