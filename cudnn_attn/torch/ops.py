@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import cupy
 import ml_dtypes
 import numpy as np
 import torch
@@ -152,6 +153,14 @@ def _on_torch_stream(x: torch.Tensor) -> Any:
     return runtime.device_context(x.device.index).stream(_stream(x))
 
 
+def _cupy_keep(keep: torch.Tensor | None) -> Any:
+    """A boolean CUDA tensor as a CuPy bool array over the same memory (through its uint8 view: DLPack's bool
+    type is recent, its uint8 older than both libraries)."""
+    if keep is None or keep.dtype != torch.bool:
+        return keep
+    return cupy.from_dlpack(keep.contiguous().view(torch.uint8)).view(cupy.bool_)
+
+
 def _empty_lse(query: torch.Tensor) -> torch.Tensor:
     return query.new_empty((0,), dtype=torch.float32)
 
@@ -173,8 +182,8 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_
 def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any, kv_lengths: Any, keep: Any,
              static: tuple, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if query.device.type == "cuda":
-        arguments = _seed_arguments(q_lengths, kv_lengths, keep, *static)
         with _on_torch_stream(query):
+            arguments = _seed_arguments(q_lengths, kv_lengths, _cupy_keep(keep), *static)
             result = cupy_front.dot_product_attention(query, key, value, **arguments, return_residual=training,
                                                       stream=_stream(query))
         return (result[0], result[1]) if training else (result, _empty_lse(query))
@@ -233,8 +242,8 @@ def _backward_grads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     grad_output: torch.Tensor, logsumexp: torch.Tensor, q_lengths: Any, kv_lengths: Any, keep: Any,
                     static: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if query.device.type == "cuda":
-        arguments = _seed_arguments(q_lengths, kv_lengths, keep, *static)
         with _on_torch_stream(query):
+            arguments = _seed_arguments(q_lengths, kv_lengths, _cupy_keep(keep), *static)
             grads = cupy_front.dot_product_attention_bwd(query, key, value, output, grad_output, logsumexp,
                                                          **arguments, stream=_stream(query))
         return grads.dq, grads.dk, grads.dv
