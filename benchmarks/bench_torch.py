@@ -12,7 +12,7 @@ Method: each step is forward + backward + optimizer step + ``zero_grad``; *GPU m
 events recorded on torch's current stream around the step (host gaps between kernels included), the median of
 ``--steps`` steps after ``--warmup``; *wall ms* the host clock of the step with a synchronize at its end.  The
 ratio is ours over sdpa's GPU ms (below 1: ours faster).  The two implementations start from the same
-parameters; the first step's losses are printed side by side (they differ by bf16 rounding only).
+parameters; the first step's losses are printed side by side (they differ only by the two attention kernels' rounding).
 
 Writes ``bench_torch.json`` into OUT_DIR and prints the table last.
 """
