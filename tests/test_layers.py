@@ -3,7 +3,8 @@ project's import graph has no cycle - imports inside functions counted.
 
 Layers, lowest first (DESIGN.md, "Layers"): ``core`` (what a call is) < ``reference`` and ``graphs`` (the NumPy
 reference; the cuDNN graph builder) < ``persist`` (plans on disk) < ``engine`` (running prepared calls) <
-``fronts`` and ``jax_bridge`` (the array-library fronts) < the package's face (``cudnn_attn/__init__.py``) <
+``fronts`` and ``jax_bridge`` (the array-library fronts) < ``torch`` (the torch front: custom operators over
+the CuPy front, and transformers' attention; optional, nothing below or in the face imports it) < the package's face (``cudnn_attn/__init__.py``) <
 ``tools`` (command line, demo, self-test) < ``cudnn_attn.__main__``.  The imports are read from the sources (AST), so a
 function-local import counts like a module-level one.
 """
@@ -18,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {"cudnn_attn": "cudnn_attn", "graphs": "cudnn_attn.graphs", "jax_bridge": "cudnn_attn.jax_bridge"}
 LAYERS = [("cudnn_attn.core",), ("cudnn_attn.reference", "cudnn_attn.graphs"), ("cudnn_attn.persist",),
-          ("cudnn_attn.engine",), ("cudnn_attn.fronts", "cudnn_attn.jax_bridge"), ("cudnn_attn",),
+          ("cudnn_attn.engine",), ("cudnn_attn.fronts", "cudnn_attn.jax_bridge"), ("cudnn_attn.torch",), ("cudnn_attn",),
           ("cudnn_attn.tools",), ("cudnn_attn.__main__",)]
 
 

@@ -178,7 +178,14 @@ def native_names(call: NamedTuple, names: dict[str, str] | None = None) -> Itera
     if not is_native(call):
         yield
         return
-    names = NATIVE_NAMES if names is None else names
+    with renamed_arguments(NATIVE_NAMES if names is None else names):
+        yield
+
+
+@contextlib.contextmanager
+def renamed_arguments(names: dict[str, str]) -> Iterator[None]:
+    """Validation's ``ValueError``s with the argument they name (``"q_seqlen: ..."``) renamed by ``names``: for a
+    front whose parameters are called otherwise than validation's."""
     try:
         yield
     except ValueError as error:

@@ -1,0 +1,129 @@
+"""A torch training step through transformers' Llama: ``cudnn_attn.torch`` against torch's default SDPA (not a test).
+
+    python benchmarks/bench_torch.py [--out OUT_DIR] [--quick] [--steps 10] [--warmup 3]
+
+Models: random-init ``LlamaForCausalLM`` (no download), bf16 parameters, AdamW, 16 query heads and 4 key/value heads
+of dim 64 (GQA), hidden 1024, causal language-model loss.  Rows: (layers, batch, sequence) = (4, 8, 1024),
+(4, 4, 4096) and (2, 1, 16384) (``--quick``: the first two).  Implementations: ``cudnn_attn``
+(``register_transformers()``, the custom operators on cuDNN) and ``sdpa`` (transformers' ``sdpa``:
+``torch.nn.functional.scaled_dot_product_attention`` with torch's own backend choice).
+
+Method: each step is forward + backward + optimizer step + ``zero_grad``; *GPU ms* is the time between two CUDA
+events recorded on torch's current stream around the step (host gaps between kernels included), the median of
+``--steps`` steps after ``--warmup``; *wall ms* the host clock of the step with a synchronize at its end.  The
+ratio is ours over sdpa's GPU ms (below 1: ours faster).  The two implementations start from the same
+parameters; the first step's losses are printed side by side (they differ only by the two attention kernels' rounding).
+
+Writes ``bench_torch.json`` into OUT_DIR and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+ROWS = ((4, 8, 1024), (4, 4, 4096), (2, 1, 16384))
+
+
+def _model(layers: int, sequence: int):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                                      num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
+                                      head_dim=64, max_position_embeddings=sequence)
+    return transformers.LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).train()
+
+
+def _time_steps(model, implementation: str, ids: torch.Tensor, steps: int, warmup: int) -> dict:
+    model.set_attn_implementation(implementation)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    gpu, wall, losses = [], [], []
+    for step in range(warmup + steps):
+        began = time.perf_counter()
+        start.record()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        end.record()
+        end.synchronize()
+        losses.append(float(loss))
+        if step >= warmup:
+            gpu.append(start.elapsed_time(end))
+            wall.append((time.perf_counter() - began) * 1e3)
+    return {"gpu_ms": statistics.median(gpu), "wall_ms": statistics.median(wall), "first_loss": losses[0],
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+
+
+def measure(layers: int, batch: int, sequence: int, steps: int, warmup: int) -> dict:
+    import cudnn_attn.torch as ct
+
+    name = ct.register_transformers()
+    ids = torch.randint(0, 32000, (batch, sequence), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    row = {"layers": layers, "batch": batch, "sequence": sequence}
+    for implementation in (name, "sdpa"):
+        model = _model(layers, sequence)              # the same initial parameters for both
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            row[implementation] = _time_steps(model, implementation, ids, steps, warmup)
+        except Exception as error:                    # a row that fails is reported, the others still run
+            traceback.print_exc()
+            row[implementation] = {"error": f"{type(error).__name__}: {error}"}
+        del model
+        torch.cuda.empty_cache()
+    ours, theirs = row[name], row["sdpa"]
+    if "gpu_ms" in ours and "gpu_ms" in theirs:
+        row["ratio"] = ours["gpu_ms"] / theirs["gpu_ms"]
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'layers B T':16s} {'ours GPU ms':>12s} {'sdpa GPU ms':>12s} {'ratio':>6s} {'ours wall':>10s} "
+             f"{'sdpa wall':>10s}  first loss ours / sdpa"]
+    for r in rows:
+        ours, theirs = r["cudnn_attn"], r["sdpa"]
+        label = f"{r['layers']} {r['batch']} {r['sequence']}"
+        if "error" in ours or "error" in theirs:
+            lines.append(f"{label:16s} FAILED: {ours.get('error') or theirs.get('error')}")
+            continue
+        lines.append(f"{label:16s} {ours['gpu_ms']:12.2f} {theirs['gpu_ms']:12.2f} {r['ratio']:6.3f} "
+                     f"{ours['wall_ms']:10.2f} {theirs['wall_ms']:10.2f}  {ours['first_loss']:.4f} / "
+                     f"{theirs['first_loss']:.4f}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench_out", help="directory for bench_torch.json")
+    parser.add_argument("--quick", action="store_true", help="the first two rows only")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per row (median)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_torch: no CUDA GPU", file=sys.stderr)
+        return 3
+    rows = []
+    for layers, batch, sequence in ROWS[:2] if args.quick else ROWS:
+        rows.append(measure(layers, batch, sequence, args.steps, args.warmup))
+        print(json.dumps(rows[-1]), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_torch.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=2)
+    print()
+    print(f"== torch training step, transformers Llama (bf16, 16/4 heads, d=64, AdamW), cudnn_attn vs sdpa on "
+          f"{torch.cuda.get_device_name()} (torch {torch.__version__}; ratio = ours / sdpa GPU ms)")
+    print(table(rows))
+    return int(any("error" in r["cudnn_attn"] or "error" in r["sdpa"] for r in rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

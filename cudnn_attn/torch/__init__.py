@@ -1,0 +1,19 @@
+"""cudnn_attn.torch: cuDNN attention for PyTorch (torch is an optional dependency: nothing else imports this).
+
+* :func:`attention` - the native call on torch tensors (``mask=causal() & padding(q_lengths, kv_lengths)``,
+  ``keep(bool_tensor)``; named results), differentiable with ``torch.autograd``, traceable by
+  ``torch.compile(fullgraph=True)``; :func:`sdpa` - the same with the mask as plain arguments.
+* ``torch.ops.cudnn_attn.attention`` / ``attention_backward`` - the custom operators underneath
+  (:mod:`cudnn_attn.torch.ops`).
+* :func:`register_transformers` - registers the attention and its mask with Hugging Face transformers
+  (``attn_implementation="cudnn_attn"``).
+
+CUDA tensors run cuDNN on torch's current stream, zero-copy; CPU tensors run the NumPy reference.
+"""
+
+from .api import attention, sdpa
+from .ops import attention_backward_op, attention_op
+from .transformers_attention import register_transformers, transformers_attention
+
+__all__ = ["attention", "attention_backward_op", "attention_op", "register_transformers", "sdpa",
+           "transformers_attention"]

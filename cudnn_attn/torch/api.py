@@ -1,0 +1,113 @@
+"""The torch front's calls: the native :func:`attention` (masks as :class:`~cudnn_attn.core.masks.MaskSpec`,
+named results) and :func:`sdpa`, the same call with the mask as plain arguments (what
+:mod:`cudnn_attn.torch.transformers_attention` uses).
+
+Both choose the layout the operator runs in from the tensors' strides: a tensor that is a transposed view of
+the other layout (transformers' ``(batch, heads, seq, dim)`` query is ``q_proj(x).view(B, T, N, H).transpose(1,
+2)``, dense in BTNH) runs in that layout without a copy, and the output comes back as a view in the layout
+asked for.  Key and value decide (in decoding they are the large cache); a tensor dense in neither layout is
+copied.  Differentiable with ``torch.autograd``; ``torch.compile(fullgraph=True)`` traces both (the operators
+are opaque to it: :mod:`cudnn_attn.torch.ops`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from cudnn_attn.core.config import DiagonalAlignment
+from cudnn_attn.core.masks import as_mask
+from cudnn_attn.core.parameters import renamed_arguments, wants_logsumexp
+from cudnn_attn.core.types import AttentionLayout, AttentionOutput
+
+from .ops import NAMES, attention_op, check_call
+
+__all__ = ["attention", "sdpa"]
+
+_OTHER = {"BTNH": "BNTH", "BNTH": "BTNH"}
+
+
+def _layout_name(layout: Any) -> str:
+    """``layout`` as ``"BTNH"`` or ``"BNTH"``: :meth:`AttentionLayout.parse`'s rule, in plain string operations
+    (``torch.compile`` cannot trace an enum's ``__members__``)."""
+    name = layout.upper().replace("S", "T") if isinstance(layout, str) else None
+    if name not in _OTHER:
+        with renamed_arguments(NAMES):
+            AttentionLayout.parse(layout)        # raises its ValueError
+    return name
+
+
+def _dense_in(x: torch.Tensor, transposed: bool) -> bool:
+    return (x.transpose(1, 2) if transposed else x).is_contiguous()
+
+
+def _running_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the call runs in the other layout (module doc): key and value dense only there, or query dense only
+    there while key and value are dense in neither."""
+    if _dense_in(key, False) and _dense_in(value, False):
+        return False
+    if _dense_in(key, True) and _dense_in(value, True):
+        return True
+    return not _dense_in(query, False) and _dense_in(query, True)
+
+
+def _check_tensors(**tensors: Any) -> None:
+    for name, x in tensors.items():
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    for name in ("query", "key", "value"):
+        if tensors[name].dim() != 4:
+            raise ValueError(f"{name}: must be 4-D (BTNH or BNTH), got shape {list(tensors[name].shape)}")
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool = False,
+         bottom_right: bool = False, window: int = 0, q_lengths: torch.Tensor | None = None,
+         kv_lengths: torch.Tensor | None = None, keep: torch.Tensor | None = None, scale: float | None = None,
+         dropout_rate: float = 0.0, seed: int = 42, layout: str = "BTNH",
+         training: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(output, logsumexp)`` of cuDNN attention (the operator's arguments, :mod:`cudnn_attn.torch.ops`), the
+    output in ``layout``.  ``scale=None`` is ``1/sqrt(H)``; ``training=None`` keeps the logsumexp exactly when
+    autograd will need it (grad enabled and an input requiring grad); otherwise the logsumexp is empty."""
+    _check_tensors(query=query, key=key, value=value, q_lengths=q_lengths, kv_lengths=kv_lengths, keep=keep)
+    asked = _layout_name(layout)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    if training is None:
+        training = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    static = (float(scale), bool(causal), bool(bottom_right), int(window), float(dropout_rate), int(seed))
+    if not torch.compiler.is_compiling():       # traced: the fake implementation validates
+        check_call(query, key, value, q_lengths, kv_lengths, keep, *static, asked, bool(training))
+    transposed = _running_layout(query, key, value)
+    running = _OTHER[asked] if transposed else asked
+    q, k, v = ((x.transpose(1, 2) if transposed else x).contiguous() for x in (query, key, value))
+    output, logsumexp = attention_op(q, k, v, q_lengths, kv_lengths, keep, *static, running, bool(training))
+    return (output.transpose(1, 2) if transposed else output), logsumexp
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any = None, *,
+              scale: float | None = None, dropout_rate: float = 0.0, seed: int = 42, layout: str = "BTNH",
+              return_aux: Any = None) -> AttentionOutput:
+    """cuDNN attention on torch tensors with the native API's arguments (:func:`cudnn_attn.attention`).
+
+    ``mask``: ``None`` or a :class:`~cudnn_attn.core.masks.MaskSpec` of ``causal(alignment)``, ``window(left, 0)``,
+    ``padding(q_lengths, kv_lengths)`` (int32 ``(B,)`` tensors) and ``keep(bool_tensor)``, combined with ``&``.
+    Returns :class:`~cudnn_attn.core.types.AttentionOutput`: ``output`` (``layout``, the value's head dim) and,
+    with ``return_aux=AuxRequest(logsumexp=True)``, the float32 ``(B, N, T)`` logsumexp (not differentiable).
+    CUDA tensors run cuDNN, CPU tensors the NumPy reference.
+    """
+    spec = as_mask(mask)
+    if spec.alibi or spec.q_offsets is not None:
+        raise ValueError(f"mask: the torch front takes causal(), window(left, 0), padding(...) and keep(...); "
+                         f"got {spec.describe()}")
+    if spec.has_diagonal and spec.right_bound != 0:
+        raise ValueError(f"mask: the torch front's diagonals are causal() and window(left, 0) (right bound 0); "
+                         f"got {spec.describe()}")
+    want_lse = wants_logsumexp(return_aux)
+    output, logsumexp = sdpa(query, key, value, causal=spec.causal,
+                             bottom_right=spec.alignment is DiagonalAlignment.BOTTOM_RIGHT,
+                             window=spec.left_bound or 0, q_lengths=spec.q_lengths, kv_lengths=spec.kv_lengths,
+                             keep=spec.keep, scale=scale, dropout_rate=dropout_rate, seed=seed, layout=layout,
+                             training=True if want_lse else None)
+    return AttentionOutput(output, logsumexp if want_lse else None)

@@ -1,0 +1,291 @@
+"""cuDNN attention as torch custom operators: ``torch.ops.cudnn_attn.attention`` and its backward.
+
+Both are ``torch.library.custom_op``s, so ``torch.autograd`` differentiates through them
+(``register_autograd``: the backward is the second operator) and ``torch.compile(fullgraph=True)`` traces
+them as opaque calls whose result shapes come from ``register_fake`` (nothing of the library runs while
+torch traces).  An operator's arguments are tensors and plain scalars:
+
+``attention(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window, dropout_rate,
+seed, layout, training) -> (output, logsumexp)``
+
+* ``query``/``key``/``value`` in ``layout`` (``"BTNH"`` or ``"BNTH"``), fp16 or bf16, key/value heads dividing
+  the query heads (GQA); ``causal`` with ``bottom_right`` placing the diagonal at ``S - T``; ``window > 0``
+  keeps keys ``(i - window, i]`` (causal); ``q_lengths``/``kv_lengths`` int32 ``(B,)`` (right padding; rows
+  past them come back zero); ``keep`` a boolean mask broadcastable to ``(B, N, T, S)``, True keeps.
+* ``output`` has the query's layout and the value's head dim; ``logsumexp`` is float32 ``(B, N, T)`` when
+  ``training`` (the backward needs it), else an empty tensor.
+
+CUDA tensors run the library's CuPy front (:func:`cudnn_attn.fronts.cupy.dot_product_attention` and
+``dot_product_attention_bwd``) on the tensors themselves, zero-copy through DLPack, on torch's current
+stream (CuPy's current stream during the call, so the keep-mask's folding and the results' allocation are
+ordered there as well); results are torch tensors over CuPy's memory pool.  CPU tensors run the NumPy reference
+(:mod:`cudnn_attn.reference`, float64 inside): the same validation and results, for tests and machines
+without a GPU.  Both validate with :func:`cudnn_attn.core.validation.validate_call`, so errors are the
+other fronts' (``ValueError`` naming the argument; ``UnsupportedConfigurationError`` from the support table).
+The fake implementations validate the same way on stand-ins of the shapes (NumPy arrays of stride 0).
+
+The operators carry torch's ``cudagraph_unsafe`` tag: the CuPy front allocates its results and the folded
+keep-mask from CuPy's pool, which a CUDA graph captured by torch (``mode="reduce-overhead"``) must not hold.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import cupy
+import ml_dtypes
+import numpy as np
+import torch
+
+from cudnn_attn.core.parameters import renamed_arguments
+from cudnn_attn.core.types import MaskType
+from cudnn_attn.core.validation import check_seed, validate_backward, validate_call
+from cudnn_attn.engine import runtime
+from cudnn_attn.fronts import cupy as cupy_front
+from cudnn_attn.reference import dot_product_attention as reference_forward
+from cudnn_attn.reference import dot_product_attention_bwd as reference_backward
+
+__all__ = ["attention_backward_op", "attention_op"]
+
+_TAGS = tuple(tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),) if tag is not None)
+# What validation's messages call an argument, and what the operators call it.
+NAMES = {"q_seqlen": "q_lengths", "kv_seqlen": "kv_lengths", "mask": "keep", "qkv_layout": "layout",
+         "sliding_window_length": "window", "training (return_residual)": "training"}
+_NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+                 torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
+                 torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64), torch.bool: np.dtype(np.bool_),
+                 torch.uint8: np.dtype(np.uint8), torch.int8: np.dtype(np.int8), torch.int16: np.dtype(np.int16)}
+
+
+# -- the library's arguments ---------------------------------------------------------------------------------
+
+def _seed_arguments(q_lengths: Any, kv_lengths: Any, keep: Any, scale: float, causal: bool, bottom_right: bool,
+                    window: int, dropout_rate: float, seed: int, layout: str) -> dict[str, Any]:
+    """The keywords of the seed-form calls (``dot_product_attention`` and its backward) for these operator
+    arguments (the arrays as given: torch tensors, CuPy-importable, or NumPy arrays)."""
+    padded = q_lengths is not None or kv_lengths is not None
+    causal = causal or window > 0
+    mask_type = {(False, False): MaskType.NO_MASK, (True, False): MaskType.CAUSAL,
+                 (False, True): MaskType.PADDING, (True, True): MaskType.PADDING_CAUSAL}[(causal, padded)]
+    return dict(mask=keep, q_seqlen=q_lengths, kv_seqlen=kv_lengths, scale=scale, mask_type=mask_type,
+                seed=seed, dropout_rate=dropout_rate, qkv_layout=layout,
+                sliding_window_length=window if window > 0 else None,
+                diagonal_alignment="bottom_right" if bottom_right and causal else "top_left")
+
+
+def _stand_in(name: str, x: torch.Tensor | None) -> Any:
+    """A NumPy array of ``x``'s dtype and shape that holds one element (stride 0): what validation reads of
+    ``x`` without its values."""
+    if x is None:
+        return None
+    dtype = _NUMPY_DTYPES.get(x.dtype)
+    if dtype is None:
+        raise ValueError(f"{name}: unsupported dtype {x.dtype} (shape {list(x.shape)}); query/key/value take "
+                         f"float16 or bfloat16, lengths int32, keep bool")
+    return np.broadcast_to(np.zeros((), dtype), tuple(x.shape))
+
+
+def _validated(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any, kv_lengths: Any,
+               keep: Any, scale: float, causal: bool, bottom_right: bool, window: int, dropout_rate: float,
+               seed: int, layout: str, training: bool) -> Any:
+    """The call's :class:`~cudnn_attn.core.config.AttentionConfig`, validated on stand-ins (``ValueError``s of
+    :func:`~cudnn_attn.core.validation.validate_call`).  Validation folds a keep-mask into a bias: one host array
+    of ``(B|1, N|1, T, S)`` elements of the io dtype, made and dropped here."""
+    with renamed_arguments(NAMES):
+        check_seed(seed)
+        return _validate_stand_ins(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right,
+                                   window, dropout_rate, seed, layout, training)
+
+
+def _validate_stand_ins(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window,
+                        dropout_rate, seed, layout, training) -> Any:
+    arguments = _seed_arguments(_stand_in("q_lengths", q_lengths), _stand_in("kv_lengths", kv_lengths),
+                                _stand_in("keep", keep), scale, causal, bottom_right, window, dropout_rate, seed,
+                                layout)
+    arguments.pop("seed")
+    config, _ = validate_call(_stand_in("query", query), _stand_in("key", key), _stand_in("value", value),
+                              **arguments, training=training, xp=np)
+    return config
+
+
+_checked: dict[tuple, Any] = {}
+_CHECKED_MAX = 256
+
+
+def check_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any, kv_lengths: Any,
+               keep: Any, *static: Any) -> None:
+    """:func:`_validated` once per call signature (shapes, dtypes, the static arguments): what an eager call
+    checks before it touches the tensors (a layout change copies them on the GPU)."""
+    signature = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in
+                      (query, key, value, q_lengths, kv_lengths, keep)) + static
+    if signature not in _checked:
+        _validated(query, key, value, q_lengths, kv_lengths, keep, *static)
+        if len(_checked) >= _CHECKED_MAX:
+            _checked.clear()
+        _checked[signature] = True
+
+
+# -- NumPy views of CPU tensors -----------------------------------------------------------------------------
+
+def _to_numpy(x: torch.Tensor | None) -> Any:
+    if x is None:
+        return None
+    x = x.detach().contiguous()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return x.numpy()
+
+
+def _from_numpy(x: np.ndarray) -> torch.Tensor:
+    x = np.ascontiguousarray(x)
+    if x.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+
+
+def _stream(x: torch.Tensor) -> int:
+    return torch.cuda.current_stream(x.device).cuda_stream
+
+
+def _on_torch_stream(x: torch.Tensor) -> Any:
+    """torch's current stream of ``x``'s device as CuPy's current stream: what the CuPy front does besides the
+    launch (importing, folding the keep-mask, allocating and exporting the results) is ordered there too."""
+    return runtime.device_context(x.device.index).stream(_stream(x))
+
+
+def _cupy_keep(keep: torch.Tensor | None) -> Any:
+    """A boolean CUDA tensor as a CuPy bool array over the same memory (through its uint8 view: DLPack's bool
+    type is recent, its uint8 older than both libraries)."""
+    if keep is None or keep.dtype != torch.bool:
+        return keep
+    return cupy.from_dlpack(keep.contiguous().view(torch.uint8)).view(cupy.bool_)
+
+
+def _empty_lse(query: torch.Tensor) -> torch.Tensor:
+    return query.new_empty((0,), dtype=torch.float32)
+
+
+# -- the forward operator -----------------------------------------------------------------------------------
+
+# torch infers the operators' schemas from these annotations (Optional[torch.Tensor] -> "Tensor?").
+@torch.library.custom_op("cudnn_attn::attention", mutates_args=(), tags=_TAGS)
+def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Optional[torch.Tensor],
+                 kv_lengths: Optional[torch.Tensor], keep: Optional[torch.Tensor], scale: float, causal: bool,
+                 bottom_right: bool, window: int, dropout_rate: float, seed: int, layout: str,
+                 training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN attention (module doc): ``(output, logsumexp)``, the logsumexp empty unless ``training``."""
+    with renamed_arguments(NAMES):
+        return _forward(query, key, value, q_lengths, kv_lengths, keep,
+                        (scale, causal, bottom_right, window, dropout_rate, seed, layout), training)
+
+
+def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any, kv_lengths: Any, keep: Any,
+             static: tuple, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if query.device.type == "cuda":
+        with _on_torch_stream(query):
+            arguments = _seed_arguments(q_lengths, kv_lengths, _cupy_keep(keep), *static)
+            result = cupy_front.dot_product_attention(query, key, value, **arguments, return_residual=training,
+                                                      stream=_stream(query))
+        return (result[0], result[1]) if training else (result, _empty_lse(query))
+    if query.device.type != "cpu":
+        raise ValueError(f"query: the torch front runs on CUDA (cuDNN) and CPU (the NumPy reference) tensors, "
+                         f"got a tensor on {query.device}")
+    arguments = _seed_arguments(_to_numpy(q_lengths), _to_numpy(kv_lengths), _to_numpy(keep), *static)
+    result = reference_forward(_to_numpy(query), _to_numpy(key), _to_numpy(value), **arguments,
+                                             return_residual=training)
+    if training:
+        return _from_numpy(result[0]), _from_numpy(result[1])
+    return _from_numpy(result), _empty_lse(query)
+
+
+@attention_op.register_fake
+def _attention_fake(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window,
+                    dropout_rate, seed, layout, training):
+    if _symbolic(query, key, value, q_lengths, kv_lengths, keep):
+        o_shape, lse_shape = _shapes(query, value, layout)
+    else:
+        config = _validated(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window,
+                            dropout_rate, seed, layout, training)
+        o_shape, lse_shape = config.o_shape, config.lse_shape
+    output = query.new_empty(o_shape)
+    return output, (query.new_empty(lse_shape, dtype=torch.float32) if training else _empty_lse(query))
+
+
+def _symbolic(*tensors: Any) -> bool:
+    """Some dimension is symbolic (``torch.compile`` with dynamic shapes): validation needs concrete sizes, so
+    the fake implementation then only computes the result shapes and the call validates when it runs."""
+    return any(not isinstance(d, int) for x in tensors if x is not None for d in x.shape)
+
+
+def _shapes(query: torch.Tensor, value: torch.Tensor, layout: str) -> tuple[tuple, tuple]:
+    """The output's and the logsumexp's shapes (:class:`~cudnn_attn.core.config.AttentionConfig`'s rule)."""
+    heads, length = (1, 2) if layout == "BNTH" else (2, 1)
+    return (*query.shape[:3], value.shape[3]), (query.shape[0], query.shape[heads], query.shape[length])
+
+
+# -- the backward operator ----------------------------------------------------------------------------------
+
+@torch.library.custom_op("cudnn_attn::attention_backward", mutates_args=(), tags=_TAGS)
+def attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
+                          grad_output: torch.Tensor, logsumexp: torch.Tensor, q_lengths: Optional[torch.Tensor],
+                          kv_lengths: Optional[torch.Tensor], keep: Optional[torch.Tensor], scale: float,
+                          causal: bool, bottom_right: bool, window: int, dropout_rate: float, seed: int,
+                          layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients ``(dq, dk, dv)`` of :func:`attention_op` (called with the same arguments and ``training``)
+    given its ``output``, ``logsumexp`` and the output's gradient."""
+    with renamed_arguments(NAMES):
+        return _backward_grads(query, key, value, output, grad_output.contiguous(), logsumexp, q_lengths, kv_lengths,
+                               keep, (scale, causal, bottom_right, window, dropout_rate, seed, layout))
+
+
+def _backward_grads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
+                    grad_output: torch.Tensor, logsumexp: torch.Tensor, q_lengths: Any, kv_lengths: Any, keep: Any,
+                    static: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if query.device.type == "cuda":
+        with _on_torch_stream(query):
+            arguments = _seed_arguments(q_lengths, kv_lengths, _cupy_keep(keep), *static)
+            grads = cupy_front.dot_product_attention_bwd(query, key, value, output, grad_output, logsumexp,
+                                                         **arguments, stream=_stream(query))
+        return grads.dq, grads.dk, grads.dv
+    arguments = _seed_arguments(_to_numpy(q_lengths), _to_numpy(kv_lengths), _to_numpy(keep), *static)
+    grads = reference_backward(*(_to_numpy(x) for x in (query, key, value, output, grad_output,
+                                                                          logsumexp)), **arguments)
+    return _from_numpy(grads.dq), _from_numpy(grads.dk), _from_numpy(grads.dv)
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep, scale,
+                             causal, bottom_right, window, dropout_rate, seed, layout):
+    if not _symbolic(query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep):
+        config = _validated(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window,
+                            dropout_rate, seed, layout, True)
+        with renamed_arguments(NAMES):
+            validate_backward(config, _stand_in("output", output), _stand_in("grad_output", grad_output),
+                              _stand_in("logsumexp", logsumexp))
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+# -- autograd -----------------------------------------------------------------------------------------------
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window, dropout_rate, seed, \
+        layout, training = inputs
+    out, logsumexp = output
+    ctx.save_for_backward(query, key, value, out, logsumexp, q_lengths, kv_lengths, keep)
+    ctx.static = (scale, causal, bottom_right, window, dropout_rate, seed, layout)
+    ctx.training = training
+    ctx.mark_non_differentiable(logsumexp)
+
+
+def _backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any) -> tuple:
+    if not ctx.training:
+        raise RuntimeError("cudnn_attn::attention: the forward ran with training=False (no logsumexp kept); "
+                           "call it with training=True to differentiate it (cudnn_attn.torch.attention decides "
+                           "from torch.is_grad_enabled() and requires_grad)")
+    query, key, value, out, logsumexp, q_lengths, kv_lengths, keep = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(query, key, value, out, grad_output, logsumexp, q_lengths, kv_lengths, keep,
+                                       *ctx.static)
+    return (dq, dk, dv) + (None,) * 11
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)

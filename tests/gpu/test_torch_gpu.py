@@ -1,0 +1,251 @@
+"""The torch front on the GPU (:mod:`cudnn_attn.torch`): outputs and gradients against torch's math SDPA in fp16
+and bf16 (GQA, causal top-left and bottom-right, padding, a keep-mask, both layouts, strided views), torch's
+current stream, ``torch.compile(fullgraph=True)`` forward and backward, dropout, and transformers' Llama
+(``generate`` with the dynamic and the static cache, greedy, a left-padded batch) against sdpa.
+
+The reference is ``torch.nn.functional.scaled_dot_product_attention`` under ``sdpa_kernel(SDPBackend.MATH)`` in
+float32 on the same io-dtype inputs, compared by relative Frobenius error with the GPU tier's bounds
+(``_checks.RELATIVE_TOLERANCE``: 2e-3 fp16, 1e-2 bf16).  The operators allocate their results from CuPy's pool,
+so instead of NaN-filled output buffers the pool's free memory is filled with NaN before each call
+(:func:`_poison_pool`): a row cuDNN left unwritten reads back as NaN and fails the finiteness check.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import math
+
+import numpy as np
+import pytest
+
+from ._checks import assert_close
+
+torch = pytest.importorskip("torch")
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+import cudnn_attn.torch as ct
+from cudnn_attn import causal, keep, padding
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+WATCHDOG_S = 600
+
+
+def _poison_pool(nbytes: int = 64 << 20) -> None:
+    """Fill ``nbytes`` of CuPy's pool with NaN and give them back: the next results come from NaN memory."""
+    block = cp.full(nbytes // 2, np.nan, dtype=cp.float16)
+    cp.cuda.get_current_stream().synchronize()
+    del block
+
+
+def _random(rng, shape, dtype, device="cuda"):
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(device=device, dtype=dtype)
+
+
+def _qkv(rng, dtype, B=2, T=256, S=256, N=16, K=4, H=64, layout="BTNH"):
+    shapes = [(B, T, N, H), (B, S, K, H), (B, S, K, H)]
+    if layout == "BNTH":
+        shapes = [(b, n, t, h) for b, t, n, h in shapes]
+    return tuple(_random(rng, shape, dtype).requires_grad_() for shape in shapes)
+
+
+def _math_sdpa(q, k, v, keep_mask=None, *, is_causal=False, layout="BTNH", q_lengths=None):
+    """Float32 math SDPA of BTNH/BNTH tensors (GQA through ``enable_gqa``); rows past ``q_lengths`` zeroed."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    to_bnth = (lambda x: x.transpose(1, 2)) if layout == "BTNH" else (lambda x: x)
+    with sdpa_kernel(SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *(to_bnth(x).float() for x in (q, k, v)), attn_mask=keep_mask, is_causal=is_causal, enable_gqa=True)
+    if q_lengths is not None:
+        rows = torch.arange(out.shape[2], device=out.device)[None, None, :, None] < q_lengths[:, None, None, None]
+        out = out * rows
+    return to_bnth(out)
+
+
+def _host(x):
+    return x.detach().float().cpu().numpy()
+
+
+def _compare(out, ref, inputs, rng, dtype_name, grad_mask=None):
+    """Output and (dq, dk, dv) against the reference's, for a seeded random output gradient."""
+    assert_close("output", _host(out), _host(ref), dtype_name)
+    grad = _random(rng, out.shape, out.dtype)
+    if grad_mask is not None:
+        grad = grad * grad_mask
+    _poison_pool()
+    got = torch.autograd.grad(out, inputs, grad)
+    want = torch.autograd.grad(ref, inputs, grad.float())
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert g.shape == w.shape and g.dtype == out.dtype, name
+        assert_close(name, _host(g), _host(w), dtype_name)
+
+
+@pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
+@pytest.mark.parametrize("masked", ["none", "causal", "bottom_right", "padding", "keep"])
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_outputs_and_grads_against_math_sdpa(rng, dtype_name, masked, layout):
+    dtype = DTYPES[dtype_name]
+    T, S = (128, 256) if masked == "bottom_right" else (256, 256)
+    q, k, v = _qkv(rng, dtype, T=T, S=S, layout=layout)
+    seq = 1 if layout == "BTNH" else 2
+    keep_mask = q_lengths = None
+    if masked == "none":
+        mask = None
+    elif masked == "causal":
+        mask = causal()
+    elif masked == "bottom_right":
+        mask = causal("bottom_right")
+        keep_mask = torch.ones(T, S, dtype=torch.bool, device="cuda").tril(S - T)
+    elif masked == "padding":
+        q_lengths = torch.tensor([T, T - 37], dtype=torch.int32, device="cuda")
+        kv_lengths = torch.tensor([S - 11, S], dtype=torch.int32, device="cuda")
+        mask = causal() & padding(q_lengths, kv_lengths)
+        keys = torch.arange(S, device="cuda")[None, None, None, :] < kv_lengths[:, None, None, None]
+        keep_mask = keys & torch.ones(T, S, dtype=torch.bool, device="cuda").tril()
+    else:
+        keep_mask = torch.from_numpy(rng.random((2, 1, T, S)) < 0.7).cuda()
+        keep_mask[..., 0] = True                                          # every query keeps a key
+        mask = keep(keep_mask)
+    _poison_pool()
+    out = ct.attention(q, k, v, mask=mask, layout=layout).output
+    assert out.shape == q.shape and out.device == q.device
+    ref = _math_sdpa(q, k, v, keep_mask, is_causal=masked == "causal", layout=layout, q_lengths=q_lengths)
+    grad_mask = None
+    if q_lengths is not None:       # queries past their length have no output, so no gradient flows from them
+        rows = torch.arange(T, device="cuda")[None, :] < q_lengths[:, None]
+        grad_mask = (rows[:, :, None, None] if seq == 1 else rows[:, None, :, None]).to(dtype)
+    _compare(out, ref, (q, k, v), rng, dtype_name, grad_mask)
+
+
+def test_strided_views_as_transformers_passes_them(rng):
+    """Query a BNTH view of dense BTNH memory, key a dense BNTH cache, value dense in neither layout."""
+    q, k, v = _qkv(rng, torch.bfloat16)
+    dense = ct.attention(q, k, v, mask=causal()).output
+    q_view = q.detach().transpose(1, 2).requires_grad_()
+    k_cache = k.detach().transpose(1, 2).contiguous().requires_grad_()
+    v_strided = torch.cat([v.detach(), v.detach()], dim=-1)[..., :64].transpose(1, 2).requires_grad_()
+    out = ct.attention(q_view, k_cache, v_strided, mask=causal(), layout="BNTH").output
+    assert_close("output", _host(out.transpose(1, 2)), _host(dense), "bfloat16")
+    ref = _math_sdpa(q_view, k_cache, v_strided, is_causal=True, layout="BNTH")
+    _compare(out, ref, (q_view, k_cache, v_strided), rng, "bfloat16")
+
+
+def test_runs_on_torch_current_stream(rng):
+    """On a side stream, with the inputs written there just before: the call must see them and finish there."""
+    q, k, v = (x.detach() for x in _qkv(rng, torch.float16))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        busy = torch.ones(4096, 4096, device="cuda", dtype=torch.float16)
+        for _ in range(8):                                               # the side stream busy for a while
+            busy = (busy @ busy).clamp_(-1, 1)
+        q3 = (q * 2.0 + busy[0, 0] * 0) * 0.5                            # written on the side stream, after it
+        keep_mask = torch.ones(256, 256, dtype=torch.bool, device="cuda").tril() & (busy[0, 0] > -2)
+        out = ct.attention(q3, k, v, mask=keep(keep_mask)).output           # the mask is folded on the stream
+        again = out.clone()
+    side.synchronize()
+    assert_close("output", _host(again), _host(_math_sdpa(q, k, v, is_causal=True)), "float16")
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_torch_compile_fullgraph_forward_and_backward(rng, dtype_name):
+    q, k, v = _qkv(rng, DTYPES[dtype_name])
+    grad = _random(rng, q.shape, q.dtype)
+
+    def step(q, k, v):
+        out = ct.sdpa(q, k, v, causal=True)[0]
+        return (out.float() * grad.float()).sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    want = torch.autograd.grad(step(q, k, v), (q, k, v))
+    ref = torch.autograd.grad((_math_sdpa(q, k, v, is_causal=True) * grad.float()).sum(), (q, k, v))
+    for name, g, w, r in zip(("dq", "dk", "dv"), got, want, ref):
+        assert_close(name, _host(g), _host(w), dtype_name)
+        assert_close(name, _host(g), _host(r), dtype_name)
+
+
+def test_dropout_reproducible_by_seed_and_differentiable(rng):
+    q, k, v = _qkv(rng, torch.bfloat16)
+    first = ct.attention(q, k, v, mask=causal(), dropout_rate=0.25, seed=11).output
+    second = ct.attention(q, k, v, mask=causal(), dropout_rate=0.25, seed=11).output
+    other = ct.attention(q, k, v, mask=causal(), dropout_rate=0.25, seed=12).output
+    assert torch.equal(first, second) and not torch.equal(first, other)
+    grads = torch.autograd.grad(first.float().sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+    # E[dropout(P)] = P: the mean over 128 seeds approaches the dropout-free output.  One seed's relative error is
+    # about sqrt(p / (1 - p)) = 0.58 for random values, so the mean's is about 0.58 / sqrt(128) = 0.05; a wrong
+    # 1 / (1 - p) scaling would leave 0.25 or more.
+    with torch.no_grad():
+        mean = sum(ct.attention(q, k, v, mask=causal(), dropout_rate=0.25, seed=s).output.float()
+                   for s in range(128)) / 128
+        plain = ct.attention(q, k, v, mask=causal()).output.float()
+    assert float((mean - plain).norm() / plain.norm()) < 0.1
+
+
+# -- transformers ------------------------------------------------------------------------------------------
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2048, num_hidden_layers=3,
+                                      num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                                      max_position_embeddings=256, initializer_range=0.2)
+    model = transformers.LlamaForCausalLM(config).to(device="cuda", dtype=torch.float16).eval()
+    ids = torch.randint(3, 512, (3, 40), device="cuda")
+    attention_mask = torch.ones_like(ids)
+    for row, pad in ((1, 9), (2, 23)):                                   # left padding
+        attention_mask[row, :pad] = 0
+        ids[row, :pad] = 0
+    return model, ids, attention_mask
+
+
+def _generate(model, implementation, ids, attention_mask, cache):
+    model.set_attn_implementation(implementation)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=attention_mask, max_new_tokens=32, do_sample=False, pad_token_id=0,
+                              cache_implementation=cache)[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_llama_generate_matches_sdpa(cache):
+    """Greedy tokens of a left-padded batch equal sdpa's; with the static cache transformers compiles the
+    decoding step (torch.compile, mode="reduce-overhead"), under a watchdog."""
+    model, ids, attention_mask = _llama()
+    name = ct.register_transformers()
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    try:
+        with torch.no_grad():
+            model.set_attn_implementation("sdpa")
+            want_logits = model(ids, attention_mask=attention_mask).logits
+            model.set_attn_implementation(name)
+            got_logits = model(ids, attention_mask=attention_mask).logits
+        valid = attention_mask.bool()
+        # two fp16 attention kernels through three layers: 5x the one-kernel bound
+        assert_close("prefill logits", _host(got_logits[valid]), _host(want_logits[valid]), "float16", scale=5.0)
+        want = _generate(model, "sdpa", ids, attention_mask, cache)
+        got = _generate(model, name, ids, attention_mask, cache)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    agree = int((got == want).sum())
+    assert agree == want.numel(), f"{agree}/{want.numel()} greedy tokens equal sdpa's ({cache} cache)"
+
+
+def test_llama_training_step_grads_match_sdpa():
+    """One forward+backward of the Llama (bf16 parameters, causal, no padding): every parameter's gradient
+    against sdpa's (relative Frobenius error within 4x the bf16 bound: two bf16 paths, not one against float32)."""
+    model, ids, _ = _llama()
+    model = model.to(torch.bfloat16).train()
+    name = ct.register_transformers()
+    ids = torch.randint(3, 512, ids.shape, device="cuda")
+    grads = {}
+    for implementation in ("sdpa", name):
+        model.set_attn_implementation(implementation)
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        grads[implementation] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads[name].keys() == grads["sdpa"].keys() and grads[name]
+    for parameter, want in grads["sdpa"].items():
+        assert_close(parameter, _host(grads[name][parameter]), _host(want), "bfloat16", scale=4.0)
+    assert math.isfinite(sum(float(g.float().norm()) for g in grads[name].values()))

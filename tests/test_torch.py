@@ -1,0 +1,325 @@
+"""The torch front on CPU (skipped where torch is not installed): the custom operators' registration and fake
+implementations, the values and gradients of the CPU path (the NumPy reference) against torch's own math SDPA,
+``torch.compile(fullgraph=True)``, argument errors, and transformers' attention registration.
+
+Tolerances: the reference computes in float64 and rounds once to the io dtype; torch's math SDPA runs here in
+float32 on the same (io-dtype) inputs.  Relative Frobenius errors are bounded by 2e-3 (fp16) and 1e-2 (bf16),
+the GPU tier's bounds (``tests/gpu/_checks.py``), several times the rounding of the io dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cudnn_attn.torch as ct
+from cudnn_attn import AuxRequest, causal, keep, padding, window
+
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+OPS = ("attention", "attention_backward")
+
+
+def _random(rng, shape, dtype):
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(dtype)
+
+
+def _qkv(rng, dtype, B=2, T=8, S=8, N=4, K=2, H=16, requires_grad=True):
+    q, k, v = (_random(rng, shape, dtype) for shape in ((B, T, N, H), (B, S, K, H), (B, S, K, H)))
+    return tuple(x.requires_grad_(requires_grad) for x in (q, k, v))
+
+
+def _math_sdpa(q, k, v, keep_mask=None, *, is_causal=False, q_lengths=None):
+    """torch's math SDPA in float32 on BTNH tensors (GQA by repeating K/V); rows past ``q_lengths`` zeroed
+    (the library's rule for rows it does not compute)."""
+    groups = q.shape[2] // k.shape[2]
+    qf, kf, vf = (x.float().transpose(1, 2) for x in (q, k, v))
+    kf, vf = kf.repeat_interleave(groups, 1), vf.repeat_interleave(groups, 1)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=keep_mask, is_causal=is_causal)
+    out = out.transpose(1, 2)
+    if q_lengths is not None:
+        rows = torch.arange(q.shape[1])[None, :, None, None] < q_lengths[:, None, None, None]
+        out = out * rows
+    return out
+
+
+def _error(got, want):
+    got, want = got.detach(), want.detach()
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+
+
+def _check_grads(out, ref, inputs, rng, dtype):
+    grad = _random(rng, out.shape, dtype)
+    got = torch.autograd.grad(out, inputs, grad)
+    want = torch.autograd.grad(ref, inputs, grad.float())
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert g.shape == w.shape and g.dtype == dtype, name
+        assert _error(g, w) <= TOLERANCE[dtype], f"{name}: relative error {_error(g, w):.2e}"
+
+
+# -- registration and fake implementations -----------------------------------------------------------------
+
+def test_operators_are_registered_with_fake_and_autograd(rng):
+    for name in OPS:
+        packet = getattr(torch.ops.cudnn_attn, name)
+        if hasattr(torch.Tag, "cudagraph_unsafe"):
+            assert torch.Tag.cudagraph_unsafe in packet.default.tags, name
+    q, k, v = _qkv(rng, torch.float16, B=1, T=4, S=4, N=2, K=1, H=16)
+    arguments = (q, k, v, None, None, None, 0.25, True, False, 0, 0.0, 0, "BTNH", True)
+    result = torch.library.opcheck(torch.ops.cudnn_attn.attention.default, arguments)
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
+def test_fake_shapes(layout):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    B, T, S, N, K, H, Hv = 2, 6, 10, 8, 2, 32, 16
+    seq = (lambda b, t, n, h: (b, t, n, h)) if layout == "BTNH" else (lambda b, t, n, h: (b, n, t, h))
+    with FakeTensorMode():
+        q = torch.empty(seq(B, T, N, H), dtype=torch.bfloat16)
+        k = torch.empty(seq(B, S, K, H), dtype=torch.bfloat16)
+        v = torch.empty(seq(B, S, K, Hv), dtype=torch.bfloat16)
+        out, lse = torch.ops.cudnn_attn.attention(q, k, v, None, None, None, 0.1, True, True, 0, 0.0, 0, layout, True)
+        assert out.shape == seq(B, T, N, Hv) and out.dtype == torch.bfloat16
+        assert lse.shape == (B, N, T) and lse.dtype == torch.float32
+        _, lse = torch.ops.cudnn_attn.attention(q, k, v, None, None, None, 0.1, False, False, 0, 0.0, 0, layout, False)
+        assert lse.shape == (0,)
+        dq, dk, dv = torch.ops.cudnn_attn.attention_backward(q, k, v, out, out, torch.empty(B, N, T), None, None,
+                                                             None, 0.1, True, True, 0, 0.0, 0, layout)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_meta_tensors_and_compiled_shapes():
+    q = torch.empty(2, 4, 5, 16, dtype=torch.float16, device="meta")          # BNTH
+    k = torch.empty(2, 2, 7, 16, dtype=torch.float16, device="meta")
+    out, lse = ct.sdpa(q, k, k, causal=True, bottom_right=True, layout="BNTH", training=True)
+    assert (out.shape, out.device.type, lse.shape) == ((2, 4, 5, 16), "meta", (2, 4, 5))
+
+    graphs = []
+
+    def record(gm, inputs):
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(lambda q, k: ct.sdpa(q, k, k, causal=True, layout="BNTH")[0], fullgraph=True,
+                             backend=record)
+    assert compiled(q, k).shape == (2, 4, 5, 16)
+    targets = [node.target for gm in graphs for node in gm.graph.nodes]
+    assert torch.ops.cudnn_attn.attention.default in targets or torch.ops.cudnn_attn.attention in targets
+
+
+# -- values and gradients (CPU: the NumPy reference) ---------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("masked", ["none", "causal", "bottom_right"])
+def test_values_and_grads_against_math_sdpa(rng, dtype, masked):
+    T, S = (5, 8) if masked == "bottom_right" else (8, 8)
+    q, k, v = _qkv(rng, dtype, T=T, S=S)
+    mask = {"none": None, "causal": causal(), "bottom_right": causal("bottom_right")}[masked]
+    out = ct.attention(q, k, v, mask=mask).output
+    keep_mask = None
+    if masked == "bottom_right":
+        keep_mask = torch.arange(S)[None, :] <= torch.arange(T)[:, None] + S - T
+    ref = _math_sdpa(q, k, v, keep_mask, is_causal=masked == "causal")
+    assert out.shape == q.shape and out.dtype == dtype
+    assert _error(out, ref) <= TOLERANCE[dtype]
+    _check_grads(out, ref, (q, k, v), rng, dtype)
+
+
+def test_padding_and_keep_mask_match_math_sdpa(rng):
+    dtype = torch.float16
+    q, k, v = _qkv(rng, dtype, T=8, S=8)
+    q_lengths, kv_lengths = torch.tensor([8, 5], dtype=torch.int32), torch.tensor([8, 6], dtype=torch.int32)
+    out = ct.attention(q, k, v, mask=causal() & padding(q_lengths, kv_lengths)).output
+    keys = torch.arange(8)[None, None, None, :] < kv_lengths[:, None, None, None]
+    keep_mask = keys & torch.ones(8, 8, dtype=torch.bool).tril()
+    ref = _math_sdpa(q, k, v, keep_mask, q_lengths=q_lengths)
+    assert _error(out, ref) <= TOLERANCE[dtype]
+    _check_grads(out, ref, (q, k, v), rng, dtype)
+
+    left = torch.arange(8)[None, :] >= torch.tensor([0, 3])[:, None]          # left padding, as transformers
+    keep_mask = (left[:, None, None, :] & torch.ones(8, 8, dtype=torch.bool).tril())
+    keep_mask = keep_mask | ~keep_mask.any(-1, keepdim=True)          # fully masked rows: any finite answer
+    out = ct.attention(q, k, v, mask=keep(keep_mask)).output
+    ref = _math_sdpa(q, k, v, keep_mask)
+    valid = left[:, :, None, None].expand_as(out)
+    assert _error(out[valid], ref[valid]) <= TOLERANCE[dtype]
+
+
+def test_window_and_logsumexp(rng):
+    q, k, v = _qkv(rng, torch.bfloat16, requires_grad=False)
+    result = ct.attention(q, k, v, mask=window(2, 0), return_aux=AuxRequest(logsumexp=True))
+    i, j = torch.arange(8)[:, None], torch.arange(8)[None, :]
+    keep_mask = (j <= i) & (j >= i - 2)
+    assert _error(result.output, _math_sdpa(q, k, v, keep_mask)) <= TOLERANCE[torch.bfloat16]
+    groups = q.shape[2] // k.shape[2]
+    scores = torch.einsum("btnh,bsnh->bnts", q.double(), k.double().repeat_interleave(groups, 2)) / math.sqrt(16)
+    lse = scores.masked_fill(~keep_mask, -math.inf).logsumexp(-1)
+    assert result.logsumexp.shape == (2, 4, 8) and result.logsumexp.dtype == torch.float32
+    assert torch.allclose(result.logsumexp.double(), lse, atol=1e-3, rtol=1e-3)
+
+
+def test_strided_views_run_in_the_layout_they_are_dense_in(rng):
+    """transformers' query is a BNTH view of a dense BTNH tensor; a cache is dense BNTH; a slice is dense in
+    neither.  Every combination gives the dense call's values and gradients."""
+    dtype = torch.float16
+    q, k, v = _qkv(rng, dtype, S=8)
+    ref = ct.attention(q, k, v, mask=causal()).output
+    q_view = q.detach().transpose(1, 2).requires_grad_()                                 # BNTH view of BTNH memory
+    k_cache = k.detach().transpose(1, 2).contiguous().requires_grad_()                   # dense BNTH
+    v_slice = torch.cat([v.detach(), v.detach()], dim=-1)[..., :16].transpose(1, 2).requires_grad_()   # neither
+    out = ct.attention(q_view, k_cache, v_slice, mask=causal(), layout="BNTH").output
+    assert out.shape == (2, 4, 8, 16)
+    assert torch.equal(out.transpose(1, 2), ref)
+    grad = _random(rng, out.shape, dtype)
+    dq, dk, dv = torch.autograd.grad(out, (q_view, k_cache, v_slice), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad.transpose(1, 2))
+    for got, expected in zip((dq, dk, dv), want):
+        assert torch.equal(got.transpose(1, 2), expected)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static_shapes", "dynamic_shapes"])
+def test_compiled_forward_and_backward_match_eager(rng, dynamic):
+    """With dynamic shapes the fake implementation sees symbolic sizes (it then only computes the shapes)."""
+    def loss(q, k, v):
+        return (ct.sdpa(q, k, v, causal=True)[0].float() ** 2).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for length in (8, 12):
+        q, k, v = _qkv(rng, torch.float16, T=length, S=length)
+        got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+        want = torch.autograd.grad(loss(q, k, v), (q, k, v))
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+
+def test_dropout_is_reproducible_by_seed(rng):
+    q, k, v = _qkv(rng, torch.float16, requires_grad=False)
+    first = ct.attention(q, k, v, dropout_rate=0.5, seed=7).output
+    assert torch.equal(first, ct.attention(q, k, v, dropout_rate=0.5, seed=7).output)
+    assert not torch.equal(first, ct.attention(q, k, v).output)
+
+
+# -- errors ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case, argument", [
+    ("head_dims", "key"), ("int64_lengths", "q_lengths"), ("layout", "layout"), ("keep_shape", "keep"),
+    ("rank", "query"), ("not_a_tensor", "value"), ("float32", "query"), ("alibi", "mask"),
+    ("right_window", "mask"), ("seed", "seed"),
+])
+def test_bad_arguments_raise_value_errors_naming_them(rng, case, argument):
+    from cudnn_attn import alibi
+
+    q, k, v = _qkv(rng, torch.float16, requires_grad=False)
+    lengths = torch.tensor([8, 8], dtype=torch.int32)
+    calls = {
+        "head_dims": lambda: ct.sdpa(q, k[..., :8], v),
+        "int64_lengths": lambda: ct.sdpa(q, k, v, q_lengths=lengths.long(), kv_lengths=lengths),
+        "layout": lambda: ct.sdpa(q, k, v, layout="TBNH"),
+        "keep_shape": lambda: ct.sdpa(q, k, v, keep=torch.ones(2, 1, 3, 8, dtype=torch.bool)),
+        "rank": lambda: ct.sdpa(q[0], k, v),
+        "not_a_tensor": lambda: ct.sdpa(q, k, v.numpy()),
+        "float32": lambda: ct.sdpa(q.float(), k.float(), v.float()),
+        "alibi": lambda: ct.attention(q, k, v, mask=causal() & alibi()),
+        "right_window": lambda: ct.attention(q, k, v, mask=window(2, 1)),
+        "seed": lambda: ct.sdpa(q, k, v, dropout_rate=0.1, seed=-1),
+    }
+    with pytest.raises(ValueError, match=rf"^{argument}\b"):
+        calls[case]()
+
+
+def test_fake_implementation_raises_the_same_errors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 4, 16, dtype=torch.float16)
+        k = torch.empty(2, 8, 3, 16, dtype=torch.float16)             # 4 query heads, 3 key heads
+        with pytest.raises(ValueError, match=r"^key\b"):
+            ct.sdpa(q, k, k)
+
+
+# -- transformers ------------------------------------------------------------------------------------------
+
+def test_register_transformers_registers_attention_and_mask():
+    transformers = pytest.importorskip("transformers")
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    name = ct.register_transformers("cudnn_attn_test")
+    assert name == "cudnn_attn_test"
+    assert transformers.AttentionInterface()[name] is ct.transformers_attention
+    assert AttentionMaskInterface()[name] is sdpa_mask
+    with pytest.raises(ValueError, match="^name"):
+        ct.register_transformers("")
+
+
+def test_transformers_attention_refuses_an_additive_mask(rng):
+    q, k, v = (x.transpose(1, 2) for x in _qkv(rng, torch.float16, requires_grad=False))
+    with pytest.raises(ValueError, match="^attention_mask"):
+        ct.transformers_attention(torch.nn.Module(), q, k, v, torch.zeros(2, 1, 8, 8, dtype=torch.float16))
+
+
+def _llama(layers=2, left_padding=True):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=1024, intermediate_size=512,
+                                      num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
+                                      head_dim=64, max_position_embeddings=64, initializer_range=0.2)
+    model = transformers.LlamaForCausalLM(config).to(torch.float16).eval()
+    ids = torch.randint(3, 128, (2, 10))
+    attention_mask = torch.ones(2, 10, dtype=torch.long)
+    if left_padding:
+        attention_mask[1, :4] = 0
+        ids[1, :4] = 0
+    return model, ids, attention_mask
+
+
+def _generate(model, implementation, ids, attention_mask, **options):
+    model.set_attn_implementation(implementation)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                              **options)[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("left_padding", [True, False], ids=["left_padded", "unpadded"])
+def test_llama_prefill_and_generate_match_sdpa_on_cpu(left_padding):
+    """Left padded, every call has a keep-mask; unpadded, transformers passes none (causal prefill, decoding
+    against the whole cache)."""
+    model, ids, attention_mask = _llama(left_padding=left_padding)
+    name = ct.register_transformers()
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        want = model(ids, attention_mask=attention_mask).logits
+        model.set_attn_implementation(name)
+        got = model(ids, attention_mask=attention_mask).logits
+    valid = attention_mask.bool()
+    assert _error(got[valid], want[valid]) <= TOLERANCE[torch.float16] * 2
+    assert torch.equal(_generate(model, name, ids, attention_mask), _generate(model, "sdpa", ids, attention_mask))
+
+
+def test_llama_static_cache_generate_compiles_the_operator():
+    """``cache_implementation="static"`` makes transformers compile the decoding step (fullgraph here; on CPU
+    only with ``_compile_all_devices``): the graph holds the operator and the tokens are sdpa's."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model, ids, attention_mask = _llama(layers=1)
+    name = ct.register_transformers()
+    graphs = []
+
+    def record(gm, inputs, **options):             # transformers passes mode="reduce-overhead"
+        graphs.append(gm)
+        return gm
+
+    compile_config = CompileConfig(fullgraph=True, backend=record)
+    compile_config._compile_all_devices = True
+    got = _generate(model, name, ids, attention_mask, cache_implementation="static", compile_config=compile_config)
+    want = _generate(model, "sdpa", ids, attention_mask, cache_implementation="static")
+    assert torch.equal(got, want)
+    targets = {node.target for gm in graphs for node in gm.graph.nodes}
+    assert graphs and (torch.ops.cudnn_attn.attention.default in targets or torch.ops.cudnn_attn.attention in targets)
