@@ -12,7 +12,7 @@ import pytest
 import cudnn_attn
 from cudnn_attn import MaskType, reference
 from cudnn_attn.core.validation import validate_call
-from cudnn_attn.fronts import execution
+from cudnn_attn.engine import prepared
 
 from ._checks import assert_close, assert_lse_close, poisoned, to_gpu
 
@@ -45,15 +45,15 @@ def _packed_bnth(rng):
 
 
 def _run_execution(config, operands, rng):
-    """Forward and backward through ``execution`` into NaN-poisoned buffers, against the reference."""
+    """Forward and backward through ``engine.prepared`` into NaN-poisoned buffers, against the reference."""
     gpu = to_gpu(operands)
-    out = execution.forward(config, gpu, output=poisoned(config.o_shape, operands.query.dtype),
+    out = prepared.forward(config, gpu, output=poisoned(config.o_shape, operands.query.dtype),
                             logsumexp=poisoned(config.lse_shape, np.float32))
     want = reference.forward(config, operands)
     assert_close("output", out.output, want.output, config.dtype)
     assert_lse_close(out.logsumexp, want.logsumexp)
     do = _normal(rng, config.o_shape, operands.query.dtype)
-    grads = execution.backward(config, gpu, out.output, cp.asarray(do), out.logsumexp,
+    grads = prepared.backward(config, gpu, out.output, cp.asarray(do), out.logsumexp,
                                dq=poisoned(operands.query.shape, operands.query.dtype),
                                dk=poisoned(operands.key.shape, operands.key.dtype),
                                dv=poisoned(operands.value.shape, operands.value.dtype))
