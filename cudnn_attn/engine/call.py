@@ -150,8 +150,10 @@ class CallSpec:
             if kind == FWD and not config.training:
                 del bound[TensorId.RAGGED_STATS]                 # an inference graph has no statistics
             if kind == BWD:
-                bound[TensorId.STATS] = packing.lse_to_tokens(xp, named["logsumexp"], segments,
+                bound[TensorId.STATS] = packing.lse_to_tokens(xp, _no_probability(xp, named["logsumexp"]), segments,
                                                               config.batch * config.q_len)
+        elif kind == BWD and masked_rows.may_leave_rows_without_keys(config):
+            bound[TensorId.STATS] = _no_probability(xp, named["logsumexp"])
         return bound, segments
 
     def finish(self, xp: Any, buffers: Mapping[str, Any], named: Mapping[str, Any], segments: Any) -> dict[str, Any]:
@@ -257,6 +259,13 @@ def _graph_operands(config: AttentionConfig, kind: Kind) -> tuple[TensorId, ...]
         if kind == BWD or config.training:
             ids.add(TensorId.RAGGED_STATS)
     return tuple(sorted(ids))
+
+
+def _no_probability(xp: Any, lse: Any) -> Any:
+    """The backward's logsumexp with the ``-inf`` of a row without keys replaced by
+    :data:`~cudnn_attn.core.masked_rows.NO_PROBABILITY_LSE`: ``exp(score - lse)`` is then 0 there, not inf, so the row
+    adds nothing to the gradients."""
+    return xp.where(lse == -np.inf, xp.asarray(masked_rows.NO_PROBABILITY_LSE, dtype=lse.dtype), lse)
 
 
 def zero_rows(xp: Any, lse: Any, q_seqlen: Any) -> Any:

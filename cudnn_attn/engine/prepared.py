@@ -44,10 +44,13 @@ from cudnn_attn.core.validation import validate_call
 from . import runtime
 from .autotune import tuned_plan
 from .cache import PlanChoice, graph_cache
+from cudnn_attn.graphs.tensors import TensorId
+
 from .call import BWD, FWD, OPERAND_IDS, CallSpec, Fill
 from .result_blocks import result_blocks
 
 _ALIGNMENT = 256                        # bytes between the results of one allocation (cuDNN asks for 16)
+_AS_GIVEN = frozenset({TensorId.Q, TensorId.K, TensorId.V})
 
 
 def plan_choice(autotune: bool | None) -> PlanChoice:
@@ -166,9 +169,10 @@ class PreparedCall:
     def _launch(self, cupy: Any, spec: CallSpec, named: Mapping[str, Any], seed: int, stream_ptr: int,
                 given: Mapping[str, Any], rng_dump: Any) -> dict[str, Any]:
         inputs, segments = spec.bind(cupy, named)
-        # Computed inputs (packed offsets, token-major statistics) are kept alive until the launch is queued;
-        # their memory returns to CuPy's pool in this stream's order.
-        inputs = {t: cupy.ascontiguousarray(x) for t, x in inputs.items()}
+        # Computed inputs (packed offsets, token-major statistics) are made dense and kept alive until the launch is
+        # queued (their memory returns to CuPy's pool in this stream's order); Q, K and V go as they are: a view
+        # cuDNN reads with its own strides (AttentionConfig.strides) must not be copied.
+        inputs = {t: x if t in _AS_GIVEN else cupy.ascontiguousarray(x) for t, x in inputs.items()}
         given = dict(given, rng_dump=rng_dump) if rng_dump is not None else given
         scalars = spec.host_scalars(seed, [_host_float(named[n]) for n in spec.operands
                                            if n.startswith("score_mod_arg_")])
@@ -235,11 +239,12 @@ class PreparedCall:
 
     @property
     def direct_capable(self) -> bool:
-        """Whether the direct launch serves this call: no padding mask, packing, FP8, score_mod or padded run
-        (those bind more than the arrays and a seed)."""
+        """Whether the direct launch serves this call: no padding mask, packing, FP8, score_mod or padded run (those
+        bind more than the arrays and a seed), and no query row that can be left without keys (its logsumexp is
+        set after the launch)."""
         config = self.config
         return not (config.packing is not None or config.fp8 or config.score_mod is not None or config.mask.padding
-                    or self.padded is not None)
+                    or self.padded is not None or masked_rows.may_leave_rows_without_keys(config))
 
 
 @functools.lru_cache(maxsize=1024)

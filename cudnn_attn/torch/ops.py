@@ -179,8 +179,15 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_
                         (scale, causal, bottom_right, window, dropout_rate, seed, layout), training)
 
 
+def _detached(*tensors: Any) -> tuple:
+    """The tensors without their autograd history (DLPack exports no tensor that requires grad; the operators'
+    gradients are :func:`register_autograd`'s, so the kernels never need it)."""
+    return tuple(None if x is None else x.detach() for x in tensors)
+
+
 def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any, kv_lengths: Any, keep: Any,
              static: tuple, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    query, key, value, q_lengths, kv_lengths, keep = _detached(query, key, value, q_lengths, kv_lengths, keep)
     if query.device.type == "cuda":
         with _on_torch_stream(query):
             arguments = _seed_arguments(q_lengths, kv_lengths, _cupy_keep(keep), *static)
@@ -241,6 +248,8 @@ def attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: torch.T
 def _backward_grads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
                     grad_output: torch.Tensor, logsumexp: torch.Tensor, q_lengths: Any, kv_lengths: Any, keep: Any,
                     static: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep = _detached(
+        query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep)
     if query.device.type == "cuda":
         with _on_torch_stream(query):
             arguments = _seed_arguments(q_lengths, kv_lengths, _cupy_keep(keep), *static)

@@ -7,6 +7,7 @@ the driver's 2 MiB pages, over far fewer calls; every result is compared against
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import sys
 import time
@@ -16,6 +17,7 @@ import pytest
 
 import cudnn_attn
 from cudnn_attn import MaskType, reference
+from cudnn_attn.core import settings
 from cudnn_attn.engine import cache as cache_module
 from cudnn_attn.engine.cache import GraphCache
 
@@ -124,10 +126,10 @@ def test_replay_graphs_replaced_for_new_addresses_leave_no_device_memory(recycle
     graph, by ``cudaGraphExecUpdate`` or by destroying and instantiating one."""
     from cudnn_attn.engine import replay
 
-    monkeypatch.setattr(replay, "CAPACITY", 2)
-    monkeypatch.setattr(replay, "PATIENCE", 10 ** 6)
-    monkeypatch.setattr(replay, "RECYCLE", recycle)
-    monkeypatch.setattr(replay, "DEVICE_CAPACITY", 10 ** 6)     # other tests' graphs must not stop the captures
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay_graphs_per_plan=2))
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay_patience=10 ** 6))
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay_recycle=recycle))
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay_graphs=10 ** 6))     # other tests' graphs must not stop the captures
     rng = np.random.default_rng(223 if recycle else 227)
     host = [_bf16(rng, (1, 256, 8, 64)) for _ in range(3)]
     q, k, v = (cp.asarray(x) for x in host)

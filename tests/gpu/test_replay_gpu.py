@@ -4,11 +4,14 @@ JAX handler replays too.  Results are poisoned with NaN before every call, so an
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import cudnn_attn
 from cudnn_attn import MaskType, reference
+from cudnn_attn.core import settings
 
 from ._checks import assert_close
 
@@ -79,8 +82,8 @@ def test_dropped_results_come_back_at_the_same_address_and_replay():
     """A loop that drops each result gets it back at the same address (cudnn_attn.engine.result_blocks), so the
     launch replays; each result is poisoned with NaN before it is dropped, so a reused block that the next
     launch did not rewrite shows.  Results that are still alive are never handed out again."""
-    from cudnn_attn.engine.result_blocks import result_blocks
     from cudnn_attn.engine.prepared import calls
+    from cudnn_attn.engine.result_blocks import result_blocks
 
     rng = np.random.default_rng(83)
     q, k, v = _qkv(rng, T=192, S=256, N=4, K=2)
@@ -143,7 +146,7 @@ def test_jax_handler_replays_without_command_buffers():
 
     from cudnn_attn import jax_bridge
     from cudnn_attn.jax_bridge import cudnn_target
-    from cudnn_attn.jax_bridge.call_site import AttentionCall, CallOptions, registry
+    from cudnn_attn.jax_bridge.call_site import registry
 
     rng = np.random.default_rng(79)
     q, k, v = (jnp.asarray(cp.asnumpy(x)) for x in _qkv(rng, T=128, S=128))
@@ -167,8 +170,8 @@ def test_graphs_updated_in_place_for_new_addresses_write_the_new_results(kind, m
     and the others keep what they held (each buffer is poisoned with NaN before its call)."""
     from cudnn_attn.engine import replay
 
-    monkeypatch.setattr(replay, "CAPACITY", 2)
-    monkeypatch.setattr(replay, "PATIENCE", 10 ** 6)
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay_graphs_per_plan=2))
+    monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay_patience=10 ** 6))
     rng = np.random.default_rng(73 if kind == "fwd" else 79)
     q, k, v = _qkv(rng, T=128, S=192, N=4, K=2)
     kwargs = dict(scale=0.125, mask_type=MaskType.CAUSAL)
