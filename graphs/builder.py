@@ -298,9 +298,10 @@ def _backward(config: AttentionConfig, t: _Declared, io: Any, rng_dump: bool) ->
             t.scalar_output(tt.FP8_AMAX_IDS[name], amax)
     else:
         dq, dk, dv = t.graph.sdpa_backward(q=q, k=k, v=v, o=o, dO=d_o, stats=stats, **options)
-    t.output(TensorId.DQ, dq, tt.q_tensor(config), io, ragged=ragged.q)
-    t.output(TensorId.DK, dk, tt.k_tensor(config), io, ragged=ragged.k)
-    t.output(TensorId.DV, dv, tt.v_tensor(config), io, ragged=ragged.v)
+    dense = config.replace(strides=None)              # results are dense, whatever the inputs' strides
+    t.output(TensorId.DQ, dq, tt.q_tensor(dense), io, ragged=ragged.q)
+    t.output(TensorId.DK, dk, tt.k_tensor(dense), io, ragged=ragged.k)
+    t.output(TensorId.DV, dv, tt.v_tensor(dense), io, ragged=ragged.v)
 
 
 # ---------------------------------------------------------------------------------------------------

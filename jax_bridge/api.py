@@ -153,6 +153,8 @@ def _attention_bwd(config: AttentionConfig, options: CallOptions, residuals: tup
     for the rest (sequence lengths, offsets, scale factors, a boolean mask's bias)."""
     inputs, output, logsumexp = residuals
     training = config.replace(training=True)
+    if config.bias is not None and not (options.context is not None and options.context.axes):
+        logsumexp = masked_rows.silent_rows_lse(jnp, config, cotangents["output"], logsumexp)
     grads = _run(BWD, training, options, _select(
         training, BWD, inputs, output=output, grad_output=cotangents["output"], logsumexp=logsumexp))
     found = {}

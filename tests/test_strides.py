@@ -60,3 +60,4 @@ def test_strided_and_dense_calls_are_different_configurations():
     dense, strided = _config(AttentionLayout.BTNH), _config(AttentionLayout.BTNH, InputStrides(query=(4096, 128, 512, 1)))
     assert dense != strided and hash(dense) != hash(strided)
     assert np.array_equal(tt.q_tensor(dense)[0], tt.q_tensor(strided)[0])
+

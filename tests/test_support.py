@@ -108,11 +108,11 @@ def test_detect_reads_the_current_cupy_device(monkeypatch):
     monkeypatch.setattr(runtime, "getDeviceProperties",
                         lambda i: {"major": 9, "minor": 0, "name": f"NVIDIA H200 #{i}".encode(),
                                    "multiProcessorCount": 132})
-    environment._device_environment.cache_clear()
+    environment._device_facts.cache_clear()
     try:
         detected = Environment.detect()
     finally:
-        environment._device_environment.cache_clear()
+        environment._device_facts.cache_clear()
     assert (detected.compute_capability, detected.device_name) == ((9, 0), "NVIDIA H200 #1")
 
 
@@ -123,11 +123,11 @@ def test_detect_without_cudnn(monkeypatch):
         raise RuntimeError("libcudnn.so.9: cannot open shared object file")
 
     monkeypatch.setattr(cudnn, "backend_version", missing)
-    environment.cudnn_version.cache_clear()
+    environment._forget()
     try:
         detected = Environment.detect()
     finally:
-        environment.cudnn_version.cache_clear()
+        environment._forget()
     assert detected.cudnn_version is None
     assert "no cuDNN library found (install nvidia-cudnn-cu13)" in not_supported_reasons(BASE, detected)
 

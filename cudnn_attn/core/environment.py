@@ -25,26 +25,40 @@ def format_version(version: int) -> str:
     return f"{version // 1000}.{version // 100 % 10}.{version % 100}"
 
 
-@functools.lru_cache(maxsize=None)
+_read: dict[str, object] = {}
+
+
 def cudnn_version() -> int | None:
-    """``cudnn.backend_version()`` of the installed cuDNN, or ``None`` when none loads (read once)."""
-    try:
-        import cudnn
+    """``cudnn.backend_version()`` of the installed cuDNN, or ``None`` when none loads.  A version read is kept for
+    the process; a failure is not (the frontend may still be importing on :mod:`cudnn_attn.engine.preload`'s thread,
+    where a concurrent import can hand this thread the half-made module)."""
+    found = _read.get("cudnn")
+    if found is None:
+        try:
+            import cudnn
 
-        return int(cudnn.backend_version())
-    except Exception:  # no frontend, no libcudnn, or a broken install: all mean "no cuDNN here"
-        return None
+            found = _read["cudnn"] = int(cudnn.backend_version())
+        except Exception:  # no frontend, no libcudnn, or a broken install: all mean "no cuDNN here" (for now)
+            return None
+    return found
 
 
-@functools.lru_cache(maxsize=None)
 def frontend_version() -> str | None:
-    """``cudnn.__version__`` of the installed frontend, or ``None``."""
-    try:
-        import cudnn
+    """``cudnn.__version__`` of the installed frontend, or ``None`` (kept once read, as :func:`cudnn_version`)."""
+    found = _read.get("frontend")
+    if found is None:
+        try:
+            import cudnn
 
-        return str(cudnn.__version__)
-    except Exception:
-        return None
+            found = _read["frontend"] = str(cudnn.__version__)
+        except Exception:
+            return None
+    return found
+
+
+def _forget() -> None:
+    """Tests: read the versions again."""
+    _read.clear()
 
 
 @dataclass(frozen=True)
@@ -110,17 +124,18 @@ def _detect(device: int | None) -> Environment:
             return Environment(cudnn_version(), None)
         if device is None:
             device = cupy.cuda.runtime.getDevice()
-        return _device_environment(int(device))
+        capability, name, sm_count = _device_facts(int(device))
     except Exception:  # no CuPy, no driver or no device
         return Environment(cudnn_version(), None)
+    return Environment(cudnn_version(), capability, name, sm_count, frontend_version())
 
 
 @functools.lru_cache(maxsize=None)
-def _device_environment(device: int) -> Environment:
+def _device_facts(device: int) -> tuple[tuple[int, int], str, int]:
+    """Compute capability, name and SM count of CUDA ``device`` (read once per device)."""
     import cupy
 
     props = cupy.cuda.runtime.getDeviceProperties(device)
     name = props["name"]
     name = name.decode() if isinstance(name, bytes) else str(name)
-    return Environment(cudnn_version(), (int(props["major"]), int(props["minor"])), name,
-                       int(props["multiProcessorCount"]), frontend_version())
+    return (int(props["major"]), int(props["minor"])), name, int(props["multiProcessorCount"])

@@ -239,3 +239,17 @@ def keyless_logsumexp(xp: Any, config: AttentionConfig, logsumexp: Any, q_seqlen
         q_seqlen, kv_seqlen = segments.q_seqlen, segments.kv_seqlen
     rows = rows_without_keys(xp, config, q_seqlen, kv_seqlen)
     return xp.where(rows, xp.asarray(-np.inf, dtype=logsumexp.dtype), logsumexp)
+
+
+def silent_rows_lse(xp: Any, config: AttentionConfig, grad_output: Any, logsumexp: Any) -> Any:
+    """The backward's logsumexp with :data:`NO_PROBABILITY_LSE` on every query row whose ``grad_output`` row is all
+    zero (a row fixed outside the kernel, whose cotangent the fix-up zeroed).  Such a row adds nothing to any
+    gradient, but under a boolean mask's large negative bias the kernel's recomputed scores can differ from the
+    forward's by more than ``exp`` survives (the H200 gave NaN dq with the forward's own logsumexp there): with this
+    logsumexp its probabilities are 0.  Not for packed calls (their logsumexp is per segment)."""
+    if config.packing is not None:
+        return logsumexp
+    silent = xp.all(grad_output == 0, axis=-1)                           # (B, T, N) or (B, N, T)
+    if config.layout is AttentionLayout.BTNH:
+        silent = xp.swapaxes(silent, 1, 2)
+    return xp.where(silent, xp.asarray(NO_PROBABILITY_LSE, dtype=logsumexp.dtype), logsumexp)

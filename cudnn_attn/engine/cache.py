@@ -60,7 +60,7 @@ from cudnn_attn.core.support import check_supported
 from cudnn_attn.core.types import Kind
 from cudnn_attn.persist.store import default_store
 
-from . import miss_reason, runtime
+from . import miss_reason, preload, runtime
 from .cache_view import CacheListing, CacheRow, EntryDetail, MissListing, MissRow, block, size
 from .plan import CallPlan
 
@@ -528,6 +528,9 @@ runtime.on_release(graph_cache.clear)
 
 def _cudnn_version_or_fail() -> int:
     version = cudnn_version()
+    if version is None:
+        preload.wait()                  # the frontend may be half imported on the preload thread: read it after
+        version = cudnn_version()
     if version is None:
         raise NoGPUError("no cuDNN library loads here; the graph cache builds cuDNN graphs")
     return version
