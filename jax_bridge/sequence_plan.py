@@ -221,10 +221,11 @@ MIN_PIECE = 128         # positions: one cuDNN tile of rows; smaller pieces only
 
 def pieces_of(length: int, requested: int | None) -> int:
     """Into how many equal pieces a local sequence of ``length`` positions is cut: ``requested``, or
-    (``None``) the most of 4, 2, 1 that divides ``length`` with pieces of at least :data:`MIN_PIECE`."""
+    (``None``) the most of 8, 4, 2, 1 that divides ``length`` with pieces of at least :data:`MIN_PIECE`
+    (8 pieces: per-device memory of a 2-device training step 0.59x one device's, 4 pieces 0.69x)."""
     if requested is not None:
         return requested
-    return next(n for n in (4, 2, 1) if length % n == 0 and (length // n >= MIN_PIECE or n == 1))
+    return next(n for n in (8, 4, 2, 1) if length % n == 0 and (length // n >= MIN_PIECE or n == 1))
 
 
 def piece(chunks: tuple[Chunk, ...], start: int, stop: int) -> tuple[Chunk, ...]:
