@@ -4,7 +4,7 @@ order, under ``jit`` automatic partitioning and inside ``shard_map``; outputs, l
 against the unsharded call (the NumPy reference behind the same primitives).
 
 Tolerance: every block's output is rounded to float16, and the merged output and the summed gradients are
-stored in float16 after each piece (one rounding per block at most: P <= 8 here), so the sharded results
+stored in float16 after each merged piece (P x pieces roundings per row at most), so the sharded results
 differ from the once-rounded reference by a few float16 ulps (relative error bound 2e-3 for the output,
 the ``float16`` tolerance of ``test_jax_common``, twice that for gradients).  ``pieces`` cases cut every
 device's queries and keys into 2 or 4 pieces.
