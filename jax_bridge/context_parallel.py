@@ -3,13 +3,18 @@
 Each device holds ``T / P`` queries and ``S / P`` keys (``P`` devices on the sequence axes).  Two schemes,
 both built from JAX collectives and the per-block kernel calls of the attention primitives:
 
-* ``Scheme.RING`` (default): K/V blocks travel around the axis (``lax.ppermute``, the next block is sent
-  while the current one is computed).  At each step a device attends its queries to the block it holds;
-  partial outputs are merged with their logsumexps (``o = sum_b exp(lse_b - lse) o_b``, ``lse =
-  logsumexp_b lse_b``).  The backward runs the ring again: each block's kernel backward with the *final*
-  output and logsumexp gives exact partial gradients (``P = exp(s - lse)``, ``D = rowsum(dO * O)``); dQ
-  accumulates locally, dK/dV accumulate (float32) in buffers that travel with their block and arrive
-  home after ``P`` steps.  Memory: two K/V blocks per device.
+* ``Scheme.RING`` (default): at step ``s`` every device attends its queries to the K/V block of the
+  device ``s`` places before it, piece by piece: each device cuts its queries and the keys it holds into
+  ``pieces`` (:class:`ContextParallel`), and piece ``j`` comes straight from the block's owner
+  (``lax.ppermute`` by ``s``; the next piece travels while the current one is computed).  Partial outputs
+  are merged with their logsumexps (``o = sum_b exp(lse_b - lse) o_b``, ``lse = logsumexp_b lse_b``).  The
+  backward sweeps again: each block's kernel backward with the *final* output and logsumexp gives exact
+  partial gradients (``P = exp(s - lse)``, ``D = rowsum(dO * O)``); dQ accumulates locally, and the partial
+  dK/dV of a piece go back to its owner and accumulate there.  Memory: O, dQ, dK and dV accumulate in the
+  operands' dtype in the buffers they are returned in (each piece's sum is float32, rounded once when
+  added); besides its arguments and results a device holds about two pieces of K/V and one piece's
+  partial results (``lax.optimization_barrier`` keeps XLA from starting every piece at once).  With 2
+  devices the training step holds 0.59x one device's memory per device, 0.30x with 4 (README).
 * ``Scheme.ALL_GATHER``: K/V are gathered once (``lax.all_gather``), every device attends its queries to
   the keys its mask needs in one call per query chunk; the backward reduces the dK/dV of the gathered
   keys back to their owners (``lax.psum_scatter``).  Memory: the whole K/V on every device.
@@ -20,9 +25,10 @@ causal (top-left, or bottom-right without per-sequence lengths), windows, per-se
 (``q_seqlen``/``kv_seqlen`` give each call its own lengths), a bias (each device holds its rows and
 every column), GQA and MLA work in both schemes.  A block that the mask removes entirely is not
 computed: the devices take different branches (``lax.switch`` on the device's index into the distinct
-plans of the step).  Refused (:class:`~cudnn_attn.core.errors.UnsupportedConfigurationError`): dropout,
-ALiBi, FP8, ``score_mod``, an attention sink, packed segments, paged caches, and a bottom-right diagonal
-with per-sequence lengths (:func:`refusals`).
+plans of the step).  Refused (:class:`~cudnn_attn.core.errors.UnsupportedConfigurationError`), each by
+one row of ``cudnn_attn.core.support.CONTEXT_PARALLEL_RESTRICTIONS`` with its reason: dropout, ALiBi, FP8,
+``score_mod``, an attention sink, packed segments, paged caches, and a bottom-right diagonal with
+per-sequence lengths.
 
 Causal load balance: with the natural order device ``P-1`` computes ``P`` blocks and device 0 one.
 :func:`load_balance` reorders a sequence into ``2P`` chunks stored as ``0, 2P-1, 1, 2P-2, ...``, so
@@ -52,12 +58,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec
+from cudnn_attn.core import support
+from cudnn_attn.core.config import AttentionConfig, BiasSpec, MaskSpec
 from cudnn_attn.core.errors import UnsupportedConfigurationError
 from cudnn_attn.core.types import AttentionLayout
 
 from . import lifting
-from .sequence_plan import Band, BlockCall, chunk_order, device_plans, local_chunks
+from .sequence_plan import Band, BlockCall, StepPlans, chunk_order, device_plans, local_chunks, piece, pieces_of
 from .signature import BWD, FWD, result_names
 
 __all__ = ["ContextParallel", "Scheme", "context_parallelism", "load_balance", "restore_order"]
@@ -77,12 +84,15 @@ class ContextParallel:
     ``scheme``: :class:`Scheme` or its name.  ``axis``: the mesh axis (or axes) of the sequence, for calls
     inside ``shard_map`` (under ``jit`` the axes are read from the query's sharding).  ``load_balance``:
     ``Z`` when Q/K/V are in the load-balanced order of :func:`load_balance` for ``Z`` shards (the number
-    of sequence shards must divide ``Z``), ``None`` for the natural order.
+    of sequence shards must divide ``Z``), ``None`` for the natural order.  ``pieces``: into how many equal
+    pieces each device cuts its queries and the keys it holds (kernel calls per block and the unit a ring
+    sends); ``None``: 8, 4, 2 or 1, the most that leaves pieces of at least 128 positions.
     """
 
     scheme: Scheme = Scheme.RING
     axis: str | tuple[str, ...] | None = None
     load_balance: int | None = None
+    pieces: int | None = None
 
     def __post_init__(self):
         try:
@@ -96,6 +106,9 @@ class ContextParallel:
         if balance is not None and (isinstance(balance, bool) or not isinstance(balance, int) or balance < 1):
             raise ValueError(f"context_parallel: load_balance must be a positive int (the number of shards the "
                              f"sequence was reordered for) or None, got {balance!r}")
+        pieces = self.pieces
+        if pieces is not None and (isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1):
+            raise ValueError(f"context_parallel: pieces must be a positive int or None, got {pieces!r}")
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -108,13 +121,13 @@ _DEFAULT: contextvars.ContextVar[ContextParallel] = contextvars.ContextVar("cudn
 
 @contextlib.contextmanager
 def context_parallelism(scheme: str | Scheme = Scheme.RING, *, axis: str | tuple[str, ...] | None = None,
-                     load_balance: int | None = None) -> Iterator[ContextParallel]:
+                        load_balance: int | None = None, pieces: int | None = None) -> Iterator[ContextParallel]:
     """The default :class:`ContextParallel` of the attention calls traced inside the block.
 
     Read when a call is *traced*: a function that ``jit`` traced before keeps the scheme it was traced
     with (pass ``context_parallel=`` to the call to make it part of the function instead).
     """
-    token = _DEFAULT.set(ContextParallel(scheme, axis, load_balance))
+    token = _DEFAULT.set(ContextParallel(scheme, axis, load_balance, pieces))
     try:
         yield _DEFAULT.get()
     finally:
@@ -170,32 +183,22 @@ def restore_order(x: Any, shards: int, axis: int | Sequence[int] = 1) -> Any:
 @dataclass(frozen=True)
 class Split:
     """How the sequence of one call is split: ``shards`` devices on the mesh ``axes`` (none: one device
-    holding the whole sequence), the load-balanced order ``balance`` (0: natural) and the scheme."""
+    holding the whole sequence), the load-balanced order ``balance`` (0: natural), the scheme and the
+    pieces of :class:`ContextParallel` (``None``: chosen by length)."""
 
     axes: tuple[str, ...]
     shards: int
     balance: int
     scheme: Scheme
+    pieces: int | None = None
 
     def axis_name(self) -> Any:
         return self.axes[0] if len(self.axes) == 1 else self.axes
 
 
 def refusals(config: AttentionConfig) -> list[str]:
-    """Why ``config`` cannot run with its sequence split (empty when it can)."""
-    mask = config.mask
-    found = [
-        (config.has_dropout, "dropout (every block would draw the same Philox positions)"),
-        (mask.alibi, "ALiBi"),
-        (config.fp8, "FP8"),
-        (config.score_mod is not None, "score_mod"),
-        (config.sink, "an attention sink"),
-        (config.packing is not None, "packed segments (their positions restart inside the sequence)"),
-        (config.paging is not None, "paged K/V caches"),
-        (mask.alignment is DiagonalAlignment.BOTTOM_RIGHT and mask.padding and mask.right_bound is not None,
-         "a bottom-right diagonal with per-sequence lengths (its offset differs per sequence)"),
-    ]
-    return [f"context parallelism: not with {what}" for present, what in found if present]
+    """Why ``config`` cannot run with its sequence split (empty when it can): the support table's rows."""
+    return support.context_parallel_reasons(config)
 
 
 def check(config: AttentionConfig, split: Split) -> None:
@@ -209,6 +212,12 @@ def check(config: AttentionConfig, split: Split) -> None:
             raise ValueError(f"{what}: a sequence of {length} positions cannot be split into "
                              f"{'2 * load_balance = ' if split.balance else ''}{multiple} equal parts over the "
                              f"axes {split.axes}")
+    if split.pieces is not None:
+        held = config.kv_len // split.shards if split.scheme is Scheme.RING and split.shards > 1 else config.kv_len
+        for what, length in (("query", config.q_len // split.shards), ("key/value", held)):
+            if length % split.pieces:
+                raise ValueError(f"context_parallel: pieces={split.pieces} does not divide the {length} {what} "
+                                 f"positions a device holds")
     if split.balance and split.balance % split.shards:
         raise ValueError(f"context_parallel: load_balance={split.balance} (the order of the sequence) must be a "
                          f"multiple of the {split.shards} devices on the sequence axes {split.axes}")
@@ -234,41 +243,72 @@ def run(kind: str, config: AttentionConfig, split: Split, operands: Mapping[str,
 _NEG_INF = -jnp.inf
 
 
-class _Engine:
-    """One device's side of a split call: its chunks, the plans of every step, the block kernels."""
+class Geometry:
+    """The static side of one device's split call: its query chunks, the keys it holds at each step, and
+    the pieces both are cut into (:func:`~.sequence_plan.pieces_of`).  Pure Python on integers."""
 
-    def __init__(self, config: AttentionConfig, split: Split, operands: Mapping[str, Any]):
-        self.config, self.split, self.ops = config, split, dict(operands)
-        self.seq = 1 if config.layout is AttentionLayout.BTNH else 2
+    def __init__(self, config: AttentionConfig, split: Split):
+        self.config, self.split = config, split
         p = split.shards
-        self.q_local, self.k_local = config.q_len // p, config.kv_len // p
-        self.band = Band.of(config)
-        self.padding = config.mask.padding
-        self.index = jax.lax.axis_index(split.axis_name()) if p > 1 else jnp.int32(0)
-        self.q_chunks = [local_chunks(config.q_len, p, r, split.balance) for r in range(p)]
         self.ring = split.scheme is Scheme.RING and p > 1
-        self.bias = self.ops.get("bias")       # its columns follow the order of the keys in use
+        self.q_local, self.k_local = config.q_len // p, config.kv_len // p
+        self.held = self.k_local if self.ring else config.kv_len      # keys a device holds at one step
+        self.q_pieces = pieces_of(self.q_local, split.pieces)
+        self.k_pieces = pieces_of(self.held, split.pieces)
+        self.q_piece, self.k_piece = self.q_local // self.q_pieces, self.held // self.k_pieces
+        self.steps: list[int | None] = list(range(p)) if self.ring else [None]
+        self.q_chunks = [local_chunks(config.q_len, p, r, split.balance) for r in range(p)]
+        self.band = Band.of(config)
 
-    # -- plans ----------------------------------------------------------------------------------------
-    def _key_chunks(self, step: int | None) -> list:
+    def key_chunks(self, step: int | None) -> list:
         p, config = self.split.shards, self.config
         if step is None:                                  # all-gather: every key, natural order
             return [local_chunks(config.kv_len, 1, 0)] * p
         return [local_chunks(config.kv_len, p, (r - step) % p, self.split.balance) for r in range(p)]
 
-    def _run_step(self, step: int | None, branch: Callable, state: Any, key: Any, value: Any, key_base: Any) -> Any:
-        """Run this device's plan of ``step``: ``branch(calls)(state, key, value, key_base, starts)`` chosen
-        by the device index (``lax.switch``), ``starts`` the global positions of its calls' first rows and
-        keys (read per device at run time, so that devices differing only by them share a branch)."""
-        found = device_plans(self.q_chunks, self._key_chunks(step), self.band, contiguous_only=self.padding)
+    def plans(self, step: int | None, i: int, j: int) -> StepPlans:
+        """Every device's calls for its query piece ``i`` against key piece ``j`` of the keys held at ``step``."""
+        qp, kp = self.q_piece, self.k_piece
+        queries = [piece(c, i * qp, (i + 1) * qp) for c in self.q_chunks]
+        keys = [piece(c, j * kp, (j + 1) * kp) for c in self.key_chunks(step)]
+        return device_plans(queries, keys, self.band, contiguous_only=self.config.mask.padding)
+
+
+class _Engine:
+    """One device's side of a split call: the plans of every step and piece, the block kernels, the
+    accumulators (module doc: where each lives and in which dtype)."""
+
+    def __init__(self, config: AttentionConfig, split: Split, operands: Mapping[str, Any]):
+        self.config, self.split, self.ops = config, split, dict(operands)
+        self.geometry = g = Geometry(config, split)
+        self.seq = 1 if config.layout is AttentionLayout.BTNH else 2
+        self.padding = config.mask.padding
+        self.index = jax.lax.axis_index(split.axis_name()) if split.shards > 1 else jnp.int32(0)
+        self.ring = g.ring
+        self.bias = self.ops.get("bias")       # its columns follow the order of the keys in use
+        self.last: Any = ()                    # the results of the latest piece (what the next one waits for)
+
+    # -- plans ----------------------------------------------------------------------------------------
+    def _run_piece(self, step: int | None, i: int, j: int, branch: Callable, args: tuple) -> Any:
+        """This device's calls of ``(step, i, j)``: ``branch(calls)(*args, starts)`` chosen by the device
+        index (``lax.switch``), ``starts`` the global positions of its calls' first rows and keys (read per
+        device at run time, so that devices differing only by them share a branch); ``None`` when no device
+        has a call (the same on every device: the plans are static)."""
+        found = self.geometry.plans(step, i, j)
+        if not any(found.calls):
+            return None
+        result = self._run_plans(found, branch, args)
+        self.last = result
+        return result
+
+    def _run_plans(self, found: StepPlans, branch: Callable, args: tuple) -> Any:
         most = max(len(calls) for calls in found.calls)
-        starts = tuple((self._lookup([calls[i].q_global if i < len(calls) else 0 for calls in found.calls]),
-                        self._lookup([calls[i].k_global if i < len(calls) else 0 for calls in found.calls]))
-                       for i in range(most))
-        args = (state, key, value, key_base, starts)
+        starts = tuple((self._lookup([calls[n].q_global if n < len(calls) else 0 for calls in found.calls]),
+                        self._lookup([calls[n].k_global if n < len(calls) else 0 for calls in found.calls]))
+                       for n in range(most))
         if len(found.plans) == 1:
-            return branch(found.plans[0])(*args)
-        return jax.lax.switch(self._lookup(found.index), [branch(calls) for calls in found.plans], *args)
+            return branch(found.plans[0])(*args, starts)
+        return jax.lax.switch(self._lookup(found.index), [branch(calls) for calls in found.plans], *args, starts)
 
     def _lookup(self, values: Sequence[Any]) -> Any:
         """``values[device index]`` without an array constant (``custom_partitioning`` traces allow none)."""
@@ -277,22 +317,66 @@ class _Engine:
             found = jnp.where(self.index == r, value, found)
         return found
 
+    def _sweep(self, visit: Callable[[int | None, int, Any, Any, Any], None], state: Callable[[], Any]) -> None:
+        """``visit(step, j, key_j, value_j, first_column)`` for every step and key piece ``j``, in that order.
+
+        On the ring, piece ``j`` of the block a device needs at ``step`` comes straight from the block's owner
+        (``lax.ppermute`` by ``step`` devices), whose K/V are its arguments: no device keeps a received block.
+        A piece is requested once the accumulators ``state()`` hold everything two pieces before it
+        (:func:`_after`): one piece is computed while the next one travels.
+        """
+        g = self.geometry
+        key, value = self.ops["key"], self.ops["value"]
+        if not self.ring:
+            key, value = self._gathered(key, value)
+        kp = g.k_piece
+        items = [(step, j) for step in g.steps for j in range(g.k_pieces)]
+
+        def fetch(step: int | None, j: int) -> tuple[Any, Any]:
+            k, v = _after(state(), (key, value))        # sliced only now: XLA would slice every piece up front
+            own = self._rows(k, j * kp, (j + 1) * kp), self._rows(v, j * kp, (j + 1) * kp)
+            return own if not step else self._from_owner(own, step)
+
+        pending = fetch(*items[0])
+        for n, (step, j) in enumerate(items):
+            current = pending
+            if n + 1 < len(items):
+                pending = fetch(*items[n + 1])
+            base = 0 if step is None else self._block_index(step) * g.k_local
+            visit(step, j, *current, base + j * kp)
+
     # -- block operands -------------------------------------------------------------------------------
     def _rows(self, x: Any, start: int, stop: int, axis: int | None = None) -> Any:
-        return jax.lax.slice_in_dim(x, start, stop, axis=self.seq if axis is None else axis)
+        axis = self.seq if axis is None else axis
+        return x if (start, stop) == (0, x.shape[axis]) else jax.lax.slice_in_dim(x, start, stop, axis=axis)
 
-    def _block(self, call: BlockCall, kind: str, key: Any, value: Any, key_base: Any, start: tuple) -> tuple:
+    def _query_piece(self, i: int, kind: str, state: Any) -> dict[str, Any]:
+        """The query-side operands of query piece ``i`` (its rows of Q, the bias, O, dO and the logsumexp),
+        sliced once ``state`` is computed (:func:`_after`)."""
+        qp = self.geometry.q_piece
+        whole = {"query": self.ops["query"]}
+        if self.bias is not None:
+            whole["bias"] = self.bias
+        if kind == BWD:
+            whole.update(output=self.ops["output"], grad_output=self.ops["grad_output"], logsumexp=self.lse)
+        whole = _after(state, whole)
+        return {name: self._rows(x, i * qp, (i + 1) * qp, axis=2 if name in ("bias", "logsumexp") else None)
+                for name, x in whole.items()}
+
+    def _block(self, call: BlockCall, kind: str, rows: Mapping[str, Any], key: Any, value: Any, key_base: Any,
+               start: tuple) -> tuple:
         """The block's configuration and operands (Q/K/V, bias, lengths); also its rows with a key.
-        ``start``: the global positions of the call's first query row and key on this device."""
+        ``rows``: the query piece's operands; ``start``: the global positions of the call's first query row
+        and key on this device."""
         config = self.config
         block = block_config(config, call)
         mask = block.mask
-        ops = {"query": self._rows(self.ops["query"], call.q_start, call.q_stop),
+        ops = {"query": self._rows(rows["query"], call.q_start, call.q_stop),
                "key": self._rows(key, call.k_start, call.k_stop),
                "value": self._rows(value, call.k_start, call.k_stop)}
         if block.bias is not None:
-            rows = self._rows(self.bias, call.q_start, call.q_stop, axis=2)
-            ops["bias"] = jax.lax.dynamic_slice_in_dim(rows, key_base + call.k_start, call.k_len, axis=3)
+            bias_rows = self._rows(rows["bias"], call.q_start, call.q_stop, axis=2)
+            ops["bias"] = jax.lax.dynamic_slice_in_dim(bias_rows, key_base + call.k_start, call.k_len, axis=3)
         has_keys = None
         if mask.padding:
             batch = config.batch
@@ -305,59 +389,65 @@ class _Engine:
             ops["q_seqlen"], ops["kv_seqlen"] = q_len, kv_len
             has_keys = _rows_with_keys(call, q_len, kv_len)
         if kind == BWD:
-            ops["output"] = self._rows(self.ops["output"], call.q_start, call.q_stop)
-            ops["grad_output"] = self._rows(self.ops["grad_output"], call.q_start, call.q_stop)
-            ops["logsumexp"] = self._rows(self.lse, call.q_start, call.q_stop, axis=2)
+            for name in ("output", "grad_output"):
+                ops[name] = self._rows(rows[name], call.q_start, call.q_stop)
+            ops["logsumexp"] = self._rows(rows["logsumexp"], call.q_start, call.q_stop, axis=2)
         return block, ops, has_keys
 
     def _per_row(self, x: Any) -> Any:
         """A ``(B, N, T)`` (or ``(B, 1, T)``) row statistic shaped to broadcast against O in the layout."""
         return jnp.swapaxes(x, 1, 2)[..., None] if self.seq == 1 else x[..., None]
 
+    def _piece_shape(self, x: Any, length: int, dtype: Any = jnp.float32) -> jax.ShapeDtypeStruct:
+        shape = list(x.shape)
+        shape[self.seq] = length
+        return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
     # -- forward --------------------------------------------------------------------------------------
     def forward(self, call: Call) -> dict[str, Any]:
-        config, q = self.config, self.ops["query"]
+        config, q, g = self.config, self.ops["query"], self.geometry
         o_shape = list(q.shape)
         o_shape[-1] = config.v_dim
-        state = (jnp.zeros(o_shape, jnp.float32),
-                 jnp.full((config.batch, config.q_heads, self.q_local), _NEG_INF, jnp.float32))
+        heads = config.q_heads
+        state = [jnp.zeros(o_shape, q.dtype), jnp.full((config.batch, heads, g.q_local), _NEG_INF, jnp.float32)]
+        qp = g.q_piece
+        piece_o = list(o_shape)
+        piece_o[self.seq] = qp
 
         def branch(calls: tuple[BlockCall, ...]) -> Callable:
-            def run_calls(state, key, value, key_base, starts):
+            def run_calls(rows, key, value, key_base, starts):
+                found = (_full_like(q, piece_o, q.dtype, 0), _full_like(q, (config.batch, heads, qp), jnp.float32, _NEG_INF))
                 for c, start in zip(calls, starts):
-                    block, ops, has_keys = self._block(c, FWD, key, value, key_base, start)
-                    found = lifting.run(FWD, block, ops, call)
-                    state = self._merge(state, c, found["output"], found["logsumexp"], has_keys)
-                return state
+                    block, ops, has_keys = self._block(c, FWD, rows, key, value, key_base, start)
+                    result = lifting.run(FWD, block, ops, call)
+                    found = self._merge(found, c.q_start, result["output"], result["logsumexp"], has_keys)
+                return found
             return run_calls
 
-        for step, (key, value, key_base) in self._key_blocks():
-            state = self._run_step(step, branch, state, key, value, key_base)
+        def visit(step, j, key, value, key_base):
+            for i in range(g.q_pieces):
+                found = self._run_piece(step, i, j, branch,
+                                        (self._query_piece(i, FWD, self.last), key, value, key_base))
+                if found is not None:
+                    state[:] = self._merge(tuple(state), i * qp, *found, None)
+
+        self._sweep(visit, lambda: self.last)
         o, lse = state
         if self.padding:
             valid = self._global_rows()[None, :] < self.ops["q_seqlen"][:, None]      # (B, T_local)
             lse = jnp.where(valid[:, None, :], lse, 0.0)
-        return {"output": o.astype(q.dtype), "logsumexp": lse}
+        return {"output": o, "logsumexp": lse}
 
-    def _key_blocks(self) -> Iterator[tuple[int | None, tuple[Any, Any, Any]]]:
-        """``(step, (key, value, first bias column))`` of every step; ring steps send the next block first."""
-        key, value = self.ops["key"], self.ops["value"]
-        if not self.ring:
-            yield None, (*self._gathered(key, value), 0)
-            return
-        for step in range(self.split.shards):
-            following = self._shift((key, value)) if step < self.split.shards - 1 else None
-            yield step, (key, value, self._block_index(step) * self.k_local)
-            if following is not None:
-                key, value = following
-
-    def _merge(self, state: tuple, c: BlockCall, o: Any, lse: Any, has_keys: Any) -> tuple:
+    def _merge(self, state: tuple, start: int, o: Any, lse: Any, has_keys: Any) -> tuple:
+        """``state`` (O, logsumexp) with the partial result ``o``, ``lse`` of the rows from ``start`` merged
+        in (O keeps its dtype; the merge itself is float32)."""
         o_acc, lse_acc = state
         if has_keys is not None:
             lse = jnp.where(has_keys[:, None, :], lse, _NEG_INF)
             o = jnp.where(self._per_row(has_keys[:, None, :]), o, 0)
-        old_o = self._rows(o_acc, c.q_start, c.q_stop)
-        old_lse = lse_acc[..., c.q_start:c.q_stop]
+        stop = start + lse.shape[-1]
+        old_o = self._rows(o_acc, start, stop).astype(jnp.float32)
+        old_lse = lse_acc[..., start:stop]
         top = jnp.maximum(old_lse, lse)
         top = jnp.where(jnp.isfinite(top), top, 0.0)
         w_old, w_new = jnp.exp(old_lse - top), jnp.exp(lse - top)
@@ -365,72 +455,113 @@ class _Engine:
         safe = jnp.where(total > 0, total, 1.0)
         new_o = old_o * self._per_row(w_old / safe) + o.astype(jnp.float32) * self._per_row(w_new / safe)
         new_lse = top + jnp.log(total)
-        o_acc = jax.lax.dynamic_update_slice_in_dim(o_acc, new_o, c.q_start, axis=self.seq)
-        lse_acc = jax.lax.dynamic_update_slice_in_dim(lse_acc, new_lse, c.q_start, axis=2)
+        o_acc = jax.lax.dynamic_update_slice_in_dim(o_acc, new_o.astype(o_acc.dtype), start, axis=self.seq)
+        lse_acc = jax.lax.dynamic_update_slice_in_dim(lse_acc, new_lse, start, axis=2)
         return o_acc, lse_acc
 
     # -- backward -------------------------------------------------------------------------------------
     def backward(self, call: Call) -> dict[str, Any]:
-        config = self.config
+        config, g = self.config, self.geometry
         lse = self.ops["logsumexp"]
         self.lse = jnp.where(jnp.isfinite(lse), lse, 0.0)          # rows without keys: P = exp(-inf - 0) = 0
-        key, value = self.ops["key"], self.ops["value"]
-        zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
-        dbias = zeros(self.ops["bias"]) if config.has_dbias else None
-        dq = zeros(self.ops["query"])
+        query, key, value = self.ops["query"], self.ops["key"], self.ops["value"]
+        qp, kp = g.q_piece, g.k_piece
+        q_piece = self._piece_shape(query, qp)
+        k_piece, v_piece = self._piece_shape(key, kp), self._piece_shape(value, kp)
+        bias = self.ops.get("bias")
+        key_dtype, value_dtype = key.dtype, value.dtype
+        # the ring accumulates in the operands' dtype, where the gradients stay (module doc); the gathered keys
+        # of all-gather in float32 before their reduction
+        if self.ring:
+            acc = {"dq": jnp.zeros(query.shape, query.dtype), "dk": jnp.zeros(key.shape, key.dtype),
+                   "dv": jnp.zeros(value.shape, value.dtype)}
+        else:
+            gathered = lambda x: self._piece_shape(x, g.held).shape  # noqa: E731
+            acc = {"dq": jnp.zeros(query.shape, query.dtype), "dk": jnp.zeros(gathered(key), jnp.float32),
+                   "dv": jnp.zeros(gathered(value), jnp.float32)}
+        if config.has_dbias:
+            acc["dbias"] = jnp.zeros(bias.shape, jnp.float32)
 
         def branch(calls: tuple[BlockCall, ...]) -> Callable:
-            def run_calls(state, key, value, key_base, starts):
-                dq, dk, dv, dbias = state
+            def run_calls(rows, key, value, key_base, starts):
+                dq, dk, dv = (_full_like(query, s.shape, jnp.float32, 0) for s in (q_piece, k_piece, v_piece))
+                db = _full_like(query, bias.shape[:2] + (qp, kp), jnp.float32, 0) if config.has_dbias else None
                 for c, start in zip(calls, starts):
-                    block, ops, has_keys = self._block(c, BWD, key, value, key_base, start)
+                    block, ops, has_keys = self._block(c, BWD, rows, key, value, key_base, start)
                     found = lifting.run(BWD, block, ops, call)
-                    g = found["dq"]
+                    grad = found["dq"]
                     if has_keys is not None:
-                        g = jnp.where(self._per_row(has_keys[:, None, :]), g, 0)
-                    dq = _add_rows(dq, g, c.q_start, self.seq)
+                        grad = jnp.where(self._per_row(has_keys[:, None, :]), grad, 0)
+                    dq = _add_rows(dq, grad, c.q_start, self.seq)
                     dk = _add_rows(dk, found["dk"], c.k_start, self.seq)
                     dv = _add_rows(dv, found["dv"], c.k_start, self.seq)
-                    if dbias is not None:
-                        rows = jax.lax.slice_in_dim(dbias, c.q_start, c.q_stop, axis=2)
-                        columns = jax.lax.dynamic_slice_in_dim(rows, key_base + c.k_start, c.k_len, axis=3)
-                        rows = jax.lax.dynamic_update_slice_in_dim(
-                            rows, columns + found["dbias"].astype(jnp.float32), key_base + c.k_start, axis=3)
-                        dbias = jax.lax.dynamic_update_slice_in_dim(dbias, rows, c.q_start, axis=2)
-                return dq, dk, dv, dbias
+                    if db is not None:
+                        block_rows = jax.lax.slice_in_dim(db, c.q_start, c.q_stop, axis=2)
+                        block_rows = _add_rows(block_rows, found["dbias"], c.k_start, 3)
+                        db = jax.lax.dynamic_update_slice_in_dim(db, block_rows, c.q_start, axis=2)
+                return dq.astype(query.dtype), dk.astype(key_dtype), dv.astype(value_dtype), db
             return run_calls
 
-        if not self.ring:
-            key, value = self._gathered(key, value)
-            dq, dk, dv, dbias = self._run_step(None, branch, (dq, zeros(key), zeros(value), dbias), key, value, 0)
-            dk, dv = self._scattered(dk), self._scattered(dv)
-            if dbias is not None and self.split.balance:
-                dbias = load_balance(dbias, self.split.balance, axis=3)
-        else:
-            dk, dv = zeros(key), zeros(value)
-            p = self.split.shards
-            for step in range(p):
-                dq, dk, dv, dbias = self._run_step(step, branch, (dq, dk, dv, dbias), key, value,
-                                                   self._block_index(step) * self.k_local)
-                if step < p - 1:
-                    key, value, dk, dv = self._shift((key, value, dk, dv))
+        def visit(step, j, key, value, key_base):
+            dk = dv = None               # this piece's gradients, in the operands' dtype
+            for i in range(g.q_pieces):
+                found = self._run_piece(step, i, j, branch,
+                                        (self._query_piece(i, BWD, self.last), key, value, key_base))
+                if found is None:
+                    continue
+                dq_i, dk_i, dv_i, db_i = found
+                acc["dq"] = _add_rows(acc["dq"], dq_i, i * qp, self.seq)
+                if dk is not None:
+                    dk = (dk.astype(jnp.float32) + dk_i.astype(jnp.float32)).astype(dk_i.dtype)
+                    dv = (dv.astype(jnp.float32) + dv_i.astype(jnp.float32)).astype(dv_i.dtype)
                 else:
-                    dk, dv = self._shift((dk, dv))                 # home: block r's gradients to device r
-        found = {"dq": dq, "dk": dk, "dv": dv}
-        if dbias is not None:
-            found["dbias"] = dbias.astype(self.ops["bias"].dtype)
-        dtypes = {"dq": "query", "dk": "key", "dv": "value"}
-        return {name: x.astype(self.ops[dtypes[name]].dtype) if name in dtypes else x for name, x in found.items()}
+                    dk, dv = dk_i, dv_i
+                self.last = (dk, dv)         # the next piece waits for the sum, not only for the kernels
+                if db_i is not None:
+                    rows = jax.lax.slice_in_dim(acc["dbias"], i * qp, (i + 1) * qp, axis=2)
+                    columns = jax.lax.dynamic_slice_in_dim(rows, key_base, kp, axis=3)
+                    rows = jax.lax.dynamic_update_slice_in_dim(rows, columns + db_i, key_base, axis=3)
+                    acc["dbias"] = jax.lax.dynamic_update_slice_in_dim(acc["dbias"], rows, i * qp, axis=2)
+            if dk is None:
+                return
+            if self.ring and step:             # the partial gradients of block (index - step) go to its owner
+                dk, dv = self._send_home((dk, dv), step)
+            acc["dk"] = _add_rows(acc["dk"], dk, j * kp, self.seq)
+            acc["dv"] = _add_rows(acc["dv"], dv, j * kp, self.seq)
+
+        self._sweep(visit, lambda: self.last)
+        dk, dv = acc["dk"], acc["dv"]
+        if not self.ring:
+            dk, dv = self._scattered(dk), self._scattered(dv)
+        found = {"dq": acc["dq"], "dk": dk.astype(key.dtype), "dv": dv.astype(value.dtype)}
+        if config.has_dbias:
+            dbias = acc["dbias"]
+            if not self.ring and self.split.balance:
+                dbias = load_balance(dbias, self.split.balance, axis=3)
+            found["dbias"] = dbias.astype(bias.dtype)
+        return found
 
     # -- communication ------------------------------------------------------------------------------
     def _block_index(self, step: int) -> Any:
         """The key block this device holds at ring step ``step``."""
         return (self.index - step) % self.split.shards
 
-    def _shift(self, arrays: tuple) -> tuple:
-        """Send every array to the next device on the ring (device ``r`` receives from ``r - 1``)."""
+    def _from_owner(self, arrays: tuple, step: int) -> tuple:
+        """Every device's ``arrays`` sent ``step`` devices on (device ``r`` receives those of ``r - step``)."""
+        return self._permute(arrays, step)
+
+    def _permute(self, arrays: tuple, shift: int) -> tuple:
+        """``arrays`` sent ``shift`` devices on, as their bits: XLA's CPU collectives would otherwise send
+        2-byte floats as float32 (a converted copy on each side)."""
         p = self.split.shards
-        return jax.lax.ppermute(arrays, self.split.axis_name(), perm=[(i, (i + 1) % p) for i in range(p)])
+        dtypes = [x.dtype for x in arrays]
+        bits = tuple(jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x for x in arrays)
+        sent = jax.lax.ppermute(bits, self.split.axis_name(), perm=[(i, (i + shift) % p) for i in range(p)])
+        return tuple(jax.lax.bitcast_convert_type(x, d) if d.itemsize == 2 else x for x, d in zip(sent, dtypes))
+
+    def _send_home(self, arrays: tuple, step: int) -> tuple:
+        """Send the arrays of the block held at ``step`` to the device that owns it (``r`` -> ``r - step``)."""
+        return self._permute(arrays, -step)
 
     def _gathered(self, key: Any, value: Any) -> tuple[Any, Any]:
         """All keys, in the natural order (the bias columns follow)."""
@@ -456,7 +587,7 @@ class _Engine:
     def _global_rows(self) -> Any:
         """The global position of every local query row (of this device)."""
         rows = [jnp.concatenate([jnp.arange(c.length, dtype=jnp.int32) + c.start for c in chunks])
-                for chunks in self.q_chunks]
+                for chunks in self.geometry.q_chunks]
         return self._lookup(rows)
 
 
@@ -470,16 +601,10 @@ def block_config(config: AttentionConfig, call: BlockCall) -> AttentionConfig:
 
 def block_configs(config: AttentionConfig, split: Split) -> set[AttentionConfig]:
     """Every kernel configuration a split call of ``config`` builds (for build checks: plans are static)."""
-    p = split.shards
-    queries = [local_chunks(config.q_len, p, r, split.balance) for r in range(p)]
-    steps: list = [None] if split.scheme is Scheme.ALL_GATHER or p == 1 else list(range(p))
-    found = set()
-    for step in steps:
-        keys = ([local_chunks(config.kv_len, 1, 0)] * p if step is None else
-                [local_chunks(config.kv_len, p, (r - step) % p, split.balance) for r in range(p)])
-        plans = device_plans(queries, keys, Band.of(config), contiguous_only=config.mask.padding)
-        found |= {block_config(config, call) for calls in plans.plans for call in calls}
-    return found
+    g = Geometry(config, split)
+    return {block_config(config, call)
+            for step in g.steps for i in range(g.q_pieces) for j in range(g.k_pieces)
+            for calls in g.plans(step, i, j).plans for call in calls}
 
 
 def _rows_with_keys(call: BlockCall, q_len: Any, kv_len: Any) -> Any:
@@ -492,9 +617,26 @@ def _rows_with_keys(call: BlockCall, q_len: Any, kv_len: Any) -> Any:
     return (i < q_len[:, None]) & (first <= last)
 
 
+def _full_like(x: Any, shape: Any, dtype: Any, value: Any) -> Any:
+    """An array of ``value`` that varies over the same ``shard_map`` axes as ``x`` (branch results must)."""
+    found = jnp.full(shape, value, dtype)
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None) or getattr(aval, "vma", None)       # jax 0.11: aval.mat.varying
+    axes = tuple(sorted(getattr(mat, "varying", mat) or ()))
+    return jax.lax.pcast(found, axes, to="varying") if axes else found
+
+
+def _after(first: Any, then: Any) -> Any:
+    """``then``, available only once ``first`` (the previous piece's kernel results) is computed
+    (``lax.optimization_barrier``): keeps XLA from starting the next piece's kernels, or its send, early
+    (it would otherwise slice and compute every piece at once and hold all their results)."""
+    return jax.lax.optimization_barrier((first, then))[1]
+
+
 def _add_rows(acc: Any, x: Any, start: int, axis: int) -> Any:
-    part = jax.lax.slice_in_dim(acc, start, start + x.shape[axis], axis=axis) + x.astype(jnp.float32)
-    return jax.lax.dynamic_update_slice_in_dim(acc, part, start, axis=axis)
+    """``acc`` with ``x`` added at rows ``start ..`` of ``axis`` (summed in float32, stored in ``acc``'s dtype)."""
+    part = jax.lax.slice_in_dim(acc, start, start + x.shape[axis], axis=axis).astype(jnp.float32) + x.astype(jnp.float32)
+    return jax.lax.dynamic_update_slice_in_dim(acc, part.astype(acc.dtype), start, axis=axis)
 
 
 # -- inside shard_map ------------------------------------------------------------------------------------

@@ -192,7 +192,8 @@ def _split(config: AttentionConfig, options: CallOptions, axes: tuple[str, ...],
     context = options.context or context_parallel.ContextParallel()
     if shards == 1 and not context.load_balance:
         return None
-    return context_parallel.Split(axes if shards > 1 else (), shards, context.load_balance or 0, context.scheme)
+    return context_parallel.Split(axes if shards > 1 else (), shards, context.load_balance or 0, context.scheme,
+                                  context.pieces)
 
 
 def unsharded_split(config: AttentionConfig, options: CallOptions) -> context_parallel.Split | None:

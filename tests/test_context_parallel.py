@@ -3,9 +3,11 @@ devices (with batch and head axes beside it), ring and all-gather schemes, natur
 order, under ``jit`` automatic partitioning and inside ``shard_map``; outputs, logsumexps and gradients
 against the unsharded call (the NumPy reference behind the same primitives).
 
-Tolerance: every block's output is rounded to float16 before the float32 merge, so the sharded output
-differs from the once-rounded reference by about one float16 ulp (relative error bound 2e-3, the
-``float16`` tolerance of ``test_jax_common``); gradients likewise (the blocks' dq/dk/dv are float16).
+Tolerance: every block's output is rounded to float16, and the merged output and the summed gradients are
+stored in float16 after each merged piece (P x pieces roundings per row at most), so the sharded results
+differ from the once-rounded reference by a few float16 ulps (relative error bound 2e-3 for the output,
+the ``float16`` tolerance of ``test_jax_common``, twice that for gradients).  ``pieces`` cases cut every
+device's queries and keys into 2 or 4 pieces.
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ class Case:
     bias: bool = False
     balanced: bool = False
     layout: str = "BTNH"
+    pieces: int | None = None
 
     @property
     def id(self) -> str:
         return "-".join([self.mesh, self.scheme, self.mask] + ["bias"] * self.bias + ["balanced"] * self.balanced
-                        + ([self.layout] if self.layout != "BTNH" else []))
+                        + ([self.layout] if self.layout != "BTNH" else [])
+                        + ([f"pieces{self.pieces}"] if self.pieces else []))
 
 
 CASES = [
@@ -68,6 +72,10 @@ CASES = [
     Case("sp8", "ring", "padding_causal"),
     Case("sp8", "all_gather", "causal", bias=True, balanced=True),
     Case("sp2xdata2xheads2", "ring", "causal", layout="BNTH"),
+    Case("sp2xdata2xheads2", "ring", "causal", balanced=True, pieces=4),
+    Case("sp4xdata2", "ring", "padding_causal", bias=True, balanced=True, pieces=2),
+    Case("sp4xheads2", "ring", "window", pieces=2, layout="BNTH"),
+    Case("sp4xdata2", "all_gather", "causal", balanced=True, pieces=4),
 ]
 # Explicit mesh axes for every other case (the sharding is checked when the call is traced), Auto for the rest.
 AXIS_TYPES = [AxisType.Explicit if i % 2 else AxisType.Auto for i in range(len(CASES))]
@@ -150,7 +158,7 @@ def test_jit_partitioning_of_a_sharded_sequence(case, axis_type):
     q, k, v, bias, lengths, weight = inputs
     put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
     args = (put(to_stored(q, "q")), put(to_stored(k, "q")), put(to_stored(v, "q")), to_stored(bias, "bias"), lengths)
-    context = ContextParallel(case.scheme, load_balance=shards if case.balanced else None)
+    context = ContextParallel(case.scheme, load_balance=shards if case.balanced else None, pieces=case.pieces)
     fn = _attention(case, context_parallel=context)
     out, lse = jax.jit(fn)(*args)
     assert out.sharding.is_equivalent_to(args[0].sharding, 4), out.sharding
@@ -160,7 +168,7 @@ def test_jit_partitioning_of_a_sharded_sequence(case, axis_type):
     _compare(case, (out, lse, grads), expected, back, f"reproduce: {case.id} {axis_type}, seed {seed}")
 
 
-SHARD_MAP_CASES = [CASES[i] for i in (0, 3, 6, 9, 11)]
+SHARD_MAP_CASES = [CASES[i] for i in (0, 3, 6, 9, 11, 15)]
 
 
 @pytest.mark.parametrize("case", SHARD_MAP_CASES, ids=[c.id for c in SHARD_MAP_CASES])
@@ -176,7 +184,8 @@ def test_shard_map_with_a_sequence_axis(case):
     to_stored, back = _orders(case, shards)
     q, k, v, bias, lengths, weight = inputs
     bias_spec = P(None, None, "sp", None)
-    context = ContextParallel(case.scheme, axis="sp", load_balance=shards if case.balanced else None)
+    context = ContextParallel(case.scheme, axis="sp", load_balance=shards if case.balanced else None,
+                              pieces=case.pieces)
     local = _attention(case, context_parallel=context)
     length_spec = P(spec[0])                          # the batch shard's lengths, of the whole sequence
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, bias_spec, length_spec),
@@ -250,6 +259,10 @@ def test_refusals_are_clear():
         jb.dot_product_attention(q, k, v, context_parallel=ContextParallel(axis="sp"))
     with pytest.raises(ValueError, match="scheme must be one of"):
         ContextParallel("zigzag")
+    with pytest.raises(ValueError, match="pieces must be a positive int"):
+        ContextParallel(pieces=0)
+    with pytest.raises(ValueError, match="pieces=3 does not divide the 4 query positions a device holds"):
+        _sequence_sharded(lambda q, k, v: jb.dot_product_attention(q, k, v, context_parallel=ContextParallel(pieces=3)))
 
 
 def test_load_balanced_order_on_one_device_is_still_honoured():

@@ -400,6 +400,50 @@ RESTRICTIONS: tuple[Restriction, ...] = (
 )
 
 
+# -- context parallelism ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SplitRestriction:
+    """A feature that cannot run with the query/key sequence split over devices (the JAX bridge's context
+    parallelism, ``jax_bridge.context_parallel``): ``applies(config)`` and the reason it does not run."""
+
+    feature: str
+    applies: Callable[[AttentionConfig], bool]
+    reason: str
+
+    def unmet(self, config: AttentionConfig) -> list[str]:
+        return [f"context parallelism: not with {self.feature} ({self.reason})"] if self.applies(config) else []
+
+
+CONTEXT_PARALLEL_RESTRICTIONS: tuple[SplitRestriction, ...] = (
+    SplitRestriction("dropout", lambda c: c.has_dropout,
+                     "every block call would draw the same Philox positions; cuDNN takes no per-block offset here"),
+    SplitRestriction("ALiBi", lambda c: c.mask.alibi,
+                     "cuDNN's slopes count positions from each block's first row and key, not the sequence's"),
+    SplitRestriction("FP8", lambda c: c.fp8,
+                     "the blocks' partial outputs are merged by their logsumexps, which FP8 graphs rescale"),
+    SplitRestriction("score_mod", lambda c: c.score_mod is not None,
+                     "a score_mod reads block positions, not the sequence's"),
+    SplitRestriction("an attention sink", lambda c: c.sink,
+                     "every block call would add the sink to its own denominator"),
+    SplitRestriction("packed segments", lambda c: c.packing is not None,
+                     "their positions restart inside the sequence, so a block's band differs per segment"),
+    SplitRestriction("paged K/V caches", lambda c: c.paging is not None, "a page table addresses the whole cache"),
+    SplitRestriction("a bottom-right diagonal with per-sequence lengths",
+                     lambda c: (c.mask.alignment is DiagonalAlignment.BOTTOM_RIGHT and c.mask.padding
+                                and c.mask.right_bound is not None),
+                     "its offset differs per sequence"),
+)
+
+
+def context_parallel_reasons(config: AttentionConfig) -> list[str]:
+    """Why ``config`` cannot run with its sequence split over devices (:data:`CONTEXT_PARALLEL_RESTRICTIONS`;
+    empty when it can).  Refusals of the placement itself (lengths that do not split evenly) are
+    ``ValueError`` s of ``jax_bridge.context_parallel``."""
+    _check_config(config)
+    return [reason for rule in CONTEXT_PARALLEL_RESTRICTIONS for reason in rule.unmet(config)]
+
+
 # -- public -----------------------------------------------------------------------------------------
 
 ENFORCERS = (CUDNN, LIBRARY)
