@@ -78,14 +78,20 @@ from cudnn_attn.core.errors import NoGPUError
 logger = logging.getLogger("cudnn_attn")
 
 
+_cupy_module: Any = None
+
+
 def cupy() -> Any:
     """The ``cupy`` module (:class:`NoGPUError` without it).  Imported on first use: ``import cudnn_attn`` does not
-    import CuPy."""
-    try:
-        import cupy
-    except ImportError as exc:  # pragma: no cover - cupy is a dependency
-        raise NoGPUError(f"the cuDNN path needs CuPy ({exc}); use cudnn_attn.reference on a CPU") from exc
-    return cupy
+    import CuPy; later calls return it without an import statement (this is on every call's path)."""
+    global _cupy_module
+    if _cupy_module is None:
+        try:
+            import cupy
+        except ImportError as exc:  # pragma: no cover - cupy is a dependency
+            raise NoGPUError(f"the cuDNN path needs CuPy ({exc}); use cudnn_attn.reference on a CPU") from exc
+        _cupy_module = cupy
+    return _cupy_module
 
 
 _cupy = cupy
