@@ -471,7 +471,7 @@ def main() -> None:
     results = run(args.quick, tuple(args.lengths or ()))
     with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
         json.dump({"device": device.decode() if isinstance(device, bytes) else str(device),
-                   "cudnn": cudnn_attn.engine.cache._cudnn_version(), "results": [asdict(r) for r in results]}, f, indent=1)
+                   "cudnn": cudnn_attn.core.environment.cudnn_version(), "results": [asdict(r) for r in results]}, f, indent=1)
     try:
         plot(results, os.path.join(args.out, "bench_attention.png"))
     except Exception as exc:  # matplotlib missing: the JSON and the table still stand

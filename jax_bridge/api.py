@@ -268,7 +268,8 @@ def attention(query: Any, key: Any, value: Any, *, mask: MaskSpec | None = None,
     :class:`~cudnn_attn.core.types.AttentionOutput`: ``output``, ``logsumexp`` with
     ``return_aux=AuxRequest(logsumexp=True)`` (else ``None``), ``amax_s``/``amax_o`` with FP8.
     """
-    call = attention.arguments(**locals())
+    call = attention.arguments(query, key, value, mask, bias, scale, dropout_rate, seed, layout, sink, fp8_params,
+                               return_aux, deterministic, cuda_graph, backend, context_parallel, check_values)
     return forward_call(call)
 
 
@@ -293,7 +294,11 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
     ``return_residual`` (float32 ``(B, N, T)``, ``(B*M, N, T)`` packed), or ``(output, amax_s, amax_o)``
     with ``use_fp8``.
     """
-    call = dot_product_attention.arguments(**locals())
+    call = dot_product_attention.arguments(query, key, value, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
+                                           fp8_params, score_mod_args, scale, mask_type, seed, dropout_rate,
+                                           qkv_layout, sliding_window_length, score_mod, use_fp8, return_residual,
+                                           diagonal_alignment, sink, deterministic, cuda_graph, backend,
+                                           context_parallel, check_values)
     return forward_call(call).seed_form(call.use_fp8, call.return_residual)
 
 
@@ -312,5 +317,8 @@ def paged_attention(query: Any, key: Any, value: Any, q_seqlen: Any, kv_seqlen: 
     logical blocks to cache blocks.  Returns the output, or ``(output, logsumexp)`` with ``return_residual``.
     Differentiating it raises :class:`~cudnn_attn.core.errors.UnsupportedConfigurationError`.
     """
-    call = paged_attention.arguments(**locals())
+    call = paged_attention.arguments(query, key, value, q_seqlen, kv_seqlen, page_table_k, page_table_v, bias, mask,
+                                     fp8_params, scale, mask_type, seed, dropout_rate, qkv_layout,
+                                     sliding_window_length, use_fp8, return_residual, diagonal_alignment, sink,
+                                     cuda_graph, backend, check_values)
     return forward_call(call).seed_form(call.use_fp8, call.return_residual)

@@ -12,6 +12,7 @@ function-local import counts like a module-level one.
 from __future__ import annotations
 
 import ast
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -177,6 +178,11 @@ def test_front_signatures_are_written_out_and_match_the_parameter_table():
     for function in fronts:
         source = inspect.getsource(function)
         assert f"def {function.__name__}(" in source and function.__code__.co_filename.endswith(".py"), function
+        names = list(inspect.signature(function).parameters)
+        body = ast.parse(textwrap.dedent(source)).body[0].body
+        call = next(node.value for node in body if isinstance(node, ast.Assign)
+                    and isinstance(node.value, ast.Call) and getattr(node.value.func, "attr", "") == "arguments")
+        assert [a.id for a in call.args] == names, f"{function.__qualname__} binds its parameters out of order"
         form = function.arguments.form
         assert [p.name for p in inspect.signature(function).parameters.values()][:len(form.positional)] == \
             list(form.positional)

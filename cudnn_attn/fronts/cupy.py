@@ -224,7 +224,8 @@ def attention(query: Any, key: Any, value: Any, *, mask: MaskSpec | None = None,
     extensions (``stream``, ``autotune``, ``out_type``, ``check_values``) are :func:`dot_product_attention`'s,
     and so is the direct path of repeated calls (CuPy Q/K/V and a mask without arrays).
     """
-    call = attention.arguments(**locals())
+    call = attention.arguments(query, key, value, mask, bias, scale, dropout_rate, seed, layout, sink, fp8_params,
+                               return_aux, fp8_dtype, stream, autotune, out_type, check_values)
     qkv = (call.query, call.key, call.value)
     mask = call.mask
     plain = (call.bias is None and call.sink is None and call.fp8_params is None and call.stream is None
@@ -264,7 +265,11 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
     ``return_residual`` (logsumexp float32 ``(B, N, T)``, ``(B*M, N, T)`` packed), or
     ``(output, amax_s, amax_o)`` with ``use_fp8`` (FP8 output as uint8 bytes, see the module doc).
     """
-    call = dot_product_attention.arguments(**locals())
+    call = dot_product_attention.arguments(query, key, value, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
+                                           fp8_params, score_mod_args, scale, mask_type, seed, dropout_rate,
+                                           qkv_layout, sliding_window_length, score_mod, use_fp8, return_residual,
+                                           diagonal_alignment, sink, stream, autotune, fp8_dtype, out_type,
+                                           check_values)
     qkv = (call.query, call.key, call.value)
     static = (call.scale, call.mask_type, call.dropout_rate, call.qkv_layout, call.sliding_window_length,
               call.score_mod, call.use_fp8, call.return_residual, call.diagonal_alignment, call.autotune,
@@ -302,7 +307,10 @@ def paged_attention(query: Any, key: Any, value: Any, q_seqlen: Any, kv_seqlen: 
     (BNTH); ``page_table_k``/``page_table_v`` int32 ``(B, 1, blocks_per_seq, 1)`` map each sequence's
     logical blocks to cache blocks.  Returns the output, or ``(output, logsumexp)`` with ``return_residual``.
     """
-    call = paged_attention.arguments(**locals())
+    call = paged_attention.arguments(query, key, value, q_seqlen, kv_seqlen, page_table_k, page_table_v, bias, mask,
+                                     fp8_params, scale, mask_type, seed, dropout_rate, qkv_layout,
+                                     sliding_window_length, use_fp8, return_residual, diagonal_alignment, sink,
+                                     stream, autotune, out_type, check_values)
     _, result, exporter = _forward(call)
     return _export(result.seed_form(call.use_fp8, call.return_residual), exporter)
 
@@ -328,7 +336,12 @@ def dot_product_attention_bwd(query: Any, key: Any, value: Any, output: Any, gra
     like ``output`` and ``grad_output``) and ``amax_dQ/dK/dV/dP``.  ``return_residual`` is accepted
     for signature parity and ignored.
     """
-    call = dot_product_attention_bwd.arguments(**locals())
+    call = dot_product_attention_bwd.arguments(query, key, value, output, grad_output, logsumexp, bias, mask,
+                                               q_seqlen, kv_seqlen, q_offsets, kv_offsets, fp8_params, score_mod_args,
+                                               scale, mask_type, seed, dropout_rate, qkv_layout,
+                                               sliding_window_length, score_mod, use_fp8, return_residual,
+                                               diagonal_alignment, sink, deterministic, stream, autotune, fp8_dtype,
+                                               out_type, check_values)
     static = (call.scale, call.mask_type, call.dropout_rate, call.qkv_layout, call.sliding_window_length,
               call.score_mod, call.use_fp8, call.diagonal_alignment, call.deterministic, call.autotune,
               call.fp8_dtype)

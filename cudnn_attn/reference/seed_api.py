@@ -40,7 +40,8 @@ def attention(query: Any, key: Any, value: Any, *, mask: MaskSpec | None = None,
               deterministic: bool = False, dropout_mask: Any = None) -> AttentionOutput:
     """Reference of the native :func:`cudnn_attn.attention`: an :class:`AttentionOutput` (``logsumexp`` with
     ``return_aux=AuxRequest(logsumexp=True)``, ``amax_s``/``amax_o`` with FP8)."""
-    call = attention.arguments(**locals())
+    call = attention.arguments(query, key, value, mask, bias, scale, dropout_rate, seed, layout, sink, fp8_params,
+                               return_aux, deterministic, dropout_mask)
     return _forward(call)
 
 
@@ -55,7 +56,10 @@ def dot_product_attention(query: Any, key: Any, value: Any, bias: Any = None, ma
                           sink: Any = None, dropout_mask: Any = None) -> Any:
     """Reference ``dot_product_attention``: returns the output, ``(output, logsumexp)`` with
     ``return_residual``, or ``(output, amax_s, amax_o)`` with ``use_fp8`` (as the seed)."""
-    call = dot_product_attention.arguments(**locals())
+    call = dot_product_attention.arguments(query, key, value, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
+                                           fp8_params, score_mod_args, scale, mask_type, seed, dropout_rate,
+                                           qkv_layout, sliding_window_length, score_mod, use_fp8, return_residual,
+                                           diagonal_alignment, sink, dropout_mask)
     return _forward(call).seed_form(call.use_fp8, call.return_residual)
 
 
@@ -68,7 +72,10 @@ def paged_attention(query: Any, key: Any, value: Any, q_seqlen: Any, kv_seqlen: 
                     sink: Any = None, dropout_mask: Any = None) -> Any:
     """Reference ``paged_attention``: K/V are block caches read through the page tables; returns the
     output, or ``(output, logsumexp)`` with ``return_residual``."""
-    call = paged_attention.arguments(**locals())
+    call = paged_attention.arguments(query, key, value, q_seqlen, kv_seqlen, page_table_k, page_table_v, bias, mask,
+                                     fp8_params, scale, mask_type, seed, dropout_rate, qkv_layout,
+                                     sliding_window_length, use_fp8, return_residual, diagonal_alignment, sink,
+                                     dropout_mask)
     return _forward(call).seed_form(call.use_fp8, call.return_residual)
 
 
@@ -88,7 +95,11 @@ def dot_product_attention_bwd(query: Any, key: Any, value: Any, output: Any, gra
     the gradient of the output.  ``return_residual`` and ``deterministic`` are accepted for signature
     parity with the forward and the GPU backward; they change nothing here.
     """
-    call = dot_product_attention_bwd.arguments(**locals())
+    call = dot_product_attention_bwd.arguments(query, key, value, output, grad_output, logsumexp, bias, mask,
+                                               q_seqlen, kv_seqlen, q_offsets, kv_offsets, fp8_params, score_mod_args,
+                                               scale, mask_type, seed, dropout_rate, qkv_layout,
+                                               sliding_window_length, score_mod, use_fp8, return_residual,
+                                               diagonal_alignment, sink, dropout_mask, deterministic)
     arrays, static = parameters.arguments(call, backward=True)
     config, operands = validate_call(**arrays, **static, xp=np)
     validate_backward(config, call.output, call.grad_output, call.logsumexp)
