@@ -210,7 +210,7 @@ def main() -> None:
     if not args.dry_run:
         import cupy as cp
 
-        from cudnn_attn.engine.cache import _cudnn_version
+        from cudnn_attn.core.environment import cudnn_version as _cudnn_version
 
         name = cp.cuda.runtime.getDeviceProperties(0)["name"]
         device, cudnn = name.decode() if isinstance(name, bytes) else str(name), _cudnn_version()
