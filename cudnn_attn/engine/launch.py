@@ -68,7 +68,7 @@ class Launcher:
                     return False                  # a python engine: only the frontend can run it
                 cpp_index = graph._materialize_backend_plan(index).cpp_index
             elif self.plan_index is None:
-                cpp_index = None                  # deserialized (graphs.persist): the lowered graph's only plan
+                cpp_index = None                  # deserialized (persist.build): the lowered graph's only plan
             else:
                 return False
             order = list(graph._variant_pack_uids() or ())
