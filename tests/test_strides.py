@@ -61,3 +61,16 @@ def test_strided_and_dense_calls_are_different_configurations():
     assert dense != strided and hash(dense) != hash(strided)
     assert np.array_equal(tt.q_tensor(dense)[0], tt.q_tensor(strided)[0])
 
+
+
+def test_a_padded_run_reads_its_dense_copies_densely():
+    """Training with a bias at an odd length runs on padded copies (core.padded_call): those are dense, so the
+    padded configuration carries no strides; a folded diagonal changes no array and keeps them."""
+    from cudnn_attn.core.config import BiasSpec
+    from cudnn_attn.core.padded_call import lifted_config
+
+    strided = AttentionConfig(batch=2, q_heads=4, kv_heads=4, q_len=7, kv_len=8, qk_dim=64, v_dim=64,
+                              dtype="bfloat16", training=True, bias=BiasSpec((1, 4, 7, 8), True),
+                              strides=InputStrides(query=(7 * 8 * 64, 8 * 64, 64, 1)))
+    lifted = lifted_config(strided)
+    assert lifted is not None and lifted.q_len == 8 and lifted.strides is None

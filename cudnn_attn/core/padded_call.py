@@ -81,8 +81,8 @@ def lifted_config(config: AttentionConfig) -> AttentionConfig | None:
     lengths, transposed, folds = _padded_lengths(config), _transposed(config), folds_diagonal(config)
     if lengths is None and not transposed and not folds:
         return None
-    if transposed:
-        config = config.replace(layout=AttentionLayout.BTNH)
+    if transposed:                                     # new dense arrays: the callers' strides do not apply
+        config = config.replace(layout=AttentionLayout.BTNH, strides=None)
     if folds:
         config = config.replace(mask=dataclasses.replace(config.mask, right_bound=None, left_bound=None,
                                                           alignment=DiagonalAlignment.TOP_LEFT))
@@ -90,7 +90,8 @@ def lifted_config(config: AttentionConfig) -> AttentionConfig | None:
         return config
     q_len, kv_len = lengths
     bias = config.bias and BiasSpec(config.bias.shape[:2] + (q_len, kv_len), config.bias.differentiable)
-    return config.replace(q_len=q_len, kv_len=kv_len, bias=bias, mask=dataclasses.replace(config.mask, padding=True))
+    return config.replace(q_len=q_len, kv_len=kv_len, bias=bias, mask=dataclasses.replace(config.mask, padding=True),
+                          strides=None)                      # padded copies are dense
 
 
 @dataclass(frozen=True)
