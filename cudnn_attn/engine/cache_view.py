@@ -57,6 +57,28 @@ def size(n: int) -> str:
 
 # -- the listing -------------------------------------------------------------------------------------------------
 
+class _Listing(tuple):
+    """A tuple of rows that prints as a text table and renders as an HTML one; a subclass names its columns
+    (``_HEADERS``, their CSS ``_KINDS``), the text shown when empty and the caption, and formats the cells."""
+
+    _HEADERS: tuple[str, ...] = ()
+    _KINDS: tuple[str, ...] = ()
+    _EMPTY = ""
+    _CAPTION = ""
+
+    def _cells(self) -> list[tuple[str, ...]]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return text_table(self._HEADERS, self._cells()) if self else self._EMPTY
+
+    def _repr_html_(self) -> str:
+        return block(self.html_table())
+
+    def html_table(self) -> str:
+        return table(self._HEADERS, self._cells(), self._KINDS, caption=self._CAPTION)
+
+
 class CacheRow(NamedTuple):
     """One cached graph, as listed by :meth:`GraphCache.entries` (least recently used first).  ``index`` is the
     entry's number (``#``): given in build order, kept for the entry's life, what ``dump`` and ``entry_detail``
@@ -74,8 +96,11 @@ class CacheRow(NamedTuple):
     held: int = 0
 
 
-class CacheListing(tuple):
+class CacheListing(_Listing):
     """The rows of :meth:`GraphCache.entries`: a tuple of :class:`CacheRow` that prints as a table."""
+
+    _EMPTY = "graph cache: empty"
+    _CAPTION = "cached graphs, least recently used first"
 
     _HEADERS = ("#", "kind", "features", "shapes (Q K V O)", "dev", "plan", "workspace", "build s", "hits", "JAX")
     _KINDS = ("num", "", "", "code", "num", "code", "num", "num", "num", "num")
@@ -84,14 +109,6 @@ class CacheListing(tuple):
         return [(str(r.index), r.kind, r.features, r.shapes, str(r.device), r.plan, size(r.workspace_bytes),
                  f"{r.build_seconds:.3f}", str(r.hits), str(r.held)) for r in self]
 
-    def __repr__(self) -> str:
-        return text_table(self._HEADERS, self._cells()) if self else "graph cache: empty"
-
-    def _repr_html_(self) -> str:
-        return block(self.html_table())
-
-    def html_table(self) -> str:
-        return table(self._HEADERS, self._cells(), self._KINDS, caption="cached graphs, least recently used first")
 
 
 # -- the misses ---------------------------------------------------------------------------------------------------
@@ -132,8 +149,11 @@ class MissRow(NamedTuple):
         return f"{self.cause}; {cost}"
 
 
-class MissListing(tuple):
+class MissListing(_Listing):
     """The rows of :meth:`GraphCache.misses`: a tuple of :class:`MissRow` that prints as a table."""
+
+    _EMPTY = "no misses"
+    _CAPTION = "recent misses, oldest first"
 
     _HEADERS = ("#", "kind", "features", "why it missed", "outcome", "s")
     _KINDS = ("num", "", "", "", "", "num")
@@ -142,14 +162,6 @@ class MissListing(tuple):
         return [("-" if r.number is None else str(r.number), r.kind, r.features, r.cause,
                  r.outcome + (f": {r.error}" if r.error else ""), f"{r.seconds:.3f}") for r in self]
 
-    def __repr__(self) -> str:
-        return text_table(self._HEADERS, self._cells()) if self else "no misses"
-
-    def _repr_html_(self) -> str:
-        return block(self.html_table())
-
-    def html_table(self) -> str:
-        return table(self._HEADERS, self._cells(), self._KINDS, caption="recent misses, oldest first")
 
 
 # -- one entry ----------------------------------------------------------------------------------------------------
