@@ -12,13 +12,14 @@ Phases (default: ``tests train host jax attention``):
 * ``train``      - per-step times, ours vs ``jax.nn`` cuDNN, tiny and 1024-wide models, 1 and 2 GPUs;
 * ``host``, ``jax``, ``attention``, ``fp8``, ``decode``, ``first_call``, ``context_parallel``, ``autotune``,
   ``peers``, ``small``, ``generate``, ``frameworks`` (training steps in Flax, and torch, against the framework's
-  own attention)
+  own attention), ``decomposition`` (a causal call against the same problem cut into blocks)
                  - ``benchmarks/bench_<phase>.py``; ``soak`` - ``benchmarks/soak.py`` (``--quick`` unless ``--full``,
                  or ``PHASE:full`` for one phase).  ``peers``: ours against jax.nn cuDNN/XLA and Tokamax (Mosaic
                  GPU, Triton) in jitted chains; ``small``: where a B1 N8 T=S=256 D64 forward's time goes;
                  ``decode``: the paged cache and the growing cache; ``generate``: transformers ``generate()``,
                  torch SDPA against ours; ``torch``: a transformers Llama training step, cudnn_attn.torch vs
-                 torch's SDPA;
+                 torch's SDPA.  A benchmark with ``--max-seconds`` is given the phase's time less 45 s, so that
+                 it writes its report before the phase's limit;
 * ``soak_ab``    - the soak twice, half the phase's time each: ``CUDNN_ATTN_REPLAY=0``, then replay on (which of
                    them grows device memory); ``SOAK_CALLS`` / ``SOAK_ARGS`` as for ``soak``.
 
@@ -40,7 +41,7 @@ from collections import Counter, defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.environ.get("OUT", os.path.join(ROOT, "bench_out"))
 BENCHES = ("host", "jax", "attention", "fp8", "decode", "first_call", "context_parallel", "soak", "autotune", "peers",
-           "small", "generate", "frameworks", "torch")
+           "small", "generate", "frameworks", "torch", "decomposition")
 RESERVE = {"tests": 60, "train": 40, "legacy": 0}       # seconds kept for each later phase (default 30)
 
 
@@ -189,6 +190,8 @@ def main() -> int:
                 command += ["--max-seconds", str(max(10, limit - 60))] + os.environ.get("SOAK_ARGS", "").split()
             else:
                 command = [f"benchmarks/bench_{phase}.py", "--out", OUT]
+                if "--max-seconds" in open(os.path.join(ROOT, command[0])).read():   # it stops itself in time
+                    command += ["--max-seconds", str(max(10, limit - 45))]
             rc, took = run(f"bench_{phase}", [sys.executable, *command, *quick], limit)
             text = open(os.path.join(OUT, f"bench_{phase}.log"), errors="replace").read()
             start = text.rfind("\n== ")

@@ -1,4 +1,4 @@
-"""The CPU-runnable parts of the peer, small-shape, decode and generate benchmarks (they run on the GPU machine):
+"""The CPU-runnable parts of the peer, small-shape, decode, generate and decomposition benchmarks (they run on the GPU machine):
 their ``--dry-run`` reports (JSON written, the table printed last), the jitted chain of ``bench_peers`` on the
 JAX bridge's CPU target against ``jax.nn``'s XLA attention, and ``bench_small``'s count of HLO ops per call."""
 
@@ -26,6 +26,7 @@ def _bench(name: str):
     ("bench_small", ["bench_small.json"], "verdict: not enough rows measured"),
     ("bench_decode", ["bench_decode.json", "bench_decode_growing.json"], "stages of a new-signature call"),
     ("bench_generate", ["bench_generate.json"], "attn us: host time inside the attention function"),
+    ("bench_decomposition", ["bench_decomposition.json"], "B4 N16 T=S=4k causal     fp8-e4m3   4"),
 ])
 def test_dry_run_writes_its_report_and_prints_the_table_last(name, files, last, tmp_path, capsys):
     _bench(name).main(["--dry-run", "--quick", "--out", str(tmp_path)])
@@ -107,3 +108,25 @@ def test_small_counts_one_custom_call_per_forward_and_two_per_training_step():
     forward = small.hlo_ops(peers.program(peers.attention("ours", shape), "fwd", 3, None), inputs, 3)
     training = small.hlo_ops(peers.program(peers.attention("ours", shape), "fwd+bwd", 3, None), inputs, 3)
     assert forward.get("custom-call") == 1.0 and training.get("custom-call") == 2.0, (forward, training)
+
+
+@pytest.mark.parametrize("T, n", [(4096, 2), (4096, 4), (64, 8)])
+def test_decomposition_blocks_cover_the_causal_mask_once(T, n):
+    """The block calls of ``bench_decomposition`` together keep every (query, key) pair of the causal mask
+    exactly once, and the merge counts match the partials each row and key block receives."""
+    bench = _bench("bench_decomposition")
+    cover = np.zeros((T, T), np.int64)
+    b = T // n
+    for block in bench.blocks(1, T, n):
+        if block.causal:                       # the diagonal blocks, batched
+            assert (block.batch, block.T, block.S) == (n, b, b)
+            for i in range(n):
+                cover[i * b:(i + 1) * b, i * b:(i + 1) * b] += np.tril(np.ones((b, b), np.int64))
+        else:                                  # row block i against keys [0, i b)
+            i = block.S // b
+            cover[i * b:(i + 1) * b, :block.S] += 1
+    np.testing.assert_array_equal(cover, np.tril(np.ones((T, T), np.int64)))
+    forward, backward = bench.merges(n)
+    assert forward == n - 1
+    key_partials = [1 + sum(1 for blk in bench.blocks(1, T, n) if not blk.causal and blk.S > j * b) for j in range(n)]
+    assert backward == (n - 1) + 2 * sum(p - 1 for p in key_partials)
