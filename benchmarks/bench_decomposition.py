@@ -15,10 +15,10 @@ Per shape and dtype (bf16; FP8 E4M3 as ``bench_fp8``: power-of-two scales, delay
 device time of the single causal call and of every block call (CUDA events, ``bench_attention.event_ms``),
 forward and backward apart, and the merge time (``cupy.add(a, b, out=a)`` on float16 arrays of a block's
 size, times the number of merges: the bytes a fused merge moves).  ``blocks`` is the sum of the block calls,
-``total`` adds the merges.  A decomposition pays where ``total`` is below the single call.
+``total`` adds the merges.  A decomposition pays where ``total`` is below the single call.  Writes
+``bench_decomposition.json`` and ``bench_decomposition.png`` into ``--out`` and prints the table last.
 
-Shapes: head dim 128, H=16; T=S=4k B=4 and T=S=16k B=1 (``--quick``: 4k); ``n`` = 2 and 4.  Writes
-``bench_decomposition.json`` into ``--out`` and prints the table last.
+Shapes: head dim 128, H=16; T=S=4k B=4 and T=S=16k B=1 (``--quick``: 4k); ``n`` = 2 and 4.
 """
 
 from __future__ import annotations
@@ -168,6 +168,34 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def plot(results: list[Result], path: str) -> None:
+    """Bars of total / single per shape and dtype, forward and backward (1.0: the single causal call)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    single = {(r.shape, r.dtype): r for r in results if r.n == 1}
+    groups = list(single)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, kind in zip(axes, ("fwd", "bwd")):
+        for k, n in enumerate(SPLITS):
+            values = []
+            for key in groups:
+                r = next((r for r in results if (r.shape, r.dtype) == key and r.n == n), None)
+                mine, theirs = getattr(r, f"total_{kind}_ms", None), getattr(single[key], f"{kind}_ms")
+                values.append(mine / theirs if mine and theirs else 0.0)
+            ax.bar([i + 0.4 * k for i in range(len(groups))], values, width=0.4, label=f"n={n}")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([i + 0.2 for i in range(len(groups))])
+        ax.set_xticklabels([f"{s.split(' causal')[0]}\n{d}" for s, d in groups], fontsize=7)
+        ax.set_title(f"{kind}: blocks + merges / single causal call (< 1 pays)")
+        ax.legend()
+    axes[0].set_ylabel("time relative to the single call")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_out")
@@ -187,6 +215,11 @@ def main(argv: list[str] | None = None) -> None:
         report.update(device=name.decode() if isinstance(name, bytes) else str(name), cudnn=cudnn_version())
     with open(os.path.join(args.out, "bench_decomposition.json"), "w") as f:
         json.dump(report, f, indent=1)
+    if not args.dry_run:
+        try:
+            plot(results, os.path.join(args.out, "bench_decomposition.png"))
+        except Exception as exc:            # matplotlib missing: the JSON and the table still stand
+            print(f"no plot: {type(exc).__name__}: {exc}")
     print(table(results))
 
 

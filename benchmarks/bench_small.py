@@ -7,8 +7,9 @@ From the floor up:
 * ``kernel, one launch``  - CUDA events around one raw launch of our forward plan
                             (``cudnn_attn.graph_cache.plan(config, "fwd", device)``, launched through
                             ``bench_host.raw_launch``), the GPU idle before it; median of many;
-* ``kernel, back to back``- events around ``--launches`` raw launches in a row, per launch: the kernel's own
-                            time once the host runs ahead of the device;
+* ``kernel, back to back``- events around ``--launches`` raw launches in a row, per launch (paced by the
+                            host when a raw launch costs the host more than the kernel the device: at this
+                            shape it does);
 * ``kernel busy (trace)`` - the sum of the GPU activities (kernels, memsets, copies) per launch, recorded by
                             CUPTI through ``torch.profiler`` (process-wide, so it sees XLA's kernels too);
 * ``host: ...``           - host time per call with the GPU idle (``bench_host.host_us``): the raw launch,
@@ -19,9 +20,10 @@ From the floor up:
   kernels by name) and the gap (device time - busy time: what the device waits for between activities),
   and the optimized HLO's instructions per call by opcode.
 
-The verdict lines: our custom call's overhead (our chain's device time per call - the kernel back to back),
-the part of it that is other GPU work (busy beyond the kernel) and the part that is idle device (gap), and
-the floor: the kernel's own time, which nothing on the host side can close.
+The verdict lines: the floor, a cuDNN call's own GPU work per launch (the trace's busy time: the kernel and
+the memset that cuDNN's plan runs before it), which nothing on the host side can close; our custom call's
+overhead (our chain's device time per call - the floor), split into other GPU work (our busy time beyond the
+floor) and idle device between activities; ``jax.nn``'s cuDNN call in the same chain; the fastest peer.
 
 Writes ``bench_small.json`` into OUT_DIR and prints the breakdown table last.
 """
@@ -213,23 +215,26 @@ def jax_lines(chain: int, rounds: int) -> list[Line]:
 
 def verdict(lines: list[Line]) -> list[str]:
     us = {line.what: line.us for line in lines if line.us is not None}
-    kernel = us.get("kernel, back to back")
+    detail = {line.what: line.detail for line in lines}
+    floor = us.get("kernel busy (trace)")
     ours = us.get("ours: device per call in the chain")
-    if kernel is None or ours is None:
+    if floor is None or ours is None:
         return ["verdict: not enough rows measured"]
+    kernels = detail["kernel busy (trace)"].get("kernels", {})
+    parts = ", ".join(f"{name[:40]} {t:.2f}" for name, (_, t) in kernels.items())
+    out = [f"the floor of a cuDNN call (its GPU work per launch, nothing on the host closes it): {floor:.1f} us "
+           f"({parts})"]
     busy = us.get("ours: GPU busy per call (trace)")
-    out = [f"our custom call's overhead on the device: {ours - kernel:.1f} us per call "
-           f"({ours:.1f} in the chain - {kernel:.1f} kernel back to back)"]
-    if busy is not None:
-        out.append(f"  of it other GPU work: {busy - us.get('kernel busy (trace)', kernel):.1f} us, idle device "
-                   f"(gaps): {ours - busy:.1f} us")
+    out.append(f"our custom call's overhead on the device: {ours - floor:.1f} us per call ({ours:.1f} in the chain "
+               f"- {floor:.1f} floor)" + (f"; of it other GPU work {busy - floor:.1f} us, idle device between "
+                                          f"activities {ours - busy:.1f} us" if busy is not None else ""))
+    if "jax.nn cudnn: device per call in the chain" in us:
+        out.append(f"jax.nn's cuDNN call in the same chain: {us['jax.nn cudnn: device per call in the chain']:.1f} us")
     peers = [(us[f"{p}: device per call in the chain"], p) for p in JAX_IMPLS[2:]
              if f"{p}: device per call in the chain" in us]
     if peers:
         best, name = min(peers)
-        out.append(f"fastest peer: {name} {best:.1f} us; the floor of ours (cuDNN's kernel, nothing on the host "
-                   f"closes it): {kernel:.1f} us" + (" - below the peer" if kernel < best else
-                                                     f" - the kernel alone is {kernel / best:.2f}x the peer"))
+        out.append(f"fastest peer: {name} {best:.1f} us; ours is {ours / best:.2f}x it, the floor {floor / best:.2f}x")
     return out
 
 
