@@ -13,8 +13,8 @@ Shapes: B=4 H=16 D=128 at T=S=1k, 4k, 16k (``--quick``: 1k, 4k), causal and not;
 D=64 for the per-call overhead.  Modes: ``fwd`` (inference forward) and ``fwd+bwd`` (training forward
 and backward through ``jax.vjp``).
 
-Method: one jitted program runs ``--chain`` dependent calls (each call's query is the previous call's
-output, or its dq for fwd+bwd).  *Device time* per call is the GPU time between two CUDA events that
+Method (:func:`program`): one jitted program runs ``--chain`` dependent calls (each call's query is the previous
+call's output; for fwd+bwd its q, k and v are the previous call's dq, dk and dv).  *Device time* per call is the GPU time between two CUDA events that
 small FFI markers record on XLA's own stream before and after the chain, divided by the chain length:
 it includes the gaps the host leaves between kernels, which is what the per-call overhead costs on
 the device.  *Wall* per call is the host clock of the whole jitted call (dispatch included) divided
@@ -119,19 +119,24 @@ def attention(impl: str, shape: Shape):
     return lambda q, k, v: jb.dot_product_attention(q, k, v, scale=scale, mask_type=mask)
 
 
-def program(impl: str, shape: Shape, mode: str, chain: int, events: StreamEvents | None):
-    attend = attention(impl, shape)
+def program(attend, mode: str, chain: int, events: StreamEvents | None):
+    """The jitted chain of ``chain`` dependent calls of ``attend(q, k, v)``, between the two stream markers.
 
+    ``fwd``: each call's output is the next call's query.  ``fwd+bwd``: each call's dq, dk and dv are the next
+    call's q, k and v, so every gradient is consumed: with the query's gradient alone, XLA removes the dK/dV
+    work of an implementation that computes it apart from dQ (Tokamax's kernels), and times a backward that
+    never ran.  The end marker waits for all three (``lax.optimization_barrier``)."""
     def step(q, k, v, do):
         if mode == "fwd":
-            return attend(q, k, v)
-        return jax.vjp(lambda q: attend(q, k, v), q)[1](do)[0]
+            return attend(q, k, v), k, v
+        return jax.vjp(attend, q, k, v)[1](do)
 
     def run(q, k, v, do):
         q = events.mark(q, 0) if events else q
         for _ in range(chain):
-            q = step(q, k, v, do)
-        return events.mark(q, 1) if events else q
+            q, k, v = step(q, k, v, do)
+        q, k, v = jax.lax.optimization_barrier((q, k, v))
+        return (events.mark(q, 1) if events else q), k, v
 
     return jax.jit(run)
 
@@ -143,7 +148,7 @@ def measure(impl: str, shape: Shape, mode: str, inputs, args, events: StreamEven
     for timer in ((events, None) if events is not None else (None,)):
         row.error = None
         try:
-            fn = program(impl, shape, mode, args.chain, timer)
+            fn = program(attention(impl, shape), mode, args.chain, timer)
             start = time.perf_counter()
             jax.block_until_ready(fn(*inputs))
             row.notes["compile_and_first_call_s"] = round(time.perf_counter() - start, 3)

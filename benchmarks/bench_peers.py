@@ -15,11 +15,12 @@ stub package is written to a temporary directory and put on ``sys.path`` before 
 that fails to import, trace, compile or run is a row with its reason; it never stops the run.
 
 Shapes: T=S=256 B1 N8 D64; T=S=1k, 4k (B4 N16 D128) and 16k (B1 N16 D128); causal and not (``--quick``:
-256 and 4k, not causal).  Modes: ``fwd`` (inference forward) and ``fwd+bwd`` (``jax.vjp``, the query's
-gradient).  The shapes of the issue's table come first, so that they survive a phase cut short.
+256 and 4k, not causal).  Modes: ``fwd`` (inference forward) and ``fwd+bwd`` (``jax.vjp``, the gradients
+of q, k and v).  The shapes of the issue's table come first, so that they survive a phase cut short.
 
-Method (as ``bench_jax.py``): one jitted program runs a chain of dependent calls (each call's query is the
-previous call's output, or its dq), so the chain is device-bound.  *Device time* per call is the GPU time
+Method (``bench_jax.program``): one jitted program runs a chain of dependent calls (each call's query is the
+previous call's output; or its q, k and v are the previous call's dq, dk and dv, so that XLA removes no
+gradient's work), so the chain is device-bound.  *Device time* per call is the GPU time
 between two CUDA events that FFI markers record on XLA's stream before and after the chain, divided by the
 chain's length (the host clock of the whole program when the markers fail: ``timer`` in the JSON); *wall* is
 the host clock of the jitted call over the chain's length.  Medians over ``--rounds`` runs after warm-up.
@@ -51,6 +52,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+from bench_jax import StreamEvents, program  # noqa: E402  (the chain and its CUDA-event markers, shared)
 
 from cudnn_attn import MaskType  # noqa: E402
 from cudnn_attn import jax_bridge as jb  # noqa: E402
@@ -159,21 +162,6 @@ def attention(impl: str, shape: Shape):
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def program(attend, mode: str, chain: int, events):
-    def step(q, k, v, do):
-        if mode == "fwd":
-            return attend(q, k, v)
-        return jax.vjp(lambda q: attend(q, k, v), q)[1](do)[0]
-
-    def run(q, k, v, do):
-        q = events.mark(q, 0) if events else q
-        for _ in range(chain):
-            q = step(q, k, v, do)
-        return events.mark(q, 1) if events else q
-
-    return jax.jit(run)
-
-
 def measure(row: Row, shape: Shape, inputs, rounds: int, events) -> None:
     """Device time from the stream events when they work, else the host clock (``notes["timer"]``)."""
     for timer in ((events, None) if events is not None else (None,)):
@@ -183,7 +171,7 @@ def measure(row: Row, shape: Shape, inputs, rounds: int, events) -> None:
             start = time.perf_counter()
             out = jax.block_until_ready(fn(*inputs))
             row.notes["compile_and_first_call_s"] = round(time.perf_counter() - start, 3)
-            row.notes["finite"] = bool(jnp.isfinite(out.astype(jnp.float32)).all())
+            row.notes["finite"] = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in out)
             for _ in range(2):                   # XLA may capture its command buffers on a later run
                 jax.block_until_ready(fn(*inputs))
             device, wall = [], []
@@ -212,8 +200,6 @@ def run(quick: bool, dry_run: bool, rounds: int, max_seconds: float) -> list[Row
     deadline = time.monotonic() + max_seconds
     events = None
     if not dry_run:
-        from bench_jax import StreamEvents      # CUDA-event markers on XLA's stream (imports CuPy)
-
         events = StreamEvents()
     rng = np.random.default_rng(0)
     rows: list[Row] = []

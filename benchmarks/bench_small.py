@@ -183,9 +183,7 @@ def cupy_lines(launches: int, calls: int) -> list[Line]:
 # -- the JAX chains ------------------------------------------------------------------------------------
 
 def jax_lines(chain: int, rounds: int) -> list[Line]:
-    from bench_jax import StreamEvents
-
-    events = StreamEvents()
+    events = bench_peers.StreamEvents()
     inputs = bench_peers.inputs_for(SHAPE, np.random.default_rng(1))
     lines = []
     for impl in JAX_IMPLS:

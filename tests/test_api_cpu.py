@@ -14,7 +14,7 @@ from cudnn_attn import MaskType, NoGPUError, UnsupportedConfigurationError
 from cudnn_attn.core import settings
 from cudnn_attn.core.config import AttentionConfig
 from cudnn_attn.core.support import Environment
-from cudnn_attn.core.types import AttentionOutput
+from cudnn_attn.core.types import FP8_PARAM_KEYS, AttentionOutput
 from cudnn_attn.engine import launch, prepared, runtime
 from cudnn_attn.engine.cache import GraphKey, PlanChoice
 from cudnn_attn.graphs.tensors import TensorId
@@ -400,3 +400,23 @@ def test_bound_check_names_the_array_that_differs(monkeypatch):
         name = ("query", "key", "value")[position]
         with pytest.raises(ValueError, match=f"^{name}: this bound call takes a CuPy array float16"):
             bound._check(direct, tuple(given))
+
+
+def _fp8_call(memo, rng, scale_dtype=np.float32):
+    q, k, v = (rng.integers(0, 120, (2, 64, 4, 64), dtype=np.uint8) for _ in range(3))   # E4M3 bytes
+    params = {name: np.full((1, 1, 1, 1), rng.uniform(0.5, 2.0), scale_dtype) for name in FP8_PARAM_KEYS}
+    arrays = dict(query=q, key=k, value=v, fp8_params=params)
+    static = dict(scale=0.125, mask_type=MaskType.CAUSAL, use_fp8=True, fp8_dtype="float8_e4m3fn")
+    return arrays, _validate(memo, arrays, static)
+
+
+def test_validation_memo_takes_fp8_calls_and_binds_their_new_scales():
+    memo, rng = prepared.Calls(), np.random.default_rng(5)
+    _, (config, _) = _fp8_call(memo, rng)
+    arrays, (again, operands) = _fp8_call(memo, rng)
+    assert again is config and config.fp8
+    assert operands.query is arrays["query"]
+    assert set(operands.fp8_scales) == set(FP8_PARAM_KEYS)
+    assert all(operands.fp8_scales[n] is arrays["fp8_params"][n] for n in FP8_PARAM_KEYS)
+    with pytest.raises(ValueError, match=r"fp8_params\['\w+'\]: must be a float32 array"):
+        _fp8_call(memo, rng, scale_dtype=np.float16)          # a new signature: validated again

@@ -38,7 +38,7 @@ import numpy as np
 from cudnn_attn.core import masked_rows, settings, values
 from cudnn_attn.core.config import AttentionConfig, AttentionOperands
 from cudnn_attn.core.padded_call import lift, lifted_config
-from cudnn_attn.core.types import FP8_BWD_KEYS, FP8_FWD_KEYS, AttentionGrads, AttentionOutput
+from cudnn_attn.core.types import FP8_BWD_KEYS, FP8_FWD_KEYS, FP8_PARAM_KEYS, AttentionGrads, AttentionOutput
 from cudnn_attn.core.validation import validate_call
 
 from . import runtime
@@ -311,31 +311,45 @@ calls = Calls()
 def validated(arrays: Mapping[str, Any], static: Mapping[str, Any], *, xp: Any = None,
               table: Calls | None = None) -> tuple[AttentionConfig, AttentionOperands]:
     """:func:`~cudnn_attn.core.validation.validate_call` of a call, reused for a repeated signature (the shape,
-    dtype and strides of every array, every static argument) from ``table`` (default :data:`calls`).
+    dtype and strides of every array, the FP8 scales among them, and every static argument) from ``table``
+    (default :data:`calls`).
 
     ``validate_call`` reads nothing but shapes, dtypes and the static arguments, so its verdict and its
     configuration hold for every call with the same signature.  When it passed the arrays through unchanged (no
-    mask folded into the bias, no FP8 scales, no score_mod arguments), a repeated signature reuses the
-    configuration object and only rebinds the new arrays."""
+    mask folded into the bias, no score_mod arguments), a repeated signature reuses the configuration object and
+    only rebinds the new arrays.  FP8 calls take the memo too: their validation checks 20 scale arrays, about
+    0.4 ms of host time on the GPU machine, against a bf16 call's 15 us in all."""
     table = calls if table is None else table
     key = None
-    if arrays.get("mask") is None and not arrays.get("fp8_params") and not arrays.get("score_mod_args"):
+    scales = _scale_signature(arrays.get("fp8_params"))
+    if arrays.get("mask") is None and scales is not None and not arrays.get("score_mod_args"):
         key = ("validated", tuple(None if arrays.get(n) is None else
                                   (arrays[n].shape, arrays[n].dtype, getattr(arrays[n], "strides", None))
-                                  for n in OPERAND_FIELDS), tuple(static.items()))
+                                  for n in OPERAND_FIELDS), scales, tuple(static.items()))
         known = table.get(key)
         if known is not None:
-            return known.config, AttentionOperands(**{n: arrays[n] for n in known.kept})
+            fp8 = arrays.get("fp8_params")
+            return known.config, AttentionOperands(
+                **{n: arrays[n] for n in known.kept},
+                fp8_scales=None if not fp8 or not known.config.fp8 else {n: fp8[n] for n in FP8_PARAM_KEYS})
     config, operands = validate_call(**arrays, **static, xp=xp)
     kept = frozenset(n for n in OPERAND_FIELDS if getattr(operands, n) is not None)
-    if key is not None and all(getattr(operands, n) is arrays.get(n) for n in kept):
+    unchanged = all(getattr(operands, n) is arrays.get(n) for n in kept) and (
+        operands.fp8_scales is None or all(x is arrays["fp8_params"][n] for n, x in operands.fp8_scales.items()))
+    if key is not None and unchanged:
         table.remember(key, Known(config, kept))
     return config, operands
 
 
-def descriptor(x: Any) -> tuple:
-    """What a repeated call's identity reads of an array: its type, shape, dtype, strides and device."""
-    return type(x), x.shape, x.dtype, x.strides, x.data.device_id
+def _scale_signature(fp8_params: Any) -> tuple | None:
+    """The descriptors of the FP8 scales (``()`` without them), or ``None`` when the validation memo cannot key
+    them (not a mapping of arrays with every FP8Params entry: validation explains)."""
+    if not fp8_params:
+        return ()
+    if not isinstance(fp8_params, Mapping) or not all(hasattr(fp8_params.get(n), "shape") for n in FP8_PARAM_KEYS):
+        return None
+    return tuple((fp8_params[n].shape, fp8_params[n].dtype, getattr(fp8_params[n], "strides", None))
+                 for n in FP8_PARAM_KEYS)
 
 
 # -- on a prepared (AttentionConfig, AttentionOperands) ---------------------------------------------------------
