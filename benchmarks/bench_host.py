@@ -256,7 +256,6 @@ def jax_rows(q, k, v, do, rounds) -> dict:
     import jax
 
     from cudnn_attn import jax_bridge as jb
-    from cudnn_attn.jax_bridge import ffi
 
     jq, jk, jv, jdo = (jax.dlpack.from_dlpack(x) for x in (q, k, v, do))
     rows = {}

@@ -242,7 +242,6 @@ def test_a_launch_on_a_thread_without_a_cuda_context_adopts_the_device_context_a
     """XLA calls the handler on threads with no CUDA context current, where cudnnSetStream's driver queries fail
     (two soaks died inside it). Both launch routes make the device's context current first and unbind it
     afterwards - also when the launch raises - and leave a thread that had a context alone."""
-    from cudnn_attn.engine import replay
 
     monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay=False))
     config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16, dtype="float16")
@@ -295,7 +294,6 @@ def test_device_context_makes_its_cuda_context_current_only_where_none_is():
 
 
 def test_no_replay_when_switched_off(monkeypatch):
-    from cudnn_attn.engine import replay
 
     monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay=False))
     config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16, dtype="float16")
@@ -310,7 +308,6 @@ def test_a_dropped_sequence_takes_its_graphs_along(monkeypatch):
     executables died), its graphs go with it although the plan stays cached."""
     import gc
 
-    from cudnn_attn.engine import replay
 
     monkeypatch.setattr(settings, "current", dataclasses.replace(settings.current, replay=True))
     config = AttentionConfig(batch=1, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16, dtype="float16")

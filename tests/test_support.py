@@ -391,9 +391,9 @@ def test_structural_rows_are_what_the_builder_cannot_declare():
     BASE.replace(packing=PackingSpec(max_segments=2), paging=PAGED["paging"], score_mod=scaled(((1, 128), "float32"))),
 ], ids=["plain", "fp8-everything", "paged-bnth-bias", "packed-paged-score_mod"])
 def test_the_table_never_raises_for_a_configuration(config, front):
-    for environment in (SM90, SM100, Environment(None, None), Environment(80000, (7, 0))):
+    for env in (SM90, SM100, Environment(None, None), Environment(80000, (7, 0))):
         for kind in (None, "fwd", "bwd"):
-            assert isinstance(not_supported_reasons(config, environment, kind=kind, front=front), list)
+            assert isinstance(not_supported_reasons(config, env, kind=kind, front=front), list)
 
 
 def test_a_bad_front_is_an_argument_error():

@@ -81,3 +81,26 @@ def assert_lse_close(got, want) -> None:
     assert np.isfinite(got).all(), f"logsumexp: {int((~np.isfinite(got)).sum())} elements not finite"
     error = np.abs(got - want) / np.maximum(1.0, np.abs(want))
     assert error.max() <= LSE_TOLERANCE, f"logsumexp: error {error.max():.2e} > {LSE_TOLERANCE}"
+
+
+def raw_launch(config, kind: str, named: dict) -> list:
+    """One launch of the cached plan of ``config``'s ``kind`` on GPU 0 with no fill policy, into NaN-poisoned
+    results (in the plan's result order): what cuDNN itself writes.  ``named``: the call's arrays by operand name
+    (``prepared.named_arrays``)."""
+    import cupy as cp
+
+    from cudnn_attn.engine.cache import graph_cache
+    from cudnn_attn.engine.call import CallSpec
+
+    plan = graph_cache.plan(config, kind, 0)
+    inputs, _ = CallSpec.of(config, kind).bind(cp, named)
+    inputs = {t: cp.ascontiguousarray(x) for t, x in inputs.items()}
+    results = [poisoned(spec.shape, spec.dtype) for spec in plan.results]
+    context, stream = plan.context, cp.cuda.get_current_stream().ptr
+    with context.lock:
+        context.bind_stream(stream)
+        plan.launcher([inputs[t].data.ptr for t in plan.operand_ids] + [r.data.ptr for r in results],
+                      context.workspace(stream, plan.workspace_size), context.handle)
+    cp.cuda.get_current_stream().synchronize()
+    return list(zip(plan.results, results))
+

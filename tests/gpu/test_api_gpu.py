@@ -13,7 +13,7 @@ from cudnn_attn.engine import launch, prepared
 from cudnn_attn.engine.cache import PlanChoice, graph_cache
 from cudnn_attn.reference.inputs import random_operands
 
-from ._checks import assert_close, assert_lse_close, make_config, poisoned, replace_nan, to_gpu
+from ._checks import assert_close, assert_lse_close, make_config, poisoned, raw_launch, replace_nan, to_gpu
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -211,7 +211,7 @@ def test_fill_policy_matches_what_cudnn_writes(case):
     raw (no fills) into NaN-poisoned results, the elements a ``ZERO_BEFORE`` result leaves to the policy
     (rows of padded queries/keys, tokens outside packed segments) must be untouched (still NaN) or 0 -
     zeroing them before the launch is then right - while every other element is written."""
-    from cudnn_attn.engine.call import CallSpec, Fill
+    from cudnn_attn.engine.call import Fill
     from cudnn_attn.reference.segments import segments_of
 
     rng = np.random.default_rng(21)
@@ -224,17 +224,7 @@ def test_fill_policy_matches_what_cudnn_writes(case):
     output, lse = forward.output, forward.logsumexp
     grad_output = cp.asarray(rng.standard_normal(config.o_shape).astype(np.float16))
     for kind, residuals in (("fwd", {}), ("bwd", dict(output=output, grad_output=grad_output, logsumexp=lse))):
-        plan = graph_cache.plan(config, kind, 0)
-        inputs, _ = CallSpec.of(config, kind).bind(cp, prepared.named_arrays(config, kind, gpu, **residuals))
-        inputs = {t: cp.ascontiguousarray(x) for t, x in inputs.items()}
-        results = [poisoned(spec.shape, spec.dtype) for spec in plan.results]
-        context, stream = plan.context, cp.cuda.get_current_stream().ptr
-        with context.lock:
-            context.bind_stream(stream)
-            plan.launcher([inputs[t].data.ptr for t in plan.operand_ids] + [r.data.ptr for r in results],
-                          context.workspace(stream, plan.workspace_size), context.handle)
-        cp.cuda.get_current_stream().synchronize()
-        for spec, result in zip(plan.results, results):
+        for spec, result in raw_launch(config, kind, prepared.named_arrays(config, kind, gpu, **residuals)):
             if spec.fill is not Fill.ZERO_BEFORE or spec.name not in ("output", "dq", "dk", "dv"):
                 continue
             host = cp.asnumpy(result).astype(np.float32)                          # BTNH: (B, L, heads, dim)

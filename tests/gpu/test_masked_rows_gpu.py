@@ -19,11 +19,9 @@ from cudnn_attn import MaskType, reference
 from cudnn_attn.core import masked_rows
 from cudnn_attn.core.validation import validate_call
 from cudnn_attn.engine import prepared
-from cudnn_attn.engine.cache import graph_cache
-from cudnn_attn.engine.call import CallSpec
 from cudnn_attn.graphs import packing
 
-from ._checks import assert_close, assert_lse_close, io_dtype, poisoned
+from ._checks import assert_close, assert_lse_close, io_dtype, poisoned, raw_launch
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -163,17 +161,8 @@ def test_cudnn_output_and_logsumexp_of_rows_without_keys(case):
     _, arrays, host, config, rows = _keyless_call(case)
     gpu = validate_call(*(cp.asarray(x) for x in arrays), training=True,
                         **{n: cp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in host.items()})[1]
-    plan = graph_cache.plan(config, "fwd", 0)
-    inputs, _ = CallSpec.of(config, "fwd").bind(cp, prepared.named_arrays(config, "fwd", gpu))
-    inputs = {t: cp.ascontiguousarray(x) for t, x in inputs.items()}
-    results = [poisoned(spec.shape, spec.dtype) for spec in plan.results]
-    context, stream = plan.context, cp.cuda.get_current_stream().ptr
-    with context.lock:
-        context.bind_stream(stream)
-        plan.launcher([inputs[t].data.ptr for t in plan.operand_ids] + [r.data.ptr for r in results],
-                      context.workspace(stream, plan.workspace_size), context.handle)
-    cp.cuda.get_current_stream().synchronize()
-    found = {spec.name: cp.asnumpy(r).astype(np.float32) for spec, r in zip(plan.results, results)}
+    launched = raw_launch(config, "fwd", prepared.named_arrays(config, "fwd", gpu))
+    found = {spec.name: cp.asnumpy(r).astype(np.float32) for spec, r in launched}
     lse_rows = np.broadcast_to(rows, found["logsumexp"].shape)
     written = np.unique(found["logsumexp"][lse_rows])
     output_rows = found["output"][np.broadcast_to(rows, (2, 4, 128)).transpose(0, 2, 1)]    # (rows * N..., H)

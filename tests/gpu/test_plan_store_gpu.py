@@ -20,7 +20,7 @@ from cudnn_attn.graphs import BuiltGraph, DevicelessTarget, TensorId, build_grap
 from cudnn_attn.persist.build import build_or_load, environment_for
 from cudnn_attn.persist.store import PlanStore
 
-from ._checks import assert_close, io_dtype, make_config
+from ._checks import io_dtype, make_config
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
