@@ -27,8 +27,26 @@ every column), GQA and MLA work in both schemes.  A block that the mask removes 
 computed: the devices take different branches (``lax.switch`` on the device's index into the distinct
 plans of the step).  Refused (:class:`~cudnn_attn.core.errors.UnsupportedConfigurationError`), each by
 one row of ``cudnn_attn.core.support.CONTEXT_PARALLEL_RESTRICTIONS`` with its reason: dropout, ALiBi, FP8,
-``score_mod``, an attention sink, packed segments, paged caches, and a bottom-right diagonal with
-per-sequence lengths.
+``score_mod``, an attention sink, packed segments in a window or an off-diagonal band, paged caches, and
+a bottom-right diagonal with per-sequence lengths.
+
+Packed segments (``q_seqlen``/``kv_seqlen`` ``(B, M)``, ``q_offsets``/``kv_offsets`` ``(B, M + 1)``, in
+global positions of the natural order, also with ``load_balance``; inside ``shard_map`` every device
+passes its batch rows' global arrays): every block call is packed with the same ``M`` slots, each
+segment's rows and keys being its clipped intersection with the block (empty slots have length 0), so
+an unmasked call needs nothing more.  cuDNN counts a segment's causal diagonal from its first row and key
+in the call; a causal call is exact for segments whose keys are their queries' positions
+(``kv_offsets == q_offsets`` and ``kv_seqlen == q_seqlen``, the packed documents of training; other
+values give undefined results) when the block is full, starts on the diagonal (top-left) or ends on it
+(bottom-right, each segment's keys cut at its last row): :func:`~.sequence_plan.segment_fit`.  The plans
+of ring and all-gather, natural or load-balanced, give only such blocks when the pieces of queries and
+keys line up (the automatic pieces of equal lengths do); any other block is refused when the call is
+traced (:func:`check`).  A row with no key of its segment in a block takes output 0 and logsumexp
+``-inf`` there, so it adds nothing to the merge and its backward adds 0.  The logsumexp of a packed split
+call (``return_residual=True``, shape ``(B*M, N, T)`` as unsplit) holds row ``b*M + m`` for segment
+``m`` of batch row ``b`` at that segment's own query positions (sharded and ordered like the queries),
+0 elsewhere; the unsplit call numbers present segments from row 0 and starts each at column 0.  The
+backward reads the same layout.
 
 Causal load balance: with the natural order device ``P-1`` computes ``P`` blocks and device 0 one.
 :func:`load_balance` reorders a sequence into ``2P`` chunks stored as ``0, 2P-1, 1, 2P-2, ...``, so

@@ -144,7 +144,8 @@ def _by_position(lse: np.ndarray, seqlen: np.ndarray, offsets: np.ndarray) -> np
 def _orders(case: Case):
     if not case.balanced:
         return (lambda x, axis=1: x), (lambda x, axis=1: x)
-    return (lambda x, axis=1: load_balance(x, case.shards, axis)), (lambda x, axis=1: restore_order(x, case.shards, axis))
+    return ((lambda x, axis=1: load_balance(x, case.shards, axis)),
+            (lambda x, axis=1: restore_order(x, case.shards, axis)))
 
 
 def _compare(got, expected, back, what: str):
