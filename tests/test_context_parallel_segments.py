@@ -254,3 +254,18 @@ def test_packed_block_calls_are_full_or_aligned_causal(scheme, balance):
     for config in found:
         assert config.packing == PACKED.packing and config.mask.padding and config.mask.left_bound is None
         assert config.mask.right_bound in (None, 0), config.mask
+
+
+def test_packed_segments_in_the_load_balanced_order_on_one_device():
+    """A packed call that declares the load-balanced order but runs unsharded: the same attention, and the
+    split call's logsumexp layout in the stored order."""
+    case = Case("sp4xdata2", "ring", True, balanced=True)
+    inputs = _inputs(case, 500)
+    expected = _expected(case, inputs)
+    q, k, v, seqlen, offsets, weight = inputs
+    to_stored, back = _orders(case)
+    fn = _attention(case, context_parallel=ContextParallel(load_balance=4))
+    args = (to_stored(q), to_stored(k), to_stored(v), seqlen, offsets)
+    out, lse = jax.jit(fn)(*args)
+    grads = jax.jit(jax.grad(_loss(fn, to_stored(weight)), argnums=(0, 1, 2)))(*args)
+    _compare((out, lse, grads), expected, back, "reproduce: seed 500, one device, load_balance=4")
