@@ -27,8 +27,26 @@ every column), GQA and MLA work in both schemes.  A block that the mask removes 
 computed: the devices take different branches (``lax.switch`` on the device's index into the distinct
 plans of the step).  Refused (:class:`~cudnn_attn.core.errors.UnsupportedConfigurationError`), each by
 one row of ``cudnn_attn.core.support.CONTEXT_PARALLEL_RESTRICTIONS`` with its reason: dropout, ALiBi, FP8,
-``score_mod``, an attention sink, packed segments, paged caches, and a bottom-right diagonal with
-per-sequence lengths.
+``score_mod``, an attention sink, packed segments in a window or an off-diagonal band, paged caches, and
+a bottom-right diagonal with per-sequence lengths.
+
+Packed segments (``q_seqlen``/``kv_seqlen`` ``(B, M)``, ``q_offsets``/``kv_offsets`` ``(B, M + 1)``, in
+global positions of the natural order, also with ``load_balance``; inside ``shard_map`` every device
+passes its batch rows' global arrays): every block call is packed with the same ``M`` slots, each
+segment's rows and keys being its clipped intersection with the block (empty slots have length 0), so
+an unmasked call needs nothing more.  cuDNN counts a segment's causal diagonal from its first row and key
+in the call; a causal call is exact for segments whose keys are their queries' positions
+(``kv_offsets == q_offsets`` and ``kv_seqlen == q_seqlen``, the packed documents of training; other
+values give undefined results) when the block is full, starts on the diagonal (top-left) or ends on it
+(bottom-right, each segment's keys cut at its last row): :func:`~.sequence_plan.segment_fit`.  The plans
+of ring and all-gather, natural or load-balanced, give only such blocks when the pieces of queries and
+keys line up (the automatic pieces of equal lengths do); any other block is refused when the call is
+traced (:func:`check`).  A row with no key of its segment in a block takes output 0 and logsumexp
+``-inf`` there, so it adds nothing to the merge and its backward adds 0.  The logsumexp of a packed split
+call (``return_residual=True``, shape ``(B*M, N, T)`` as unsplit) holds row ``b*M + m`` for segment
+``m`` of batch row ``b`` at that segment's own query positions (sharded and ordered like the queries),
+0 elsewhere; the unsplit call numbers present segments from row 0 and starts each at column 0.  The
+backward reads the same layout.
 
 Causal load balance: with the natural order device ``P-1`` computes ``P`` blocks and device 0 one.
 :func:`load_balance` reorders a sequence into ``2P`` chunks stored as ``0, 2P-1, 1, 2P-2, ...``, so
@@ -59,12 +77,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from cudnn_attn.core import support
-from cudnn_attn.core.config import AttentionConfig, BiasSpec, MaskSpec
+from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec
 from cudnn_attn.core.errors import UnsupportedConfigurationError
 from cudnn_attn.core.types import AttentionLayout
 
 from . import lifting
-from .sequence_plan import Band, BlockCall, StepPlans, chunk_order, device_plans, local_chunks, piece, pieces_of
+from .sequence_plan import (
+    Band,
+    BlockCall,
+    SegmentFit,
+    StepPlans,
+    chunk_order,
+    device_plans,
+    local_chunks,
+    piece,
+    pieces_of,
+    segment_fit,
+)
 from .signature import BWD, FWD, result_names
 
 __all__ = ["ContextParallel", "Scheme", "context_parallelism", "load_balance", "restore_order"]
@@ -221,6 +250,27 @@ def check(config: AttentionConfig, split: Split) -> None:
     if split.balance and split.balance % split.shards:
         raise ValueError(f"context_parallel: load_balance={split.balance} (the order of the sequence) must be a "
                          f"multiple of the {split.shards} devices on the sequence axes {split.axes}")
+    if config.packing is not None:
+        unfit = _unfit_segment_call(config, split)
+        if unfit is not None:
+            raise UnsupportedConfigurationError(
+                [f"context parallelism: not with packed segments on a causal block whose first row and key, and "
+                 f"whose last row and key, are at different positions ({unfit}: {split.pieces or 'automatic'} "
+                 f"pieces of {config.q_len // split.shards} queries and of the keys held do not line up; choose "
+                 f"pieces that cut queries and keys at the same positions)"], config)
+
+
+def _unfit_segment_call(config: AttentionConfig, split: Split) -> BlockCall | None:
+    """A call of the split that no :class:`~.sequence_plan.SegmentFit` computes exactly, if any."""
+    g = Geometry(config, split)
+    for step in g.steps:
+        for i in range(g.q_pieces):
+            for j in range(g.k_pieces):
+                for calls in g.plans(step, i, j).calls:
+                    for call in calls:
+                        if segment_fit(call) is None:
+                            return call
+    return None
 
 
 Call = Callable[[AttentionConfig, Mapping[str, Any]], Mapping[str, Any]]
@@ -283,6 +333,7 @@ class _Engine:
         self.geometry = g = Geometry(config, split)
         self.seq = 1 if config.layout is AttentionLayout.BTNH else 2
         self.padding = config.mask.padding
+        self.segments = _Segments.of(config, self.ops) if config.packing is not None else None
         self.index = jax.lax.axis_index(split.axis_name()) if split.shards > 1 else jnp.int32(0)
         self.ring = g.ring
         self.bias = self.ops.get("bias")       # its columns follow the order of the keys in use
@@ -365,7 +416,8 @@ class _Engine:
 
     def _block(self, call: BlockCall, kind: str, rows: Mapping[str, Any], key: Any, value: Any, key_base: Any,
                start: tuple) -> tuple:
-        """The block's configuration and operands (Q/K/V, bias, lengths); also its rows with a key.
+        """The block's configuration and operands (Q/K/V, bias, lengths or segments); also its rows with a
+        key and, for packed segments, the map of its logsumexp to per-row values (else ``None``).
         ``rows``: the query piece's operands; ``start``: the global positions of the call's first query row
         and key on this device."""
         config = self.config
@@ -377,8 +429,14 @@ class _Engine:
         if block.bias is not None:
             bias_rows = self._rows(rows["bias"], call.q_start, call.q_stop, axis=2)
             ops["bias"] = jax.lax.dynamic_slice_in_dim(bias_rows, key_base + call.k_start, call.k_len, axis=3)
-        has_keys = None
-        if mask.padding:
+        has_keys, tokens = None, None
+        if self.segments is not None:
+            found = self.segments.in_block(call, start, segment_fit(call))
+            ops.update(found.operands())
+            has_keys, tokens = found.rows_with_keys(), found.tokens
+            if kind == BWD:
+                ops["logsumexp"] = found.packed(self._rows(rows["logsumexp"], call.q_start, call.q_stop, axis=2))
+        elif mask.padding:
             batch = config.batch
             if self.padding:
                 q_len = jnp.clip(self.ops["q_seqlen"] - start[0], 0, call.q_len).astype(jnp.int32)
@@ -391,8 +449,9 @@ class _Engine:
         if kind == BWD:
             for name in ("output", "grad_output"):
                 ops[name] = self._rows(rows[name], call.q_start, call.q_stop)
-            ops["logsumexp"] = self._rows(rows["logsumexp"], call.q_start, call.q_stop, axis=2)
-        return block, ops, has_keys
+            if tokens is None:
+                ops["logsumexp"] = self._rows(rows["logsumexp"], call.q_start, call.q_stop, axis=2)
+        return block, ops, has_keys, tokens
 
     def _per_row(self, x: Any) -> Any:
         """A ``(B, N, T)`` (or ``(B, 1, T)``) row statistic shaped to broadcast against O in the layout."""
@@ -418,9 +477,10 @@ class _Engine:
             def run_calls(rows, key, value, key_base, starts):
                 found = (_full_like(q, piece_o, q.dtype, 0), _full_like(q, (config.batch, heads, qp), jnp.float32, _NEG_INF))
                 for c, start in zip(calls, starts):
-                    block, ops, has_keys = self._block(c, FWD, rows, key, value, key_base, start)
+                    block, ops, has_keys, tokens = self._block(c, FWD, rows, key, value, key_base, start)
                     result = lifting.run(FWD, block, ops, call)
-                    found = self._merge(found, c.q_start, result["output"], result["logsumexp"], has_keys)
+                    lse = result["logsumexp"] if tokens is None else tokens(result["logsumexp"])
+                    found = self._merge(found, c.q_start, result["output"], lse, has_keys)
                 return found
             return run_calls
 
@@ -433,7 +493,9 @@ class _Engine:
 
         self._sweep(visit, lambda: self.last)
         o, lse = state
-        if self.padding:
+        if self.segments is not None:
+            lse = self.segments.lse_by_segment(lse, self._global_rows())
+        elif self.padding:
             valid = self._global_rows()[None, :] < self.ops["q_seqlen"][:, None]      # (B, T_local)
             lse = jnp.where(valid[:, None, :], lse, 0.0)
         return {"output": o, "logsumexp": lse}
@@ -463,6 +525,8 @@ class _Engine:
     def backward(self, call: Call) -> dict[str, Any]:
         config, g = self.config, self.geometry
         lse = self.ops["logsumexp"]
+        if self.segments is not None:
+            lse = self.segments.lse_by_row(lse, self._global_rows())
         self.lse = jnp.where(jnp.isfinite(lse), lse, 0.0)          # rows without keys: P = exp(-inf - 0) = 0
         query, key, value = self.ops["query"], self.ops["key"], self.ops["value"]
         qp, kp = g.q_piece, g.k_piece
@@ -487,7 +551,7 @@ class _Engine:
                 dq, dk, dv = (_full_like(query, s.shape, jnp.float32, 0) for s in (q_piece, k_piece, v_piece))
                 db = _full_like(query, bias.shape[:2] + (qp, kp), jnp.float32, 0) if config.has_dbias else None
                 for c, start in zip(calls, starts):
-                    block, ops, has_keys = self._block(c, BWD, rows, key, value, key_base, start)
+                    block, ops, has_keys, _ = self._block(c, BWD, rows, key, value, key_base, start)
                     found = lifting.run(BWD, block, ops, call)
                     grad = found["dq"]
                     if has_keys is not None:
@@ -595,6 +659,11 @@ def block_config(config: AttentionConfig, call: BlockCall) -> AttentionConfig:
     """The kernel configuration of one block call of ``config`` (training: the merge needs the logsumexp)."""
     mask = MaskSpec(right_bound=call.right_bound, left_bound=call.left_bound,
                     padding=config.mask.padding or call.padded)
+    if config.packing is not None:           # the segments' own band (sequence_plan: packed segments)
+        fit = segment_fit(call)
+        mask = MaskSpec(right_bound=None if fit is SegmentFit.FULL else 0, padding=True,
+                        alignment=DiagonalAlignment.BOTTOM_RIGHT if fit is SegmentFit.BOTTOM_RIGHT
+                        else DiagonalAlignment.TOP_LEFT)
     bias = config.bias and BiasSpec(config.bias.shape[:2] + (call.q_len, call.k_len), config.bias.differentiable)
     return config.replace(q_len=call.q_len, kv_len=call.k_len, mask=mask, bias=bias, training=True)
 
@@ -615,6 +684,119 @@ def _rows_with_keys(call: BlockCall, q_len: Any, kv_len: Any) -> Any:
     if call.right_bound is not None:
         last = jnp.minimum(last, i + call.right_bound)
     return (i < q_len[:, None]) & (first <= last)
+
+
+@dataclass(frozen=True)
+class _Segments:
+    """The packed segments of a split call, in global (natural-order) positions: ``(B, M)`` int32 starts and
+    lengths of every slot's queries and keys, and whether the slot holds a segment (sanitized operands:
+    an absent slot is ``-1`` in all four)."""
+
+    q_start: Any
+    q_len: Any
+    k_start: Any
+    k_len: Any
+    present: Any
+
+    @classmethod
+    def of(cls, config: AttentionConfig, ops: Mapping[str, Any]) -> "_Segments":
+        m = config.packing.max_segments
+        q_start, k_start = ops["q_offsets"][:, :m], ops["kv_offsets"][:, :m]
+        q_len, k_len = ops["q_seqlen"], ops["kv_seqlen"]
+        present = (q_start >= 0) & (k_start >= 0) & (q_len >= 0) & (k_len >= 0)
+        return cls(q_start, q_len, k_start, k_len, present)
+
+    def _rows_in(self, positions: Any) -> Any:
+        """``(B, M, R)`` bool: the query at global position ``positions[r]`` lies in segment ``m``."""
+        p = positions[None, None, :]
+        return (self.present[..., None] & (self.q_start[..., None] <= p)
+                & (p < (self.q_start + self.q_len)[..., None]))
+
+    def lse_by_segment(self, lse: Any, positions: Any) -> Any:
+        """Per-row logsumexp ``(B, N, R)`` (rows at global ``positions``) -> the split call's packed layout
+        ``(B*M, N, R)``: row ``b*M + m`` holds segment ``m`` of row ``b`` in its own rows, 0 elsewhere."""
+        inside = self._rows_in(positions)[:, :, None, :]
+        found = jnp.where(inside, lse[:, None], 0.0)
+        return found.reshape((-1,) + found.shape[2:])
+
+    def lse_by_row(self, lse: Any, positions: Any) -> Any:
+        """The inverse of :meth:`lse_by_segment`."""
+        batch, slots = self.present.shape
+        by_slot = lse.reshape((batch, slots) + lse.shape[1:])
+        return jnp.sum(jnp.where(self._rows_in(positions)[:, :, None, :], by_slot, 0.0), axis=1)
+
+    def in_block(self, call: BlockCall, start: tuple, fit: SegmentFit) -> "_BlockSegments":
+        """Every segment's rows and keys in one call whose first row and key are at global ``start``:
+        the clipped intersections, with each segment's keys cut at its last row for a bottom-right fit;
+        an absent or outside slot is empty (at the end of the block)."""
+        rows, keys = call.q_len, call.k_len
+        q_first, k_first = start
+        q0 = jnp.clip(self.q_start - q_first, 0, rows)
+        q1 = jnp.clip(self.q_start + self.q_len - q_first, 0, rows)
+        k0 = jnp.clip(self.k_start - k_first, 0, keys)
+        k1 = jnp.clip(self.k_start + self.k_len - k_first, 0, keys)
+        if fit is SegmentFit.BOTTOM_RIGHT:
+            k1 = jnp.maximum(jnp.minimum(k1, q1 + (q_first - k_first)), k0)
+        q0, q1 = jnp.where(self.present, q0, rows), jnp.where(self.present, q1, rows)
+        k0, k1 = jnp.where(self.present, k0, keys), jnp.where(self.present, k1, keys)
+        return _BlockSegments(*(x.astype(jnp.int32) for x in (q0, q1, k0, k1)), rows=rows, fit=fit)
+
+
+@dataclass(frozen=True)
+class _BlockSegments:
+    """One call's segments in block positions: rows ``[q0, q1)`` and keys ``[k0, k1)`` of every slot
+    ``(B, M)``; the call is packed with all ``M`` slots present (empty ones of length 0), so its
+    logsumexp row ``b*M + m`` is slot ``m`` of row ``b``."""
+
+    q0: Any
+    q1: Any
+    k0: Any
+    k1: Any
+    rows: int
+    fit: SegmentFit
+
+    def operands(self) -> dict[str, Any]:
+        end = jnp.full(self.q0.shape[:1] + (1,), -1, jnp.int32)
+        return {"q_seqlen": self.q1 - self.q0, "kv_seqlen": self.k1 - self.k0,
+                "q_offsets": jnp.concatenate([self.q0, end], axis=1),
+                "kv_offsets": jnp.concatenate([self.k0, end], axis=1)}
+
+    def _inside(self) -> Any:
+        """``(B, M, rows)`` bool: block row ``i`` lies in slot ``m``."""
+        i = jnp.arange(self.rows, dtype=jnp.int32)[None, None, :]
+        return (self.q0[..., None] <= i) & (i < self.q1[..., None])
+
+    def rows_with_keys(self) -> Any:
+        """``(B, rows)`` bool: the row lies in a segment that keeps at least one of its keys in the block
+        for it (bottom-right: row ``i' = i - q0`` keeps keys ``j' <= i' + (k1 - k0) - (q1 - q0)``)."""
+        keeps = (self.k1 > self.k0)[..., None] & self._inside()
+        if self.fit is SegmentFit.BOTTOM_RIGHT:
+            i = jnp.arange(self.rows, dtype=jnp.int32)[None, None, :]
+            keeps &= i - self.q1[..., None] + (self.k1 - self.k0)[..., None] >= 0
+        return jnp.any(keeps, axis=1)
+
+    def tokens(self, lse: Any) -> Any:
+        """The call's packed logsumexp ``(B*M, N, rows)`` (slot ``m``'s rows from column 0) -> per row
+        ``(B, N, rows)`` (rows outside every segment: any value, they have no keys)."""
+        batch, slots = self.q0.shape
+        inside = self._inside()
+        slot = jnp.argmax(inside, axis=1)                                       # (B, rows)
+        column = jnp.arange(self.rows, dtype=jnp.int32)[None, :] - jnp.take_along_axis(self.q0, slot, axis=1)
+        column = jnp.clip(column, 0, self.rows - 1)
+        by_slot = lse.reshape((batch, slots) + lse.shape[1:])                   # (B, M, N, rows)
+        row = jnp.arange(batch, dtype=jnp.int32)[:, None]
+        return jnp.swapaxes(by_slot[row, slot, :, column], 1, 2)               # (B, rows, N) -> (B, N, rows)
+
+    def packed(self, lse: Any) -> Any:
+        """The inverse of :meth:`tokens`: per-row ``(B, N, rows)`` -> the call's ``(B*M, N, rows)``."""
+        column = jnp.arange(self.rows, dtype=jnp.int32)[None, None, :]
+        source = jnp.clip(self.q0[..., None] + column, 0, self.rows - 1)          # (B, M, rows)
+        shape = source.shape[:2] + lse.shape[1:]                                  # (B, M, N, rows)
+        gathered = jnp.take_along_axis(jnp.broadcast_to(lse[:, None], shape),
+                                       jnp.broadcast_to(source[:, :, None, :], shape), axis=3)
+        valid = (column < (self.q1 - self.q0)[..., None])[:, :, None, :]
+        found = jnp.where(valid, gathered, 0.0)
+        return found.reshape((-1,) + found.shape[2:])
 
 
 def _full_like(x: Any, shape: Any, dtype: Any, value: Any) -> Any:

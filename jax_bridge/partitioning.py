@@ -28,6 +28,8 @@ order, so it equals the unsharded numbering when every row holds all ``M`` segme
 differs from it by where the zero rows sit.  The backward of the same sharding reads the blocks back the
 same way (``jax.grad`` under ``jit`` always does: the residual keeps the forward's sharding); a
 logsumexp returned with ``return_residual=True`` from a batch-sharded packed call is that blocked layout.
+With the sequence sharded too, the call runs split and its logsumexp has that split call's layout
+(:mod:`.context_parallel`: every row's slots in place, each segment at its own query positions).
 """
 
 from __future__ import annotations

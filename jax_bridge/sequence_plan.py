@@ -26,10 +26,20 @@ Calls
     call per chunk pair that the band does not remove.  Every call is trimmed to the query rows that have
     a key and the keys that some query sees, which puts the diagonal inside the band: cuDNN's
     ``right_bound >= 0`` and ``left_bound >= 1`` always hold.
+
+Packed segments
+    cuDNN counts a segment's positions from the segment's first row and key *in the call*.  With every
+    segment's keys at the positions of its queries, a causal (or unmasked) attention inside segments is
+    the global band restricted to each segment, and a call keeps it exactly in three shapes
+    (:func:`segment_fit`): a full block (no band: every segment sees all its keys in the block), a block
+    whose first row and first key are the same global position (top-left causal inside each segment),
+    and a block whose last row and last key are the same global position (bottom-right causal inside
+    each segment once each segment's keys are cut at its last row in the block).
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from cudnn_attn.core.config import AttentionConfig, DiagonalAlignment
@@ -133,6 +143,28 @@ class BlockCall:
     @property
     def k_len(self) -> int:
         return self.k_stop - self.k_start
+
+
+class SegmentFit(enum.Enum):
+    """How a call keeps the attention inside packed segments (module doc)."""
+
+    FULL = "full"                    # no band: every key of a segment in the block is kept
+    TOP_LEFT = "top_left"            # first row and first key at the same global position, causal
+    BOTTOM_RIGHT = "bottom_right"    # last row and last key at the same global position, causal
+
+
+def segment_fit(call: BlockCall) -> SegmentFit | None:
+    """How ``call`` (of a causal or unmasked band) keeps packed segments exactly, or ``None`` when one
+    call cannot (its band leaves each segment a different offset between its rows and keys)."""
+    if call.left_bound is not None:
+        return None
+    if call.right_bound is None:
+        return SegmentFit.FULL
+    if call.right_bound == 0:            # causal band: the call starts on the diagonal
+        return SegmentFit.TOP_LEFT
+    if call.k_len == call.q_len + call.right_bound:
+        return SegmentFit.BOTTOM_RIGHT
+    return None
 
 
 def _trimmed(q_start: int, q_len: int, k_start: int, k_len: int, band: Band, q_global: int,

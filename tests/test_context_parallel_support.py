@@ -1,5 +1,5 @@
 """The support table's rows for context parallelism: each names its feature and reason, exactly one row
-fires per feature, and what runs split (causal, windows, padding, bias, GQA) has no reason."""
+fires per feature, and what runs split (causal, windows, padding, packed segments, bias, GQA) has no reason."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ REFUSED = {     # feature (the row's name) -> a configuration with it
     "FP8": BASE.replace(dtype="float8_e4m3fn", qk_dim=128, v_dim=128),
     "an attention sink": BASE.replace(sink=True),
     "score_mod": BASE.replace(score_mod=score_mod_spec(lambda score: score * 0.5, (2, 4, 128, 128))),
-    "packed segments": BASE.replace(packing=PackingSpec(max_segments=2), mask=PADDING),
+    "packed segments in a sliding window or an off-diagonal band":
+        BASE.replace(packing=PackingSpec(max_segments=2), mask=MaskSpec(right_bound=0, left_bound=32, padding=True)),
     "paged K/V caches": BASE.replace(paging=PagingSpec(num_blocks_k=8, num_blocks_v=8, block_size=32,
                                                        blocks_per_seq=4), mask=PADDING),
     "a bottom-right diagonal with per-sequence lengths":
@@ -29,6 +30,8 @@ RUNS = {
     "window": BASE.replace(mask=MaskSpec(right_bound=0, left_bound=32)),
     "padding-causal": BASE.replace(mask=MaskSpec(right_bound=0, padding=True)),
     "bottom-right": BASE.replace(mask=MaskSpec(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT)),
+    "packed": BASE.replace(packing=PackingSpec(max_segments=2), mask=PADDING),
+    "packed-causal": BASE.replace(packing=PackingSpec(max_segments=2), mask=MaskSpec(right_bound=0, padding=True)),
     "bias-gqa": BASE.replace(q_heads=8, kv_heads=2, bias=BiasSpec((1, 8, 128, 128), True), training=True),
 }
 

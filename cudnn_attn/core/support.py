@@ -426,8 +426,11 @@ CONTEXT_PARALLEL_RESTRICTIONS: tuple[SplitRestriction, ...] = (
                      "a score_mod reads block positions, not the sequence's"),
     SplitRestriction("an attention sink", lambda c: c.sink,
                      "every block call would add the sink to its own denominator"),
-    SplitRestriction("packed segments", lambda c: c.packing is not None,
-                     "their positions restart inside the sequence, so a block's band differs per segment"),
+    SplitRestriction("packed segments in a sliding window or an off-diagonal band",
+                     lambda c: c.packing is not None and (c.mask.left_bound is not None
+                                                          or c.mask.right_bound not in (None, 0)),
+                     "cuDNN counts a segment's band from its first row and key in each block, so a block off the "
+                     "diagonal would need a different band for every segment that starts inside it"),
     SplitRestriction("paged K/V caches", lambda c: c.paging is not None, "a page table addresses the whole cache"),
     SplitRestriction("a bottom-right diagonal with per-sequence lengths",
                      lambda c: (c.mask.alignment is DiagonalAlignment.BOTTOM_RIGHT and c.mask.padding

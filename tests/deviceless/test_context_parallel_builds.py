@@ -3,7 +3,8 @@
 The block plans are static (``jax_bridge.sequence_plan``), so every configuration a split call will build
 is known in advance (:func:`~cudnn_attn.jax_bridge.context_parallel.block_configs`): top-left bands with
 ``right_bound > 0``, windows sliced to the rows and keys they keep (padded when T > S), a bias by block,
-per-sequence lengths.  Each is built forward and backward.
+per-sequence lengths, and packed segments (full blocks with no band, top-left causal blocks starting on the
+diagonal, bottom-right causal blocks ending on it).  Each is built forward and backward.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 from cudnn_attn.core.config import MaskSpec
 from cudnn_attn.jax_bridge.context_parallel import Scheme, Split, block_configs
 
-from .matrix import CAUSAL, PADDING_CAUSAL, N, S, T, bias, config
+from .matrix import CAUSAL, PADDING, PADDING_CAUSAL, N, S, T, bias, config, packed
 
 pytestmark = pytest.mark.deviceless
 
@@ -26,6 +27,8 @@ CALLS = [   # (name, call, splits): every block shape of each mask kind, kept sm
     ("causal-bias", config(mask=CAUSAL, bias=bias((1, N, T, S))), _splits(2, 0)),
     ("window-40", config(mask=MaskSpec(right_bound=0, left_bound=40)), _splits(4, 4)),
     ("padding-causal-gqa", config(mask=PADDING_CAUSAL, q_heads=8, kv_heads=2), _splits(2, 2)),
+    ("packed-causal", config(mask=PADDING_CAUSAL, packing=packed(), dtype="bfloat16"), _splits(2, 0) + _splits(2, 2)),
+    ("packed", config(mask=PADDING, packing=packed()), _splits(2, 2)),
 ]
 
 
