@@ -36,8 +36,9 @@ passes its batch rows' global arrays): every block call is packed with the same 
 segment's rows and keys being its clipped intersection with the block (empty slots have length 0), so
 an unmasked call needs nothing more.  cuDNN counts a segment's causal diagonal from its first row and key
 in the call; a causal call is exact for segments whose keys are their queries' positions
-(``kv_offsets == q_offsets`` and ``kv_seqlen == q_seqlen``, the packed documents of training; other
-values give undefined results) when the block is full, starts on the diagonal (top-left) or ends on it
+(``kv_offsets == q_offsets`` and ``kv_seqlen == q_seqlen``, the packed documents of training; with other
+values a causal split call returns NaN in every output and gradient of that batch row, since the values
+are traced and cannot raise) when the block is full, starts on the diagonal (top-left) or ends on it
 (bottom-right, each segment's keys cut at its last row): :func:`~.sequence_plan.segment_fit`.  The plans
 of ring and all-gather, natural or load-balanced, give only such blocks when the pieces of queries and
 keys line up (the automatic pieces of equal lengths do); any other block is refused when the call is
@@ -453,6 +454,21 @@ class _Engine:
                 ops["logsumexp"] = self._rows(rows["logsumexp"], call.q_start, call.q_stop, axis=2)
         return block, ops, has_keys, tokens
 
+    def _unaligned_as_nan(self, *arrays: Any) -> tuple:
+        """``arrays`` (batch first: ``B`` rows, or ``B*M`` for the packed logsumexp) as they are, with NaN in
+        every batch row of a causal call where a segment's keys are not at its queries' positions: the blocks
+        would place such a segment's diagonal wrongly, so the row is made unmistakably invalid instead of
+        silently wrong (the values are traced: nothing can raise)."""
+        if self.config.mask.right_bound is None:
+            return arrays
+        aligned = self.segments.aligned()
+        slots = self.config.packing.max_segments
+
+        def guarded(x: Any) -> Any:
+            rows = aligned if x.shape[0] == aligned.shape[0] else jnp.repeat(aligned, slots)
+            return jnp.where(rows.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.asarray(jnp.nan, x.dtype))
+        return tuple(guarded(x) for x in arrays)
+
     def _per_row(self, x: Any) -> Any:
         """A ``(B, N, T)`` (or ``(B, 1, T)``) row statistic shaped to broadcast against O in the layout."""
         return jnp.swapaxes(x, 1, 2)[..., None] if self.seq == 1 else x[..., None]
@@ -495,6 +511,7 @@ class _Engine:
         o, lse = state
         if self.segments is not None:
             lse = self.segments.lse_by_segment(lse, self._global_rows())
+            o, lse = self._unaligned_as_nan(o, lse)
         elif self.padding:
             valid = self._global_rows()[None, :] < self.ops["q_seqlen"][:, None]      # (B, T_local)
             lse = jnp.where(valid[:, None, :], lse, 0.0)
@@ -598,6 +615,8 @@ class _Engine:
         if not self.ring:
             dk, dv = self._scattered(dk), self._scattered(dv)
         found = {"dq": acc["dq"], "dk": dk.astype(key.dtype), "dv": dv.astype(value.dtype)}
+        if self.segments is not None:
+            found = dict(zip(found, self._unaligned_as_nan(*found.values())))
         if config.has_dbias:
             dbias = acc["dbias"]
             if not self.ring and self.split.balance:
@@ -705,6 +724,12 @@ class _Segments:
         q_len, k_len = ops["q_seqlen"], ops["kv_seqlen"]
         present = (q_start >= 0) & (k_start >= 0) & (q_len >= 0) & (k_len >= 0)
         return cls(q_start, q_len, k_start, k_len, present)
+
+    def aligned(self) -> Any:
+        """``(B,)`` bool: every present segment of the row has its keys at its queries' positions
+        (``kv_offsets == q_offsets`` and ``kv_seqlen == q_seqlen``), which a causal split call needs."""
+        same = (self.q_start == self.k_start) & (self.q_len == self.k_len)
+        return jnp.all(same | ~self.present, axis=1)
 
     def _rows_in(self, positions: Any) -> Any:
         """``(B, M, R)`` bool: the query at global position ``positions[r]`` lies in segment ``m``."""

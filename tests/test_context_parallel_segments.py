@@ -269,3 +269,41 @@ def test_packed_segments_in_the_load_balanced_order_on_one_device():
     out, lse = jax.jit(fn)(*args)
     grads = jax.jit(jax.grad(_loss(fn, to_stored(weight)), argnums=(0, 1, 2)))(*args)
     _compare((out, lse, grads), expected, back, "reproduce: seed 500, one device, load_balance=4")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "none"])
+def test_segments_whose_keys_are_elsewhere(causal):
+    """Segments whose keys are not their queries' positions (row 0: a document's keys one shorter): unmasked,
+    the split call equals the unsharded one; causal, the blocks cannot place that segment's diagonal, so
+    every output and gradient of row 0 is NaN rather than silently wrong, and row 1 is right."""
+    case = Case("sp4xdata2", "ring", causal)
+    rng = np.random.default_rng(500)
+    q, k, v = qkv(rng, B=B, T=T, S=T, N=N, K=K, H=H)
+    seqlen, offsets = documents(rng, case.shards)
+    kv_seqlen = seqlen.at[0, 0].add(-1)
+    weight = normal(rng, q.shape, "float32")
+
+    def attention(**extra):
+        def fn(q, k, v, seqlen, offsets):
+            return jb.dot_product_attention(q, k, v, q_seqlen=seqlen, kv_seqlen=kv_seqlen, q_offsets=offsets,
+                                            kv_offsets=offsets, scale=SCALE, return_residual=True,
+                                            mask_type=MaskType.CAUSAL if causal else MaskType.NO_MASK, **extra)
+        return fn
+
+    shape, names, spec = MESHES[case.mesh]
+    mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(names))
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    split = attention(context_parallel=ContextParallel("ring"))
+    out, _ = jax.jit(split)(put(q), put(k), put(v), seqlen, offsets)
+    grads = jax.jit(jax.grad(_loss(split, put(weight)), argnums=(0, 1, 2)))(put(q), put(k), put(v), seqlen, offsets)
+    want = jax.jit(attention())(q, k, v, seqlen, offsets)[0]
+    want_grads = jax.jit(jax.grad(_loss(attention(), weight), argnums=(0, 1, 2)))(q, k, v, seqlen, offsets)
+    if causal:                             # row 0 holds the misplaced keys; row 1 is computed as ever
+        for name, x, e in zip(["output", "dq", "dk", "dv"], (out, *grads), (want, *want_grads)):
+            x, e = np.asarray(x, np.float32), np.asarray(e, np.float32)
+            assert np.isnan(x[0]).all(), f"{name}: expected NaN in row 0 (reproduce: seed 500)"
+            assert_close(x[1:], e[1:], "float16", f"{name} of row 1 (reproduce: seed 500)", factor=2)
+        return
+    assert_close(out, want, "float16", "output (reproduce: seed 500, unmasked)")
+    for name, g, e in zip(["dq", "dk", "dv"], grads, want_grads):
+        assert_close(g, e, "float16", f"{name} (reproduce: seed 500, unmasked)", factor=2)
