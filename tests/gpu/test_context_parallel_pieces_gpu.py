@@ -55,6 +55,44 @@ def test_load_balanced_pieces_on_one_gpu_equal_the_reference(pieces):
         assert_close(f"{name} ({reproduce})", np.asarray(jb.restore_order(g, 2)), getattr(ref, name), "bfloat16")
 
 
+@pytest.mark.parametrize("pieces", [1, 4], ids=["whole", "pieces4"])
+def test_packed_segments_in_load_balanced_pieces_on_one_gpu_equal_the_reference(pieces):
+    """Packed documents (causal inside each) in the load-balanced order and in pieces: every block call is a
+    packed cuDNN call of the documents' clipped rows and keys (``context_parallel._Segments``)."""
+    B, T, N, K, H, M = 2, 2048, 4, 2, 64, 4
+    rng = np.random.default_rng(70 + pieces)
+    dt = io_dtype("bfloat16")
+    q = rng.standard_normal((B, T, N, H)).astype(dt)
+    k, v = (rng.standard_normal((B, T, K, H)).astype(dt) for _ in range(2))
+    seqlen = np.full((B, M), -1, np.int32)
+    offsets = np.full((B, M + 1), -1, np.int32)
+    for b in range(B):              # 3 documents, none cut at a chunk boundary (multiples of 512), then free tokens
+        cuts = np.sort(rng.choice([p for p in range(16, T - 64) if p % 512], 2, replace=False))
+        starts, ends = np.array([0, *cuts]), np.array([*cuts, T - int(rng.integers(1, 40))])
+        seqlen[b, :3], offsets[b, :3] = ends - starts, starts
+    kwargs = dict(scale=0.125, mask_type=MaskType.CAUSAL)
+    lengths = dict(q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets)
+    ref_out, ref_lse = reference.dot_product_attention(q, k, v, return_residual=True, **lengths, **kwargs)
+    dout = rng.standard_normal(ref_out.shape).astype(dt)
+    ref = reference.dot_product_attention_bwd(q, k, v, ref_out, dout, ref_lse, **lengths, **kwargs)
+
+    context = jb.ContextParallel(load_balance=2, pieces=pieces)
+    balanced = [jb.load_balance(jnp.asarray(x), 2) for x in (q, k, v, dout)]
+    device_lengths = {n: jnp.asarray(x) for n, x in lengths.items()}
+
+    def loss(q, k, v, d):
+        out = jb.dot_product_attention(q, k, v, context_parallel=context, **device_lengths, **kwargs)
+        return jnp.sum(out.astype(jnp.float32) * d.astype(jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*balanced)
+    reproduce = (f"reproduce: B={B} T={T} N={N} K={K} H={H} M={M} bf16 causal packed load_balance=2 "
+                 f"pieces={pieces} seed={70 + pieces}")
+    print(reproduce)
+    assert_close(f"output ({reproduce})", np.asarray(jb.restore_order(out, 2)), ref_out, "bfloat16")
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert_close(f"{name} ({reproduce})", np.asarray(jb.restore_order(g, 2)), getattr(ref, name), "bfloat16")
+
+
 def _step_memory(devices: list, T: int = 32768) -> dict[str, float]:
     """XLA's per-device memory analysis (MiB) of the causal training step B1 T N8 H128 bf16 on ``devices``."""
     from jax.sharding import NamedSharding
