@@ -391,6 +391,7 @@ def test_bound_check_names_the_array_that_differs(monkeypatch):
     monkeypatch.setattr(cupy_front, "_NDARRAY", Array)
     arrays = (Array((1, 8, 2, 4)), Array((1, 16, 2, 4)), Array((1, 16, 2, 4)))
     direct = types.SimpleNamespace(typed=[(Array, x.shape, x.dtype, x.strides, 0) for x in arrays])
+    assert [prepared.descriptor(x) for x in arrays] == direct.typed      # what bind records and the check compares
     bound = cupy_front.BoundAttention.__new__(cupy_front.BoundAttention)
     bound._check(direct, arrays)
     for position, bad in ((1, Array((1, 8, 2, 4))), (2, Array((1, 16, 2, 4), np.float32)),

@@ -341,6 +341,11 @@ def validated(arrays: Mapping[str, Any], static: Mapping[str, Any], *, xp: Any =
     return config, operands
 
 
+def descriptor(x: Any) -> tuple:
+    """What a repeated call's identity reads of an array: its type, shape, dtype, strides and device."""
+    return type(x), x.shape, x.dtype, x.strides, x.data.device_id
+
+
 def _scale_signature(fp8_params: Any) -> tuple | None:
     """The descriptors of the FP8 scales (``()`` without them), or ``None`` when the validation memo cannot key
     them (not a mapping of arrays with every FP8Params entry: validation explains)."""

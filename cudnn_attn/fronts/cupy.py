@@ -417,10 +417,11 @@ class BoundAttention:
 
     def _check(self, bound: "_Bound", arrays: tuple) -> None:
         """Raise a ValueError naming the first of ``arrays`` that is not a CuPy array of ``bound``'s signature."""
+        describe = prepared.descriptor
         try:
-            if [prepared.descriptor(x) for x in arrays] == bound.typed:
+            if [describe(x) for x in arrays] == bound.typed:
                 return
-        except AttributeError:
+        except AttributeError:                  # not an array: named below
             pass
         ndarray = _NDARRAY or _cupy_ndarray()
         for name, x, expected in zip(self._BWD_NAMES, arrays, bound.typed):
