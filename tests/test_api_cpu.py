@@ -421,3 +421,12 @@ def test_validation_memo_takes_fp8_calls_and_binds_their_new_scales():
     assert all(operands.fp8_scales[n] is arrays["fp8_params"][n] for n in FP8_PARAM_KEYS)
     with pytest.raises(ValueError, match=r"fp8_params\['\w+'\]: must be a float32 array"):
         _fp8_call(memo, rng, scale_dtype=np.float16)          # a new signature: validated again
+
+
+def test_fp8_buffers_travel_as_bytes():
+    import ml_dtypes
+
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        assert prepared.buffer_dtype(np.dtype(getattr(ml_dtypes, name))) == np.uint8
+    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.int32):
+        assert prepared.buffer_dtype(np.dtype(dtype)) == np.dtype(dtype)

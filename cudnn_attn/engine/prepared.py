@@ -74,8 +74,11 @@ def plan_for(config: AttentionConfig, kind: str, device: int, autotune: bool | N
     return graph_cache.entry(key, lambda key: tuned_plan(key, tune_on)).plan
 
 
+@functools.cache
 def buffer_dtype(dtype: np.dtype) -> np.dtype:
-    """The CuPy dtype of a buffer of ``dtype``: FP8 values travel as their bytes (CuPy has no float8)."""
+    """The CuPy dtype of a buffer of ``dtype``: FP8 values travel as their bytes (CuPy has no float8).  Cached:
+    NumPy 2.5 takes about 0.1 ms for ``.name`` of an ml_dtypes float8 dtype on the GPU machine (cProfile), and
+    an FP8 call asks for three results."""
     return np.dtype(np.uint8) if dtype.name.startswith("float8") else dtype
 
 
