@@ -23,12 +23,14 @@ Masks (:mod:`.sequence_plan`): every call is a block of global positions with a 
 (``right_bound``/``left_bound``, after slicing the block to the rows and keys that the mask keeps), so
 causal (top-left, or bottom-right without per-sequence lengths), windows, per-sequence lengths
 (``q_seqlen``/``kv_seqlen`` give each call its own lengths), a bias (each device holds its rows and
-every column), GQA and MLA work in both schemes.  A block that the mask removes entirely is not
+every column), GQA, MLA and an attention sink (the blocks run without it; it joins the merged denominator
+once, and each device's share of its gradient is summed over the sequence axes) work in both schemes.  A
+block that the mask removes entirely is not
 computed: the devices take different branches (``lax.switch`` on the device's index into the distinct
 plans of the step).  Refused (:class:`~cudnn_attn.core.errors.UnsupportedConfigurationError`), each by
 one row of ``cudnn_attn.core.support.CONTEXT_PARALLEL_RESTRICTIONS`` with its reason: dropout, ALiBi, FP8,
-``score_mod``, an attention sink, packed segments in a window or an off-diagonal band, paged caches, and
-a bottom-right diagonal with per-sequence lengths.
+``score_mod``, packed segments in a window or an off-diagonal band, paged caches, and a bottom-right
+diagonal with per-sequence lengths.
 
 Packed segments (``q_seqlen``/``kv_seqlen`` ``(B, M)``, ``q_offsets``/``kv_offsets`` ``(B, M + 1)``, in
 global positions of the natural order, also with ``load_balance``; inside ``shard_map`` every device
@@ -454,6 +456,27 @@ class _Engine:
                 ops["logsumexp"] = self._rows(rows["logsumexp"], call.q_start, call.q_stop, axis=2)
         return block, ops, has_keys, tokens
 
+    def _with_sink(self, o: Any, lse: Any) -> tuple[Any, Any]:
+        """The merged output and logsumexp with the sink's ``exp(sink_h)`` added to every row's denominator
+        once: ``lse' = logaddexp(lse, sink)``, ``o' = o * exp(lse - lse')``.  A row without keys keeps output 0
+        and logsumexp ``-inf``, as the unsplit call gives it."""
+        sink = self.ops["sink"].astype(jnp.float32)[None, :, None]                 # (1, N, 1)
+        merged = jnp.where(jnp.isfinite(lse), jnp.logaddexp(lse, sink), lse)
+        scale = jnp.where(jnp.isfinite(lse), jnp.exp(lse - merged), 0.0)
+        return (o.astype(jnp.float32) * self._per_row(scale)).astype(o.dtype), merged
+
+    def _dsink(self, lse: Any) -> Any:
+        """This device's share of the sink's gradient, ``-sum_{b,i} exp(sink_h - lse_i) D_i`` over its query
+        rows (``D = rowsum(dO * O)``; rows without keys add nothing).  The shares are summed by
+        :mod:`.partitioning` over the sequence axes, or by ``shard_map``'s transpose of the replicated sink."""
+        o, grad = self.ops["output"].astype(jnp.float32), self.ops["grad_output"].astype(jnp.float32)
+        delta = jnp.sum(o * grad, axis=-1)                                        # (B, T, N) or (B, N, T)
+        if self.seq == 1:
+            delta = jnp.swapaxes(delta, 1, 2)
+        sink = self.ops["sink"].astype(jnp.float32)[None, :, None]
+        p = jnp.where(jnp.isfinite(lse), jnp.exp(sink - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
+        return -jnp.sum(p * delta, axis=(0, 2)).astype(jnp.float32)
+
     def _unaligned_as_nan(self, *arrays: Any) -> tuple:
         """``arrays`` (batch first: ``B`` rows, or ``B*M`` for the packed logsumexp) as they are, with NaN in
         every batch row of a causal call where a segment's keys are not at its queries' positions: the blocks
@@ -491,7 +514,8 @@ class _Engine:
 
         def branch(calls: tuple[BlockCall, ...]) -> Callable:
             def run_calls(rows, key, value, key_base, starts):
-                found = (_full_like(q, piece_o, q.dtype, 0), _full_like(q, (config.batch, heads, qp), jnp.float32, _NEG_INF))
+                found = (_full_like(q, piece_o, q.dtype, 0),
+                         _full_like(q, (config.batch, heads, qp), jnp.float32, _NEG_INF))
                 for c, start in zip(calls, starts):
                     block, ops, has_keys, tokens = self._block(c, FWD, rows, key, value, key_base, start)
                     result = lifting.run(FWD, block, ops, call)
@@ -509,6 +533,8 @@ class _Engine:
 
         self._sweep(visit, lambda: self.last)
         o, lse = state
+        if config.sink:
+            o, lse = self._with_sink(o, lse)
         if self.segments is not None:
             lse = self.segments.lse_by_segment(lse, self._global_rows())
             o, lse = self._unaligned_as_nan(o, lse)
@@ -615,6 +641,8 @@ class _Engine:
         if not self.ring:
             dk, dv = self._scattered(dk), self._scattered(dv)
         found = {"dq": acc["dq"], "dk": dk.astype(key.dtype), "dv": dv.astype(value.dtype)}
+        if config.sink:
+            found["dsink"] = self._dsink(lse)
         if self.segments is not None:
             found = dict(zip(found, self._unaligned_as_nan(*found.values())))
         if config.has_dbias:
@@ -684,7 +712,8 @@ def block_config(config: AttentionConfig, call: BlockCall) -> AttentionConfig:
                         alignment=DiagonalAlignment.BOTTOM_RIGHT if fit is SegmentFit.BOTTOM_RIGHT
                         else DiagonalAlignment.TOP_LEFT)
     bias = config.bias and BiasSpec(config.bias.shape[:2] + (call.q_len, call.k_len), config.bias.differentiable)
-    return config.replace(q_len=call.q_len, kv_len=call.k_len, mask=mask, bias=bias, training=True)
+    return config.replace(q_len=call.q_len, kv_len=call.k_len, mask=mask, bias=bias, training=True,
+                          sink=False)         # the sink joins once, in the merged denominator
 
 
 def block_configs(config: AttentionConfig, split: Split) -> set[AttentionConfig]:
@@ -842,7 +871,8 @@ def _after(first: Any, then: Any) -> Any:
 
 def _add_rows(acc: Any, x: Any, start: int, axis: int) -> Any:
     """``acc`` with ``x`` added at rows ``start ..`` of ``axis`` (summed in float32, stored in ``acc``'s dtype)."""
-    part = jax.lax.slice_in_dim(acc, start, start + x.shape[axis], axis=axis).astype(jnp.float32) + x.astype(jnp.float32)
+    part = jax.lax.slice_in_dim(acc, start, start + x.shape[axis], axis=axis).astype(jnp.float32)
+    part = part + x.astype(jnp.float32)
     return jax.lax.dynamic_update_slice_in_dim(acc, part.astype(acc.dtype), start, axis=axis)
 
 

@@ -18,7 +18,8 @@ Per shard (:func:`partition`) the kernel runs with the local configuration; afte
 
 * the bias gradient is summed (``psum``, in float32) over the batch axes when the bias broadcast over the batch,
   and over the head axes when it broadcast over the heads (every shard holds a partial sum);
-* the sink gradient (a sum over the batch) is summed over the batch axes;
+* the sink gradient (a sum over the batch and the query rows) is summed over the batch axes, and over the
+  sequence axes when the sequence is split;
 * FP8 amax values are maxima over every shard (``pmax``), the statistic of the whole batch.
 
 Packed segments with batch sharding: every shard runs its ``B / pb`` rows, and its logsumexp block of
@@ -180,8 +181,8 @@ class ShardPlan:
             b_role, n_role = dimension_roles(self.config, "bias", 4)[:2]
             axes = (() if b_role else self.batch_axes) + (() if n_role else self.head_axes)
             return jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype) if axes else x
-        if name == "dsink" and self.batch_axes:
-            return jax.lax.psum(x, self.batch_axes)
+        if name == "dsink" and (self.batch_axes or self.split is not None):       # a sum over every query row
+            return jax.lax.psum(x, self.batch_axes + (self.seq_axes if self.split is not None else ()))
         if name in FP8_FWD_AMAX + FP8_BWD_AMAX and self.batch_axes + self.head_axes:
             return jax.lax.pmax(x, self.batch_axes + self.head_axes)
         return x

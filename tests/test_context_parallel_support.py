@@ -1,5 +1,6 @@
 """The support table's rows for context parallelism: each names its feature and reason, exactly one row
-fires per feature, and what runs split (causal, windows, padding, packed segments, bias, GQA) has no reason."""
+fires per feature, and what runs split (causal, windows, padding, packed segments, bias, GQA, sinks) has no
+reason."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ REFUSED = {     # feature (the row's name) -> a configuration with it
     "dropout": BASE.replace(dropout_rate=0.1),
     "ALiBi": BASE.replace(mask=MaskSpec(right_bound=0, alibi=True)),
     "FP8": BASE.replace(dtype="float8_e4m3fn", qk_dim=128, v_dim=128),
-    "an attention sink": BASE.replace(sink=True),
     "score_mod": BASE.replace(score_mod=score_mod_spec(lambda score: score * 0.5, (2, 4, 128, 128))),
     "packed segments in a sliding window or an off-diagonal band":
         BASE.replace(packing=PackingSpec(max_segments=2), mask=MaskSpec(right_bound=0, left_bound=32, padding=True)),
@@ -33,6 +33,7 @@ RUNS = {
     "packed": BASE.replace(packing=PackingSpec(max_segments=2), mask=PADDING),
     "packed-causal": BASE.replace(packing=PackingSpec(max_segments=2), mask=MaskSpec(right_bound=0, padding=True)),
     "bias-gqa": BASE.replace(q_heads=8, kv_heads=2, bias=BiasSpec((1, 8, 128, 128), True), training=True),
+    "sink-causal": BASE.replace(sink=True, mask=MaskSpec(right_bound=0), training=True),
 }
 
 

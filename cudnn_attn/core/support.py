@@ -424,8 +424,6 @@ CONTEXT_PARALLEL_RESTRICTIONS: tuple[SplitRestriction, ...] = (
                      "the blocks' partial outputs are merged by their logsumexps, which FP8 graphs rescale"),
     SplitRestriction("score_mod", lambda c: c.score_mod is not None,
                      "a score_mod reads block positions, not the sequence's"),
-    SplitRestriction("an attention sink", lambda c: c.sink,
-                     "every block call would add the sink to its own denominator"),
     SplitRestriction("packed segments in a sliding window or an off-diagonal band",
                      lambda c: c.packing is not None and (c.mask.left_bound is not None
                                                           or c.mask.right_bound not in (None, 0)),

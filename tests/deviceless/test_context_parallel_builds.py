@@ -3,8 +3,8 @@
 The block plans are static (``jax_bridge.sequence_plan``), so every configuration a split call will build
 is known in advance (:func:`~cudnn_attn.jax_bridge.context_parallel.block_configs`): top-left bands with
 ``right_bound > 0``, windows sliced to the rows and keys they keep (padded when T > S), a bias by block,
-per-sequence lengths, and packed segments (full blocks with no band, top-left causal blocks starting on the
-diagonal, bottom-right causal blocks ending on it).  Each is built forward and backward.
+per-sequence lengths, packed segments (full blocks with no band, top-left causal blocks starting on the
+diagonal, bottom-right causal blocks ending on it), and a sink's call (its blocks run without the sink).  Each is built forward and backward.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ CALLS = [   # (name, call, splits): every block shape of each mask kind, kept sm
     ("padding-causal-gqa", config(mask=PADDING_CAUSAL, q_heads=8, kv_heads=2), _splits(2, 2)),
     ("packed-causal", config(mask=PADDING_CAUSAL, packing=packed(), dtype="bfloat16"), _splits(2, 0) + _splits(2, 2)),
     ("packed", config(mask=PADDING, packing=packed()), _splits(2, 2)),
+    ("causal-sink", config(mask=CAUSAL, sink=True, dtype="bfloat16"), _splits(2, 2)),   # blocks without the sink
 ]
 
 

@@ -93,6 +93,38 @@ def test_packed_segments_in_load_balanced_pieces_on_one_gpu_equal_the_reference(
         assert_close(f"{name} ({reproduce})", np.asarray(jb.restore_order(g, 2)), getattr(ref, name), "bfloat16")
 
 
+def test_a_sink_in_load_balanced_pieces_on_one_gpu_equals_the_reference():
+    """An attention sink in the load-balanced order and in pieces: the block calls run without it, the merge adds
+    it once, and its gradient is the engine's own sum over the rows."""
+    B, T, N, K, H = 2, 2048, 4, 2, 64
+    rng = np.random.default_rng(80)
+    dt = io_dtype("bfloat16")
+    q = rng.standard_normal((B, T, N, H)).astype(dt)
+    k, v = (rng.standard_normal((B, T, K, H)).astype(dt) for _ in range(2))
+    sink = (rng.standard_normal(N) + 2.0).astype(np.float32)
+    kwargs = dict(scale=0.125, mask_type=MaskType.CAUSAL)
+    ref_out, ref_lse = reference.dot_product_attention(q, k, v, return_residual=True, sink=sink, **kwargs)
+    dout = rng.standard_normal(ref_out.shape).astype(dt)
+    ref = reference.dot_product_attention_bwd(q, k, v, ref_out, dout, ref_lse, sink=sink, **kwargs)
+
+    context = jb.ContextParallel(load_balance=2, pieces=4)
+    balanced = [jb.load_balance(jnp.asarray(x), 2) for x in (q, k, v, dout)]
+
+    def loss(q, k, v, s, d):
+        out, lse = jb.dot_product_attention(q, k, v, sink=s, return_residual=True, context_parallel=context, **kwargs)
+        return jnp.sum(out.astype(jnp.float32) * d.astype(jnp.float32)), (out, lse)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+    (_, (out, lse)), grads = step(*balanced[:3], jnp.asarray(sink), balanced[3])
+    reproduce = f"reproduce: B={B} T={T} N={N} K={K} H={H} bf16 causal sink load_balance=2 pieces=4 seed=80"
+    print(reproduce)
+    assert_close(f"output ({reproduce})", np.asarray(jb.restore_order(out, 2)), ref_out, "bfloat16")
+    assert_lse_close(np.asarray(jb.restore_order(lse, 2, axis=2)), ref_lse)
+    for name, g in zip(("dq", "dk", "dv"), grads[:3]):
+        assert_close(f"{name} ({reproduce})", np.asarray(jb.restore_order(g, 2)), getattr(ref, name), "bfloat16")
+    assert_close(f"dsink ({reproduce})", np.asarray(grads[3]), ref.dsink, "bfloat16")
+
+
 def _step_memory(devices: list, T: int = 32768) -> dict[str, float]:
     """XLA's per-device memory analysis (MiB) of the causal training step B1 T N8 H128 bf16 on ``devices``."""
     from jax.sharding import NamedSharding
