@@ -104,15 +104,24 @@ def _orders(case: Case, shards: int):
     return ((lambda x, axis=1: load_balance(x, shards, axis)), (lambda x, axis=1: restore_order(x, shards, axis)))
 
 
+def _expected(case: Case, args: tuple, weight):
+    """The unsharded call's (output, logsumexp) and (dq, dk, dv, dsink)."""
+    fn = _attention(case)
+    return jax.jit(fn)(*args), _grads(fn, weight, args)
+
+
+def _mesh(case: Case):
+    shape, names, spec, sink_spec = MESHES[case.mesh]
+    mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(names))
+    return mesh, spec, sink_spec, mesh.shape["sp"]
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_a_sink_under_jit_partitioning(case):
     seed = 600 + CASES.index(case)
     q, k, v, sink, lengths, weight = _inputs(seed, "padding" in case.mask)
-    fn = _attention(case)
-    want = (jax.jit(fn)(q, k, v, sink, lengths), _grads(fn, weight, (q, k, v, sink, lengths)))
-    shape, names, spec, sink_spec = MESHES[case.mesh]
-    mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(names))
-    shards = mesh.shape["sp"]
+    want = _expected(case, (q, k, v, sink, lengths), weight)
+    mesh, spec, sink_spec, shards = _mesh(case)
     to_stored, back = _orders(case, shards)
     put = lambda x, s=spec: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
     args = (put(to_stored(q)), put(to_stored(k)), put(to_stored(v)), put(sink, sink_spec), lengths)
@@ -128,11 +137,8 @@ def test_a_sink_inside_shard_map(case):
     per device, is summed by shard_map's transpose of the replicated sink."""
     seed = 650 + CASES.index(case)
     q, k, v, sink, lengths, weight = _inputs(seed, False)
-    fn = _attention(case)
-    want = (jax.jit(fn)(q, k, v, sink, lengths), _grads(fn, weight, (q, k, v, sink, lengths)))
-    shape, names, spec, sink_spec = MESHES[case.mesh]
-    mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(names))
-    shards = mesh.shape["sp"]
+    want = _expected(case, (q, k, v, sink, lengths), weight)
+    mesh, spec, sink_spec, shards = _mesh(case)
     to_stored, back = _orders(case, shards)
     context = ContextParallel(case.scheme, axis="sp", load_balance=shards if case.balanced else None)
     local = _attention(case, context_parallel=context)
@@ -159,8 +165,7 @@ def test_a_sink_in_the_load_balanced_order_on_one_device():
     """No mesh: the call that declares the load-balanced order runs the split engine on one device, in pieces."""
     case = Case("sp8", "ring", "causal", balanced=True, pieces=4)
     q, k, v, sink, lengths, weight = _inputs(700, False)
-    fn = _attention(case)
-    want = (jax.jit(fn)(q, k, v, sink, lengths), _grads(fn, weight, (q, k, v, sink, lengths)))
+    want = _expected(case, (q, k, v, sink, lengths), weight)
     to_stored, back = _orders(case, 2)
     split = _attention(case, context_parallel=ContextParallel(load_balance=2, pieces=4))
     args = (to_stored(q), to_stored(k), to_stored(v), sink, lengths)
