@@ -25,7 +25,7 @@ the memset that cuDNN's plan runs before it), which nothing on the host side can
 overhead (our chain's device time per call - the floor), split into other GPU work (our busy time beyond the
 floor) and idle device between activities; ``jax.nn``'s cuDNN call in the same chain; the fastest peer.
 
-Writes ``bench_small.json`` into OUT_DIR and prints the breakdown table last.
+Writes ``bench_small.json`` and ``bench_small.png`` into OUT_DIR and prints the breakdown table last.
 """
 
 from __future__ import annotations
@@ -245,6 +245,30 @@ def table(lines: list[Line]) -> str:
     return "\n".join(out + verdict(lines))
 
 
+def plot(lines: list[Line], path: str) -> None:
+    """Per implementation, the device time per call in the chain split into GPU busy time and idle device, beside
+    cuDNN's own GPU work per launch (the floor)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    us = {line.what: line.us for line in lines if line.us is not None}
+    names = [impl for impl in JAX_IMPLS if f"{impl}: device per call in the chain" in us]
+    busy = [us.get(f"{impl}: GPU busy per call (trace)", 0.0) for impl in names]
+    total = [us[f"{impl}: device per call in the chain"] for impl in names]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(names, busy, label="GPU busy (CUPTI)")
+    ax.bar(names, [t - b for t, b in zip(total, busy)], bottom=busy, label="idle device (gap)")
+    if "kernel busy (trace)" in us:
+        ax.axhline(us["kernel busy (trace)"], color="black", linewidth=0.8, label="cuDNN's GPU work per launch")
+    ax.set_ylabel("us per call in a jitted chain")
+    ax.set_title(f"{SHAPE.name} bf16 forward")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench_out")
@@ -269,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "bench_small.json"), "w") as f:
         json.dump({"shape": SHAPE.name, "dry_run": args.dry_run, "seconds": round(time.monotonic() - started, 1),
                    "lines": [asdict(line) for line in lines]}, f, indent=1)
+    if not args.dry_run:
+        try:
+            plot(lines, os.path.join(args.out, "bench_small.png"))
+        except Exception as exc:            # matplotlib missing: the JSON and the table still stand
+            print(f"no plot: {type(exc).__name__}: {exc}")
     for line in lines:                      # the kernels behind each busy time, before the table
         if "kernels" in line.detail:
             print(f"{line.what}: " + "; ".join(f"{n} x{c:g} {us:.2f} us" for n, (c, us) in line.detail["kernels"].items()))
