@@ -1,7 +1,7 @@
 """The GPU machine's one command (run by ``scripts/gpu_run.sh``): phases in order, logs under ``$OUT``,
 a short summary table printed last.
 
-    scripts/gpu_run.sh [PHASE ...] [--budget SECONDS] [--full]
+    scripts/gpu_run.sh [PHASE ...] [--budget SECONDS] [--full] [--bundle]
 
 Phases (default: ``tests train host jax attention``):
 
@@ -24,7 +24,9 @@ Phases (default: ``tests train host jax attention``):
                    them grows device memory); ``SOAK_CALLS`` / ``SOAK_ARGS`` as for ``soak``.
 
 Each phase gets at most what is left of ``--budget`` (default 570 s) minus a reserve for the phases after
-it; a phase cut short is reported as such.  Exit status: non-zero when a phase failed.
+it; a phase cut short is reported as such.  The summary is printed last and written to ``$OUT/summary.txt``;
+``--bundle`` then packs every other file of ``$OUT`` into ``$OUT/bundle.tar.gz`` (the device machine returns 8
+files at most).  Exit status: non-zero when a phase failed.
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=570)
     parser.add_argument("--full", action="store_true", help="full benchmark runs (no --quick)")
     parser.add_argument("--pytest", default="tests", help="what pytest runs in the tests phase")
+    parser.add_argument("--bundle", action="store_true",
+                        help="at the end, every file of $OUT into $OUT/bundle.tar.gz (beside summary.txt)")
     args = parser.parse_args()
     os.makedirs(OUT, exist_ok=True)
     deadline = time.monotonic() + args.budget
@@ -212,7 +216,26 @@ def main() -> int:
         summary += ["  " + line for line in tail("legacy", 400).splitlines() if line.startswith("LEGACY")][:60]
     print("\n==================== summary ====================")
     print("\n".join(summary))
+    with open(os.path.join(OUT, "summary.txt"), "w") as f:
+        f.write("\n".join(summary) + "\n")
+    if args.bundle:
+        bundle(OUT)
     return status
+
+
+def bundle(out: str) -> None:
+    """Every file under ``out`` into ``out/bundle.tar.gz``, the originals removed: one file comes back from a
+    machine that returns a few files only (the device's limit is 8), ``summary.txt`` beside it."""
+    import tarfile
+
+    path = os.path.join(out, "bundle.tar.gz")
+    names = [os.path.relpath(os.path.join(root, name), out) for root, _, files in os.walk(out) for name in files]
+    names = [n for n in names if n not in ("bundle.tar.gz", "summary.txt")]
+    with tarfile.open(path, "w:gz") as archive:
+        for name in sorted(names):
+            archive.add(os.path.join(out, name), arcname=name)
+    for name in names:
+        os.remove(os.path.join(out, name))
 
 
 LEGACY = r"""

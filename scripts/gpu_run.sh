@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's one command: install, then scripts/gpu_run.py (GPU tests, benchmarks; summary last).
 #
-#   scripts/gpu_run.sh [PHASE ...] [--budget SECONDS] [--full]      (phases: see scripts/gpu_run.py)
+#   scripts/gpu_run.sh [PHASE ...] [--budget SECONDS] [--full] [--bundle]   (phases: see scripts/gpu_run.py)
 #
 # Logs, JUnit XML and benchmark JSON/PNG go to $OUT (default: bench_out/).  The machine has no package
 # index: the cuDNN frontend wheel is brought in .whl/ (../shared/gpu/fetch-wheels.sh) and installed into

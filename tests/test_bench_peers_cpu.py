@@ -130,3 +130,21 @@ def test_decomposition_blocks_cover_the_causal_mask_once(T, n):
     assert forward == n - 1
     key_partials = [1 + sum(1 for blk in bench.blocks(1, T, n) if not blk.causal and blk.S > j * b) for j in range(n)]
     assert backward == (n - 1) + 2 * sum(p - 1 for p in key_partials)
+
+
+def test_gpu_run_bundles_every_file_into_one_archive(tmp_path):
+    """``scripts/gpu_run.py --bundle``: the device machine returns 8 files at most, so every file of ``$OUT`` goes
+    into one archive beside the summary, nested ones included, and the originals are removed."""
+    import tarfile
+
+    scripts = Path(__file__).resolve().parent.parent / "scripts"
+    if str(scripts) not in sys.path:
+        sys.path.insert(0, str(scripts))
+    gpu_run = importlib.import_module("gpu_run")
+    (tmp_path / "ab").mkdir()
+    for name in ("tests.log", "gpu_tests.xml", "summary.txt", "ab/new1.json"):
+        (tmp_path / name).write_text(name)
+    gpu_run.bundle(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["bundle.tar.gz", "summary.txt"]
+    with tarfile.open(tmp_path / "bundle.tar.gz") as archive:
+        assert sorted(archive.getnames()) == ["ab/new1.json", "gpu_tests.xml", "tests.log"]
