@@ -479,18 +479,24 @@ class _Engine:
         return -jnp.sum(p * delta, axis=(0, 2)).astype(jnp.float32)
 
     def _unaligned_as_nan(self, *arrays: Any) -> tuple:
-        """``arrays`` (batch first: ``B`` rows, or ``B*M`` for the packed logsumexp) as they are, with NaN in
-        every batch row of a causal call where a segment's keys are not at its queries' positions: the blocks
-        would place such a segment's diagonal wrongly, so the row is made unmistakably invalid instead of
-        silently wrong (the values are traced: nothing can raise)."""
+        """``arrays`` (batch first: ``B`` rows, or ``B*M`` for the packed logsumexp; or the sink's gradient) as
+        they are, with NaN in every batch row of a causal call where a segment's keys are not at its queries'
+        positions (in all of dsink, a sum over the rows): the blocks would place such a segment's diagonal
+        wrongly, so the result is made unmistakably invalid instead of silently wrong (the values are traced:
+        nothing can raise)."""
         if self.config.mask.right_bound is None:
             return arrays
         aligned = self.segments.aligned()
         slots = self.config.packing.max_segments
 
         def guarded(x: Any) -> Any:
-            rows = aligned if x.shape[0] == aligned.shape[0] else jnp.repeat(aligned, slots)
-            return jnp.where(rows.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.asarray(jnp.nan, x.dtype))
+            if x.ndim == 1:                                    # dsink (N,): a sum over every row
+                rows = jnp.all(aligned)
+            elif x.shape[0] == aligned.shape[0]:               # (B, ...)
+                rows = aligned.reshape((-1,) + (1,) * (x.ndim - 1))
+            else:                                              # the packed logsumexp (B*M, ...)
+                rows = jnp.repeat(aligned, slots).reshape((-1,) + (1,) * (x.ndim - 1))
+            return jnp.where(rows, x, jnp.asarray(jnp.nan, x.dtype))
         return tuple(guarded(x) for x in arrays)
 
     def _per_row(self, x: Any) -> Any:

@@ -307,3 +307,44 @@ def test_segments_whose_keys_are_elsewhere(causal):
     assert_close(out, want, "float16", "output (reproduce: seed 500, unmasked)")
     for name, g, e in zip(["dq", "dk", "dv"], grads, want_grads):
         assert_close(g, e, "float16", f"{name} (reproduce: seed 500, unmasked)", factor=2)
+
+
+@pytest.mark.parametrize("scheme", ["ring", "all_gather"])
+def test_packed_segments_with_a_sink(scheme, monkeypatch):
+    """Packed documents and an attention sink together, trained.  Unsplit, cuDNN 9.19 has no packed backward with a
+    sink (the support table refuses it for the CPU fronts' sm90 target); split, the block calls are packed calls
+    without the sink and the sink joins the merge, so the split call runs it.  Against the unsplit call on the
+    unrestricted reference (``$CUDNN_ATTN_CPU_TARGET=off``): output, logsumexp, dq, dk, dv and dsink."""
+    case = Case("sp4xdata2", scheme, True, balanced=True)
+    seed = 800 + ["ring", "all_gather"].index(scheme)
+    q, k, v, seqlen, offsets, weight = _inputs(case, seed)
+    sink = jnp.asarray(np.random.default_rng(seed).standard_normal(N) + 1.0, jnp.float32)
+
+    def attention(**extra):
+        def fn(q, k, v, sink):
+            return _attention(case, sink=sink, **extra)(q, k, v, seqlen, offsets)
+        return fn
+
+    def grads(fn, weight, args):
+        loss = lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * weight)  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+
+    with pytest.raises(UnsupportedConfigurationError, match=r"packed segments with a sink \(backward\)"):
+        grads(attention(), weight, (q, k, v, sink))
+    monkeypatch.setenv("CUDNN_ATTN_CPU_TARGET", "off")
+    want_out, want_lse = jax.jit(attention())(q, k, v, sink)
+    want_grads = grads(attention(), weight, (q, k, v, sink))
+    monkeypatch.delenv("CUDNN_ATTN_CPU_TARGET")
+    shape, names, spec = MESHES[case.mesh]
+    mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(names))
+    to_stored, back = _orders(case)
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    args = (put(to_stored(q)), put(to_stored(k)), put(to_stored(v)), jax.device_put(sink, NamedSharding(mesh, P())))
+    split = attention(context_parallel=ContextParallel(scheme, load_balance=case.shards))
+    out, lse = jax.jit(split)(*args)
+    got_grads = grads(split, put(to_stored(weight)), args)
+    what = f"reproduce: seed {seed}, case {case.id} with a sink"
+    expected = (want_out, _by_position(np.asarray(want_lse), np.asarray(seqlen), np.asarray(offsets)), want_grads[:3])
+    _compare((out, lse, got_grads[:3]), expected, back, what)
+    np.testing.assert_allclose(np.asarray(got_grads[3]), np.asarray(want_grads[3]), rtol=4e-3, atol=4e-3,
+                               err_msg=f"dsink ({what})")
