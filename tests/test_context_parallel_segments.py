@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_context_parallel import MESHES  # the meshes of the unpacked cases
 from test_jax_common import assert_close, normal, qkv
 
 from cudnn_attn import MaskType, UnsupportedConfigurationError
@@ -37,12 +38,6 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 JAX devi
 
 B, T, N, K, H, M = 2, 32, 4, 2, 8, 6
 SCALE = 0.3
-MESHES = {                                   # name -> (mesh shape, axis names, query/key/value spec)
-    "sp2xdata2xheads2": ((2, 2, 2), ("data", "sp", "model"), P("data", "sp", "model")),
-    "sp4xdata2": ((2, 4), ("data", "sp"), P("data", "sp")),
-    "sp4xheads2": ((4, 2), ("sp", "model"), P(None, "sp", "model")),
-    "sp8": ((8,), ("sp",), P(None, "sp")),
-}
 
 
 @dataclass(frozen=True)

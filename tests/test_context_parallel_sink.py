@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_context_parallel import MESHES  # the meshes of the sink-free cases
 from test_jax_common import assert_close, normal, qkv
 
 from cudnn_attn import MaskType
@@ -34,11 +35,6 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 JAX devi
 
 B, T, N, K, H = 2, 32, 4, 2, 8
 SCALE = 0.3
-MESHES = {                                   # name -> (mesh shape, axis names, query/key/value spec, sink spec)
-    "sp2xdata2xheads2": ((2, 2, 2), ("data", "sp", "model"), P("data", "sp", "model"), P("model")),
-    "sp4xdata2": ((2, 4), ("data", "sp"), P("data", "sp"), P()),
-    "sp8": ((8,), ("sp",), P(None, "sp"), P()),
-}
 
 
 @dataclass(frozen=True)
@@ -111,9 +107,10 @@ def _expected(case: Case, args: tuple, weight):
 
 
 def _mesh(case: Case):
-    shape, names, spec, sink_spec = MESHES[case.mesh]
+    """The case's mesh, the Q/K/V spec, the sink's (split with the heads) and the devices on the sequence."""
+    shape, names, spec = MESHES[case.mesh]
     mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(names))
-    return mesh, spec, sink_spec, mesh.shape["sp"]
+    return mesh, spec, P("model") if "model" in names else P(), mesh.shape["sp"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

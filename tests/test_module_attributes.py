@@ -15,23 +15,10 @@ import importlib
 from pathlib import Path
 
 import pytest
+from test_layers import MODULES
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = {"cudnn_attn": "cudnn_attn", "graphs": "cudnn_attn.graphs", "jax_bridge": "cudnn_attn.jax_bridge"}
-
-
-def _sources() -> dict[str, Path]:
-    found = {}
-    for folder, package in FOLDERS.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            found[".".join([package, *parts])] = path
-    return found
-
-
-SOURCES = _sources()
+SOURCES = MODULES            # the project's modules by dotted name (test_layers reads the same tree)
 
 
 def _module_names(module: str, path: Path, tree: ast.AST) -> dict[str, str]:
