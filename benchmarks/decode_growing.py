@@ -14,6 +14,10 @@ Rows left-padded by 0, 3, 7, 11 tokens for the masked variants.  Variants:
 * ``ours repeated signature`` - ``ours causal-br`` at S = 128 every call: the floor of a repeated eager call;
 * ``..., torch in``      - ``ours causal-br`` / ``ours repeated signature`` on torch tensors of the same memory
                            (results come back as torch tensors), as ``transformers`` passes them;
+* ``ours torch front``   - ``cudnn_attn.torch.sdpa`` (bottom-right causal) on the torch SDPA variants' ``(B, N, S, D)``
+                           tensors, as its transformers attention calls it; ``..., repeated signature`` at S = 128;
+                           ``..., operator`` through ``torch.ops.cudnn_attn.attention`` (torch's dispatcher: what
+                           a call that autograd records pays; ``sdpa`` here calls the operator's implementation);
 * ``jax eager``          - ``cudnn_attn.jax_bridge.dot_product_attention`` on JAX arrays, not jitted;
 * ``torch sdpa`` / ``torch sdpa keep-mask`` / ``torch sdpa repeated signature`` -
                            ``torch.nn.functional.scaled_dot_product_attention(enable_gqa=True)`` on the same
@@ -29,10 +33,10 @@ Where a new-signature call's time goes, two ways, on a third (warm) pass:
 * *stages*, ``time.perf_counter_ns`` around the library's public pieces called alone: ``validate_call`` of
   the new signature (with and without the boolean mask), ``graph_cache.plan`` (a hit), the DLPack exchange of
   Q/K/V from torch, the device and stream queries, a strided copy of the cache slice;
-* *profile*, ``cProfile`` of the warm pass of ``ours causal-br`` / ``ours keep-mask`` / ``ours segments``
-  against the repeated signature: time per call by module (validation, parameters, masks, values, support,
-  graph cache, launch, runtime, front, CuPy, DLPack) and the functions of most own time.  cProfile's own
-  cost inflates every figure; the shares between stages are what it shows.
+* *profile*, ``cProfile`` of the warm pass of ``ours causal-br`` / ``ours torch front`` / ``ours keep-mask`` /
+  ``ours segments`` against the repeated signature: time per call by module (torch front, validation, parameters,
+  masks, values, support, graph cache, launch, runtime, front, CuPy, DLPack) and the functions of most own
+  time.  cProfile's own cost inflates every figure; the shares between stages are what it shows.
 """
 
 from __future__ import annotations
@@ -55,11 +59,13 @@ B, N, K, D, S0 = 4, 16, 4, 64, 128
 PADS = (0, 3, 7, 11)                 # left padding of each row (masked variants)
 SCALE = 1.0 / math.sqrt(D)
 BF16 = np.dtype(ml_dtypes.bfloat16)
-VARIANTS = ("ours causal-br", "ours causal-br, slice", "ours causal-br, torch in", "ours keep-mask", "ours segments",
-            "ours padding, fixed S", "ours repeated signature", "ours repeated signature, torch in", "jax eager",
+VARIANTS = ("ours causal-br", "ours causal-br, slice", "ours causal-br, torch in", "ours torch front",
+            "ours torch front, operator", "ours keep-mask", "ours segments", "ours padding, fixed S",
+            "ours repeated signature", "ours repeated signature, torch in", "ours torch front, repeated signature",
+            "jax eager",
             "torch sdpa", "torch sdpa keep-mask", "torch sdpa repeated signature")
 MASKED = {"ours keep-mask", "ours segments", "torch sdpa keep-mask"}
-PROFILED = ("ours causal-br", "ours keep-mask", "ours segments", "ours repeated signature")
+PROFILED = ("ours causal-br", "ours torch front", "ours keep-mask", "ours segments", "ours repeated signature")
 
 
 @dataclass
@@ -118,6 +124,25 @@ def calls(variant: str, st: Steps):
         tq, tk, tv = ([torch.from_dlpack(x) for x in xs] for xs in (st.q, st.k, st.v))
         j = (lambda i: 0) if "repeated" in variant else (lambda i: i)
         return lambda i: cudnn_attn.dot_product_attention(tq[i], tk[j(i)], tv[j(i)], **causal)
+    if variant.startswith("ours torch front"):
+        import torch
+
+        import cudnn_attn.torch as ct
+
+        tq = [torch.from_dlpack(x).transpose(1, 2) for x in st.q]
+        tk, tv = ([torch.from_dlpack(x).transpose(1, 2).contiguous() for x in xs] for xs in (st.k, st.v))
+        j = (lambda i: 0) if "repeated" in variant else (lambda i: i)
+
+        def front(i):
+            with torch.no_grad():
+                return ct.sdpa(tq[i], tk[j(i)], tv[j(i)], causal=True, bottom_right=True, scale=SCALE,
+                               layout="BNTH")[0].transpose(1, 2)
+
+        def operator(i):
+            with torch.no_grad():
+                return torch.ops.cudnn_attn.attention(tq[i], tk[i], tv[i], None, None, None, SCALE, True, True, 0,
+                                                      0.0, 42, "BNTH", False)[0].transpose(1, 2)
+        return operator if variant.endswith("operator") else front
     if variant == "ours keep-mask":
         return lambda i: cudnn_attn.attention(st.q[i], st.k[i], st.v[i], mask=keep(st.keep[i]), scale=SCALE).output
     if variant == "ours segments":
@@ -256,7 +281,8 @@ def stages(st: Steps) -> dict:
     return {name: round(us, 2) for name, us in out.items()}
 
 
-BUCKETS = (("cudnn_attn/core/validation", "validation"), ("cudnn_attn/core/parameters", "parameters"),
+BUCKETS = (("cudnn_attn/torch", "torch front"), ("cudnn_attn/core/validation", "validation"),
+           ("cudnn_attn/core/parameters", "parameters"),
            ("cudnn_attn/core/masks", "masks"), ("cudnn_attn/core/values", "values"),
            ("cudnn_attn/core/support", "support"), ("cudnn_attn/core/config", "config"), ("cudnn_attn/core", "core"),
            ("cudnn_attn/engine/cache", "graph cache"), ("cudnn_attn/engine/plan", "launch"),

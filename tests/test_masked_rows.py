@@ -23,7 +23,7 @@ from cudnn_attn import jax_bridge as jb
 from cudnn_attn import reference
 from cudnn_attn.core import masked_rows
 from cudnn_attn.core.types import MaskType
-from cudnn_attn.core.validation import validate_call
+from cudnn_attn.core.validation import LARGE_NEGATIVE, validate_call
 from cudnn_attn.graphs import packing
 from cudnn_attn.reference.masks import allowed
 from cudnn_attn.reference.segments import segments_of
@@ -351,3 +351,44 @@ def test_the_cupy_fronts_sequence_on_a_kernel_without_the_fix_gives_the_referenc
     for name, x, w in (("dq", grads.dq, expected.dq), ("dk", grads.dk, expected.dk), ("dv", dv, expected.dv)):
         assert np.isfinite(np.asarray(x, np.float32)).all(), name
         assert_close(x, w, dtype, name)
+
+
+
+def test_bfloat16_inference_with_a_keep_mask_alone_leaves_the_rows_to_the_kernel():
+    """Where ``kernel_gives_the_mean`` holds, the CuPy front writes nothing after the kernel; everywhere else it
+    sets the rows.  The float32 arithmetic it relies on: scores of magnitude below ``2**17`` next to the
+    bfloat16 mask's ``-2**41`` round to it, so a fully masked row's softmax is uniform (its output the mean of
+    V), while in a partly masked row the masked keys get probability 0 and the kept ones their softmax."""
+    rng = np.random.default_rng(11)
+    q, k, v, mask = _case("bfloat16", 3, 2, (B, N, T, S))
+    config, operands = validate_call(*(np.asarray(x) for x in (q, k, v)), mask=mask, scale=SCALE)
+    assert masked_rows.kernel_gives_the_mean(config)
+    output = np.full(config.o_shape, 7.0, np.float32)
+    masked_rows.set_forward(np, config, operands, output)
+    assert (output == 7.0).all()                                                  # nothing written
+    others = {
+        "float16": dict(dtype="float16"), "training": dict(training=True),
+        "causal": dict(mask_type=MaskType.CAUSAL, diagonal_alignment="bottom_right"),
+        "a bias beside the mask": dict(bias=np.zeros((T, S), "float32")),
+        "dropout": dict(dropout_rate=0.1), "a sink": dict(sink=np.zeros(N, np.float32)),
+        "padding": dict(mask_type=MaskType.PADDING, q_seqlen=np.full(B, T, np.int32),
+                        kv_seqlen=np.full(B, S, np.int32)),
+    }
+    for name, change in others.items():
+        dtype = change.pop("dtype", "bfloat16")
+        arrays = [np.asarray(x).astype(dtype) if dtype == "float16" else np.asarray(x) for x in (q, k, v)]
+        if "bias" in change:
+            change["bias"] = change["bias"].astype(arrays[0].dtype)
+        other, _ = validate_call(*arrays, mask=mask, scale=SCALE, **change)
+        assert not masked_rows.kernel_gives_the_mean(other), name
+
+    neg = np.float32(LARGE_NEGATIVE["bfloat16"])
+    scores = rng.uniform(-2 ** 16, 2 ** 16, size=(64, S)).astype(np.float32)
+    masked = scores + neg                                                         # fully masked rows, float32
+    assert (masked == neg).all()
+    assert (np.exp(masked - masked.max(-1, keepdims=True)) == 1).all()            # uniform: the mean of V
+    kept = rng.random((64, S)) < 0.5
+    kept[:, 0] = True
+    partly = np.where(kept, scores / 2 ** 12, scores / 2 ** 12 + neg)
+    p = np.exp(partly - partly.max(-1, keepdims=True))
+    assert (p[~kept] == 0).all() and (p[kept] > 0).all()

@@ -15,10 +15,20 @@ seed, layout, training) -> (output, logsumexp)``
 * ``output`` has the query's layout and the value's head dim; ``logsumexp`` is float32 ``(B, N, T)`` when
   ``training`` (the backward needs it), else an empty tensor.
 
-CUDA tensors run the library's CuPy front (:func:`cudnn_attn.fronts.cupy.dot_product_attention` and
-``dot_product_attention_bwd``) on the tensors themselves, zero-copy through DLPack, on torch's current
-stream (CuPy's current stream during the call, so the keep-mask's folding and the results' allocation are
-ordered there as well); results are torch tensors over CuPy's memory pool.  CPU tensors run the NumPy reference
+CUDA tensors run on torch's current stream, two ways:
+
+* a call of dense query/key/value alone (and, backward, the dense residuals) is a *direct launch*: validated
+  once per signature on stand-ins (:func:`config_of`), its :class:`~cudnn_attn.engine.prepared.PreparedCall`
+  launched on the tensors' addresses into results from torch's caching allocator - no CuPy array, no DLPack.
+  Decoding through a growing cache makes every call a new signature, and that first call is a validation and
+  a graph-cache lookup only;
+* any other call (lengths, a keep-mask, a strided tensor) runs the library's CuPy front
+  (:func:`cudnn_attn.fronts.cupy.dot_product_attention` and ``dot_product_attention_bwd``) on the tensors
+  themselves, zero-copy through DLPack, with torch's stream as CuPy's current stream (so the keep-mask's folding
+  and the results' allocation are ordered there as well); its results are torch tensors over CuPy's memory
+  pool.
+
+CPU tensors run the NumPy reference
 (:mod:`cudnn_attn.reference`, float64 inside): the same validation and results, for tests and machines
 without a GPU.  Both validate with :func:`cudnn_attn.core.validation.validate_call`, so errors are the
 other fronts' (``ValueError`` naming the argument; ``UnsupportedConfigurationError`` from the support table).
@@ -30,7 +40,7 @@ keep-mask from CuPy's pool, which a CUDA graph captured by torch (``mode="reduce
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import cupy
 import ml_dtypes
@@ -39,13 +49,16 @@ import torch
 
 from cudnn_attn.core.parameters import renamed_arguments
 from cudnn_attn.core.types import MaskType
-from cudnn_attn.core.validation import check_seed, validate_backward, validate_call
+from cudnn_attn.core import masked_rows
+from cudnn_attn.core.validation import LARGE_NEGATIVE, check_seed, validate_backward, validate_call
 from cudnn_attn.engine import runtime
+from cudnn_attn.engine.call import BWD, FWD
+from cudnn_attn.engine.prepared import Calls, PreparedCall, prepared_call
 from cudnn_attn.fronts import cupy as cupy_front
 from cudnn_attn.reference import dot_product_attention as reference_forward
 from cudnn_attn.reference import dot_product_attention_bwd as reference_backward
 
-__all__ = ["attention_backward_op", "attention_op"]
+__all__ = ["attention_backward_op", "attention_op", "attention_unrecorded"]
 
 _TAGS = tuple(tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),) if tag is not None)
 # What validation's messages call an argument, and what the operators call it.
@@ -108,21 +121,120 @@ def _validate_stand_ins(query, key, value, q_lengths, kv_lengths, keep, scale, c
     return config
 
 
-_checked: dict[tuple, Any] = {}
-_CHECKED_MAX = 256
+_configs: dict[tuple, Any] = {}
+_CONFIGS_MAX = 256
 
 
-def check_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any, kv_lengths: Any,
-               keep: Any, *static: Any) -> None:
-    """:func:`_validated` once per call signature (shapes, dtypes, the static arguments): what an eager call
-    checks before it touches the tensors (a layout change copies them on the GPU)."""
+def config_of(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any, kv_lengths: Any,
+              keep: Any, static: tuple, training: bool) -> Any:
+    """:func:`_validated` once per call signature (shapes, dtypes, the static arguments but the seed, which is
+    checked on every call): the configuration of a call, found before it touches the tensors."""
+    scale, causal, bottom_right, window, dropout_rate, seed, layout = static
+    check_seed(seed)
     signature = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in
-                      (query, key, value, q_lengths, kv_lengths, keep)) + static
-    if signature not in _checked:
-        _validated(query, key, value, q_lengths, kv_lengths, keep, *static)
-        if len(_checked) >= _CHECKED_MAX:
-            _checked.clear()
-        _checked[signature] = True
+                      (query, key, value, q_lengths, kv_lengths, keep)) + static[:5] + (layout, training)
+    config = _configs.get(signature)
+    if config is None:
+        config = _validated(query, key, value, q_lengths, kv_lengths, keep, *static, training)
+        if len(_configs) >= _CONFIGS_MAX:
+            _configs.clear()
+        _configs[signature] = config
+    return config
+
+
+# -- the direct launch of repeated calls --------------------------------------------------------------------
+
+_TORCH_DTYPES = {np.dtype(np.float16): torch.float16, np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
+                 np.dtype(np.float32): torch.float32}
+
+
+class _Direct(NamedTuple):
+    """A call of dense CUDA tensors alone, launched without CuPy or DLPack: its prepared call, the order of its
+    operands in the plan, and the ``(shape, torch dtype)`` of its results, which torch's caching allocator
+    makes on torch's current stream (where the call runs)."""
+
+    prepared: PreparedCall
+    order: Callable[[Sequence[Any]], tuple]
+    results: tuple
+
+    def launch(self, tensors: tuple, seed: int, keep: torch.Tensor | None = None) -> list[torch.Tensor]:
+        call = self.prepared
+        device = tensors[0].device
+        if keep is not None:
+            tensors = (*tensors, _folded(keep, call.config))
+        results = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.results]
+        pointers = [x.data_ptr() for x in self.order(tensors)] + [r.data_ptr() for r in results]
+        stream = torch.cuda.current_stream(device).cuda_stream
+        with runtime.on_device(call.device):
+            call.launch_into(pointers, stream, check_seed(seed) if call.dropout else seed)
+        return results
+
+
+def _folded(keep: torch.Tensor, config: Any) -> torch.Tensor:
+    """The bias cuDNN reads for a boolean ``keep`` mask, validation's fold (``validate_call``): 0 where kept,
+    :data:`~cudnn_attn.core.validation.LARGE_NEGATIVE` elsewhere, in the io dtype, dense in the shape of
+    ``config.bias`` (batch and heads as the mask broadcasts them)."""
+    where = (keep.device, config.dtype)
+    values = _fold_values.get(where)
+    if values is None:                                        # 0-d tensors on keep's device: one kernel
+        dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[config.dtype]
+        values = _fold_values[where] = (torch.zeros((), dtype=dtype, device=keep.device),
+                                        torch.full((), LARGE_NEGATIVE[config.dtype], dtype=dtype, device=keep.device))
+    bias = torch.where(keep, *values)
+    shape = config.bias.shape
+    if tuple(bias.shape) != shape:
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).expand(shape).contiguous()
+    return bias
+
+
+_fold_values: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+_direct = Calls()
+"""The torch operators' direct launches, by :func:`_direct_key`."""
+
+_FWD_NAMES = ("query", "key", "value")
+_BWD_NAMES = _FWD_NAMES + ("output", "grad_output", "logsumexp")
+
+
+def _direct_key(kind: str, tensors: tuple, static: tuple) -> tuple:
+    """The identity of a call of ``tensors`` alone: the shape, strides, dtype and device of each, the static
+    arguments but the seed (a new dropout seed per call launches the same plan)."""
+    return (kind, *[None if x is None else (x.shape, x.stride(), x.dtype, x.get_device()) for x in tensors],
+            static[:5], static[6])
+
+
+def _direct_call(kind: str, tensors: tuple, static: tuple, training: bool,
+                 keep: torch.Tensor | None = None) -> _Direct | None:
+    """The direct launch of a call of dense ``tensors`` (made on the first call of its signature), or ``None``
+    when the call needs the general path (:attr:`PreparedCall.direct_capable`, a backward with a bias or sink, a
+    tensor that is not dense).  A forward's boolean ``keep`` mask goes with it where cuDNN's own result is the
+    library's (:func:`cudnn_attn.core.masked_rows.kernel_gives_the_mean`: bfloat16 inference with the mask
+    alone, as transformers decodes a left-padded batch or through a static cache), folded by :func:`_folded`."""
+    signature = _direct_key(kind, (*tensors, keep), static) + (training,)
+    found = _direct.get(signature)
+    if found is not None:
+        return found
+    if not all(x.is_contiguous() for x in tensors) or len({x.get_device() for x in (*tensors, keep)
+                                                            if x is not None}) > 1:
+        return None                            # the general path copies, or names the tensor on another device
+    if keep is not None and (kind != FWD or keep.dtype != torch.bool):
+        return None
+    config = config_of(*tensors[:3], None, None, keep, static, training)
+    if keep is not None and not masked_rows.kernel_gives_the_mean(config):
+        return None
+    if kind == BWD:
+        with renamed_arguments(NAMES):
+            validate_backward(config, *(_stand_in(name, x) for name, x in zip(_BWD_NAMES[3:], tensors[3:])))
+        if config.has_dbias or config.sink:
+            return None
+    call = prepared_call(config, kind, tensors[0].get_device())
+    if not call.direct_capable:
+        return None
+    names = _FWD_NAMES + (("bias",) if keep is not None else ()) if kind == FWD else _BWD_NAMES
+    found = _Direct(call, call.direct_order(names),
+                    tuple((shape, _TORCH_DTYPES[dtype]) for shape, dtype in call.result_layout()))
+    _direct.remember(signature, found)
+    return found
 
 
 # -- NumPy views of CPU tensors -----------------------------------------------------------------------------
@@ -174,6 +286,18 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_
                  bottom_right: bool, window: int, dropout_rate: float, seed: int, layout: str,
                  training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """cuDNN attention (module doc): ``(output, logsumexp)``, the logsumexp empty unless ``training``."""
+    return attention_unrecorded(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right,
+                                window, dropout_rate, seed, layout, training)
+
+
+def attention_unrecorded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any,
+                         kv_lengths: Any, keep: Any, scale: float, causal: bool, bottom_right: bool, window: int,
+                         dropout_rate: float, seed: int, layout: str,
+                         training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_op`'s implementation, called without torch's dispatcher: for a call of plain tensors that
+    autograd does not record (no grad needed) and ``torch.compile`` does not trace, where the operator would add
+    nothing but its dispatch (about 150 us per call of a custom operator on the GPU machine's host:
+    ``benchmarks/bench_decode.py``'s ``ours torch front`` profile)."""
     with renamed_arguments(NAMES):
         return _forward(query, key, value, q_lengths, kv_lengths, keep,
                         (scale, causal, bottom_right, window, dropout_rate, seed, layout), training)
@@ -189,6 +313,13 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_leng
              static: tuple, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     query, key, value, q_lengths, kv_lengths, keep = _detached(query, key, value, q_lengths, kv_lengths, keep)
     if query.device.type == "cuda":
+        if q_lengths is None and kv_lengths is None:
+            direct = _direct_call(FWD, (query, key, value), static, training, keep)
+            if direct is not None:
+                result = direct.launch((query, key, value), static[5], keep)
+                return (result[0], result[1]) if training else (result[0], _empty_lse(query))
+        if keep is not None and not keep.is_contiguous():     # validated before _cupy_keep copies it
+            config_of(query, key, value, q_lengths, kv_lengths, keep, static, training)
         with _on_torch_stream(query):
             arguments = _seed_arguments(q_lengths, kv_lengths, _cupy_keep(keep), *static)
             result = cupy_front.dot_product_attention(query, key, value, **arguments, return_residual=training,
@@ -251,6 +382,11 @@ def _backward_grads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep = _detached(
         query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep)
     if query.device.type == "cuda":
+        if q_lengths is None and kv_lengths is None and keep is None:
+            residuals = (query, key, value, output, grad_output, logsumexp)
+            direct = _direct_call(BWD, residuals, static, True)
+            if direct is not None:
+                return tuple(direct.launch(residuals, static[5]))
         with _on_torch_stream(query):
             arguments = _seed_arguments(q_lengths, kv_lengths, _cupy_keep(keep), *static)
             grads = cupy_front.dot_product_attention_bwd(query, key, value, output, grad_output, logsumexp,

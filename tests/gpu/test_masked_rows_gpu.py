@@ -72,6 +72,23 @@ def test_cupy_forward_and_backward_give_the_reference_fully_masked_rows(dtype):
         assert_close(name, getattr(grads, name), getattr(expected, name), dtype)
 
 
+def test_bfloat16_inference_takes_cudnns_own_mean_of_fully_masked_rows():
+    """bfloat16 inference with a keep-mask alone: the front sets nothing (``kernel_gives_the_mean``), and what
+    cuDNN writes on the fully masked rows is the reference's mean of V (the whole output, and those rows alone)."""
+    q, k, v, mask, _ = _inputs("bfloat16", 47)
+    config, operands = validate_call(*(cp.asarray(x) for x in (q, k, v)), mask=cp.asarray(mask), scale=SCALE,
+                                     xp=cp)
+    operands = operands.replace(bias=cp.ascontiguousarray(operands.bias.astype(operands.query.dtype)))
+    assert masked_rows.kernel_gives_the_mean(config)
+    out = prepared.forward(config, operands, output=poisoned(config.o_shape, io_dtype("bfloat16"))).output
+    want = reference.dot_product_attention(q, k, v, mask=mask, scale=SCALE)
+    assert_close("output", out, want, "bfloat16")
+    empty = ~mask.any(-1)                                                      # (B, N, T)
+    rows = lambda x: np.swapaxes(np.asarray(x, np.float32), 1, 2)[empty]      # noqa: E731 - (rows, H)
+    assert empty.sum() > 50
+    assert_close("output of the fully masked rows", rows(cp.asnumpy(out)), rows(want), "bfloat16")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_public_cupy_calls_give_the_reference_fully_masked_rows(dtype):
     q, k, v, mask, rng = _inputs(dtype, 43)

@@ -5,9 +5,10 @@ current stream, ``torch.compile(fullgraph=True)`` forward and backward, dropout,
 
 The reference is ``torch.nn.functional.scaled_dot_product_attention`` under ``sdpa_kernel(SDPBackend.MATH)`` in
 float32 on the same io-dtype inputs, compared by relative Frobenius error with the GPU tier's bounds
-(``_checks.RELATIVE_TOLERANCE``: 2e-3 fp16, 1e-2 bf16).  The operators allocate their results from CuPy's pool,
-so instead of NaN-filled output buffers the pool's free memory is filled with NaN before each call
-(:func:`_poison_pool`): a row cuDNN left unwritten reads back as NaN and fails the finiteness check.
+(``_checks.RELATIVE_TOLERANCE``: 2e-3 fp16, 1e-2 bf16).  The operators allocate their results (from torch's
+caching allocator on the direct launch, from CuPy's pool on the CuPy front), so instead of NaN-filled output
+buffers both allocators' free memory is filled with NaN before each call (:func:`_poison_pool`): a row cuDNN left
+unwritten reads back as NaN and fails the finiteness check.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ from __future__ import annotations
 import faulthandler
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
+
+from cudnn_attn import reference
 
 from ._checks import assert_close
 
@@ -32,10 +36,15 @@ WATCHDOG_S = 600
 
 
 def _poison_pool(nbytes: int = 64 << 20) -> None:
-    """Fill ``nbytes`` of CuPy's pool with NaN and give them back: the next results come from NaN memory."""
+    """Fill ``nbytes`` of CuPy's pool and of torch's caching allocator (its large blocks, and eight of its
+    small ones) with NaN and give them back: the next results come from NaN memory, whichever allocator makes
+    them (the direct launch takes torch's, the CuPy front CuPy's)."""
     block = cp.full(nbytes // 2, np.nan, dtype=cp.float16)
     cp.cuda.get_current_stream().synchronize()
     del block
+    blocks = [torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
+              for n in (nbytes // 2,) + (256 << 10,) * 8]
+    del blocks
 
 
 def _random(rng, shape, dtype, device="cuda"):
@@ -144,8 +153,57 @@ def test_runs_on_torch_current_stream(rng):
         keep_mask = torch.ones(256, 256, dtype=torch.bool, device="cuda").tril() & (busy[0, 0] > -2)
         out = ct.attention(q3, k, v, mask=keep(keep_mask)).output           # the mask is folded on the stream
         again = out.clone()
+        direct = ct.attention(q3, k, v, mask=causal()).output.clone()       # the direct launch, same stream
     side.synchronize()
     assert_close("output", _host(again), _host(_math_sdpa(q, k, v, is_causal=True)), "float16")
+    assert_close("output (direct launch)", _host(direct), _host(_math_sdpa(q, k, v, is_causal=True)), "float16")
+
+
+def test_dense_calls_launch_directly_into_torch_memory_through_a_growing_cache(rng, monkeypatch):
+    """Decoding through a growing cache (one query against one more key each call, transformers' BNTH tensors),
+    a left-padded batch under a keep-mask (bfloat16 inference: cuDNN's own mean of V on a row that keeps no key),
+    then a repeated training call: every call is a direct launch - the CuPy front never runs - into tensors of
+    torch's allocator, equal to the math SDPA (the NumPy reference with the row keeping no key), and so are the
+    gradients."""
+    from cudnn_attn.fronts import cupy as cupy_front
+    from cudnn_attn.torch import ops
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a dense call ran the CuPy front instead of the direct launch")
+
+    monkeypatch.setattr(cupy_front, "dot_product_attention", refuse)
+    monkeypatch.setattr(cupy_front, "dot_product_attention_bwd", refuse)
+    cache_k, cache_v = (_random(rng, (4, 4, 140, 64), torch.bfloat16) for _ in range(2))
+    before = len(ops._direct)
+    for length in (128, 129, 130, 131, 129):
+        q = _random(rng, (4, 16, 1, 64), torch.bfloat16)
+        k, v = cache_k[:, :, :length].contiguous(), cache_v[:, :, :length].contiguous()
+        out = lse = None                                     # the last step's output freed before counting
+        _poison_pool()
+        allocated = torch.cuda.memory_allocated()
+        out, lse = ct.sdpa(q, k, v, layout="BNTH")
+        assert torch.cuda.memory_allocated() > allocated and lse.numel() == 0
+        assert_close(f"output (S={length})", _host(out), _host(_math_sdpa(q, k, v, layout="BNTH")), "bfloat16")
+    assert len(ops._direct) == before + 4                    # one entry per new signature, S = 129 found again
+    for length in (140, 141):                                # a left-padded batch, its last row keeping no key
+        q = _random(rng, (4, 16, 1, 64), torch.bfloat16)
+        k, v = (_random(rng, (4, 4, length, 64), torch.bfloat16) for _ in range(2))
+        pads = torch.tensor([0, 3, 7, length], device="cuda")
+        mask = (torch.arange(length, device="cuda")[None, :] >= pads[:, None]).view(4, 1, 1, length)
+        _poison_pool()
+        out, _ = ct.sdpa(q, k, v, keep=mask, scale=0.125, layout="BNTH")
+        bf16 = lambda x: _host(x).astype(ml_dtypes.bfloat16)               # noqa: E731 - exact: bf16 values
+        want = reference.dot_product_attention(bf16(q), bf16(k), bf16(v), mask=_host(mask).astype(bool),
+                                               scale=0.125, qkv_layout="BNTH")
+        assert_close(f"output, keep-mask (S={length})", _host(out), want, "bfloat16")
+        assert_close("the row keeping no key: the mean of V", _host(out)[3], want[3], "bfloat16")
+    assert len(ops._direct) == before + 6
+    for _ in range(2):                                       # the second call repeats the first's signatures
+        q, k, v = _qkv(rng, torch.float16, T=192, S=320)
+        _poison_pool()
+        out = ct.attention(q, k, v, mask=causal("bottom_right")).output
+        keep_mask = torch.ones(192, 320, dtype=torch.bool, device="cuda").tril(320 - 192)
+        _compare(out, _math_sdpa(q, k, v, keep_mask), (q, k, v), rng, "float16")
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
