@@ -59,21 +59,32 @@ class Row:
 
 
 class Timed:
-    """An attention function that counts its calls and their host time."""
+    """An attention function that counts its calls and their host time, also by kind of call: prefill or decode
+    step (one query), with a mask or without."""
 
     def __init__(self, fn):
         self.fn, self.calls, self.ns = fn, 0, 0
+        self.kinds: dict = {}
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
         start = time.perf_counter_ns()
         try:
-            return self.fn(*args, **kwargs)
+            return self.fn(module, query, key, value, attention_mask, *args, **kwargs)
         finally:
-            self.ns += time.perf_counter_ns() - start
+            ns = time.perf_counter_ns() - start
+            self.ns += ns
             self.calls += 1
+            kind = ("decode" if query.shape[2] == 1 else "prefill") + (" masked" if attention_mask is not None else "")
+            calls, total = self.kinds.get(kind, (0, 0))
+            self.kinds[kind] = (calls + 1, total + ns)
 
     def reset(self) -> None:
         self.calls = self.ns = 0
+        self.kinds = {}
+
+    def by_kind(self) -> dict:
+        """Calls and host us per call of each kind."""
+        return {kind: {"calls": n, "host_us": round(ns / 1e3 / n, 1)} for kind, (n, ns) in sorted(self.kinds.items())}
 
 
 def ours(segmented: bool):
@@ -198,6 +209,20 @@ def run_one(row: Row, model, timed: dict, tokens: int, reference: dict) -> None:
     row.cache_hits, row.cache_misses = after.hits - before.hits, after.misses - before.misses
     row.attention_calls = fn.calls
     row.attention_host_us = fn.ns / 1e3 / max(fn.calls, 1)
+    row.notes["by_kind"] = fn.by_kind()
+    if row.impl != "sdpa":                     # where the host time goes: cProfile of a third (warm) run
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        generate(model, ids, mask, tokens, row.cache)
+        profiler.disable()
+        stats = pstats.Stats(profiler).stats
+        top = sorted(stats.items(), key=lambda item: -item[1][2])[:14]
+        row.notes["profile_top_own_us_per_token"] = [
+            f"{os.path.basename(where[0])}:{where[1]}:{where[2]} {own * 1e6 / tokens:.1f}" for where, (_, _, own, _, _)
+            in top]
     key = (row.cache, row.padded)
     if row.impl == "sdpa":
         reference[key] = out
@@ -225,6 +250,10 @@ def table(rows: list[Row], tokens: int, source: str) -> str:
                      f"{'-' if r.cache_misses is None else r.cache_misses:>5} {_f(r.same_tokens):>5s} "
                      f"{_f(r.cold_s, 1):>6s}{verdict}" + (f"  FAILED {r.error}" if r.error else ""))
     lines.append("attn us: host time inside the attention function per call; target: x sdpa <= 1.00 (OK/MISS)")
+    lines.append("attention host us per call by kind: " + "; ".join(
+        f"{r.cache} {'padded' if r.padded else 'plain'} {r.impl}: " + ", ".join(
+            f"{kind} {v['calls']} x {v['host_us']}" for kind, v in r.notes.get("by_kind", {}).items())
+        for r in rows if r.notes.get("by_kind")))
     return "\n".join(lines)
 
 

@@ -311,13 +311,13 @@ def _detached(*tensors: Any) -> tuple:
 
 def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any, kv_lengths: Any, keep: Any,
              static: tuple, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    query, key, value, q_lengths, kv_lengths, keep = _detached(query, key, value, q_lengths, kv_lengths, keep)
-    if query.device.type == "cuda":
+    if query.is_cuda:
         if q_lengths is None and kv_lengths is None:
             direct = _direct_call(FWD, (query, key, value), static, training, keep)
             if direct is not None:
                 result = direct.launch((query, key, value), static[5], keep)
                 return (result[0], result[1]) if training else (result[0], _empty_lse(query))
+        query, key, value, q_lengths, kv_lengths, keep = _detached(query, key, value, q_lengths, kv_lengths, keep)
         if keep is not None and not keep.is_contiguous():     # validated before _cupy_keep copies it
             config_of(query, key, value, q_lengths, kv_lengths, keep, static, training)
         with _on_torch_stream(query):
