@@ -214,15 +214,20 @@ def run_one(row: Row, model, timed: dict, tokens: int, reference: dict) -> None:
         import cProfile
         import pstats
 
-        profiler = cProfile.Profile()
+        profiler, calls_before = cProfile.Profile(), fn.calls
         profiler.enable()
         generate(model, ids, mask, tokens, row.cache)
         profiler.disable()
+        profiled = max(fn.calls - calls_before, 1)
         stats = pstats.Stats(profiler).stats
-        top = sorted(stats.items(), key=lambda item: -item[1][2])[:14]
-        row.notes["profile_top_own_us_per_token"] = [
-            f"{os.path.basename(where[0])}:{where[1]}:{where[2]} {own * 1e6 / tokens:.1f}" for where, (_, _, own, _, _)
-            in top]
+        ours = {where: timing for where, timing in stats.items()     # the library's functions and what it calls
+                if "cudnn_attn" in where[0] or "cupy" in where[0] or "cupy" in where[2] or "cuda" in where[2]}
+        top = sorted(ours.items(), key=lambda item: -item[1][2])[:16]
+        row.notes["profile_library_own_us_per_call"] = [
+            f"{os.path.basename(where[0])}:{where[1]}:{where[2]} {own * 1e6 / profiled:.1f} "
+            f"({calls / profiled:.2f} per call)" for where, (_, calls, own, _, _) in top]
+        print(f"  profile {row.cache} {'padded' if row.padded else 'plain'} {row.impl} (us per attention call): "
+              + "; ".join(row.notes["profile_library_own_us_per_call"][:10]), flush=True)
     key = (row.cache, row.padded)
     if row.impl == "sdpa":
         reference[key] = out

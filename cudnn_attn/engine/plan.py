@@ -91,13 +91,13 @@ class CallPlan:
         self.launcher = Launcher(built, ids, plan_index=plan_index)
         self._warm = False
         self._warm_lock = threading.Lock()
-        self._launches: dict[bool, Launch] = {}     # :meth:`launch`'s sequences, by keep_stream
+        self._launches: dict[tuple, Launch] = {}    # :meth:`launch`'s sequences, by (keep_stream, replay)
         # The CUDA graphs of each live launch sequence (cudnn_attn.engine.replay), weakly: a sequence owns its
         # graphs, and they go when it goes, even while the plan stays cached.
         self.replays: weakref.WeakSet[Any] = weakref.WeakSet()
 
     # -- launching ----------------------------------------------------------------------------------
-    def sequence(self, scalars: Sequence[Any] = (), keep_stream: bool = False) -> Launch:
+    def sequence(self, scalars: Sequence[Any] = (), keep_stream: bool = False, replay: bool = True) -> Launch:
         """The launch sequence of this plan, for one caller: ``run(pointers, stream, workspace=None,
         capturable=True, scalars=scalars)``.
 
@@ -110,7 +110,8 @@ class CallPlan:
         see :mod:`cudnn_attn.engine.runtime` on streams a handle may not outlive).  ``capturable=False``:
         ``stream`` is never being captured, so a replay does not ask (:class:`~cudnn_attn.engine.replay.Replays`).
 
-        A plan without zero-fills and host scalars replays repeated addresses; the replay graphs belong to the
+        A plan without zero-fills and host scalars replays repeated addresses unless ``replay`` is False (a
+        caller whose address sets come back too rarely to repay a capture); the replay graphs belong to the
         sequence.  The closure holds the context and the launcher, never the plan, so that keeping it on the
         plan makes no reference cycle (evicted graphs are freed at once).
         """
@@ -123,7 +124,7 @@ class CallPlan:
             def raw(pointers: Sequence[int], workspace: int) -> None:
                 launcher(pointers, workspace, context.handle)
         replays = None
-        if settings.current.replay and not zeroed and not buffers:
+        if replay and settings.current.replay and not zeroed and not buffers:
             replays = Replays(raw, bind_stream, context.capture_stream, context.device)
             self.replays.add(replays)
         fixed = tuple(scalars)
@@ -154,11 +155,12 @@ class CallPlan:
         return run
 
     def launch(self, pointers: Sequence[int], stream: int, workspace: int | None = None,
-               scalars: Sequence[Any] = (), keep_stream: bool = False) -> None:
-        """One launch through this plan's own :meth:`sequence` (one per ``keep_stream``; see there)."""
-        run = self._launches.get(keep_stream)
+               scalars: Sequence[Any] = (), keep_stream: bool = False, replay: bool = True) -> None:
+        """One launch through this plan's own :meth:`sequence` (one per ``keep_stream`` and ``replay``; see there)."""
+        run = self._launches.get((keep_stream, replay))
         if run is None:
-            run = self._launches.setdefault(keep_stream, self.sequence(keep_stream=keep_stream))
+            run = self._launches.setdefault((keep_stream, replay),
+                                            self.sequence(keep_stream=keep_stream, replay=replay))
         run(pointers, stream, workspace, True, scalars)
 
     def warm_up(self) -> None:

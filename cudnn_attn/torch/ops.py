@@ -151,7 +151,13 @@ _TORCH_DTYPES = {np.dtype(np.float16): torch.float16, np.dtype(ml_dtypes.bfloat1
 class _Direct(NamedTuple):
     """A call of dense CUDA tensors alone, launched without CuPy or DLPack: its prepared call, the order of its
     operands in the plan, and the ``(shape, torch dtype)`` of its results, which torch's caching allocator
-    makes on torch's current stream (where the call runs)."""
+    makes on torch's current stream (where the call runs).
+
+    It never replays a CUDA graph (:mod:`cudnn_attn.engine.replay`).  In transformers' ``generate()`` with the
+    dynamic cache every decode step is a new plan whose address sets come back once per ``generate()``, so each
+    second sighting captured a graph that was hardly replayed: 322 us of host time per decode call against 174
+    for the same calls whose addresses did not repeat (``benchmarks/bench_generate.py``, one H200).  A torch loop
+    whose addresses do repeat has torch's own CUDA graphs (``torch.cuda.graphs``, ``torch.compile``)."""
 
     prepared: PreparedCall
     order: Callable[[Sequence[Any]], tuple]
@@ -166,7 +172,7 @@ class _Direct(NamedTuple):
         pointers = [x.data_ptr() for x in self.order(tensors)] + [r.data_ptr() for r in results]
         stream = torch.cuda.current_stream(device).cuda_stream
         with runtime.on_device(call.device):
-            call.launch_into(pointers, stream, check_seed(seed) if call.dropout else seed)
+            call.launch_into(pointers, stream, check_seed(seed) if call.dropout else seed, replay=False)
         return results
 
 

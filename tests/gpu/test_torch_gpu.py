@@ -162,9 +162,10 @@ def test_runs_on_torch_current_stream(rng):
 def test_dense_calls_launch_directly_into_torch_memory_through_a_growing_cache(rng, monkeypatch):
     """Decoding through a growing cache (one query against one more key each call, transformers' BNTH tensors),
     a left-padded batch under a keep-mask (bfloat16 inference: cuDNN's own mean of V on a row that keeps no key),
-    then a repeated training call: every call is a direct launch - the CuPy front never runs - into tensors of
-    torch's allocator, equal to the math SDPA (the NumPy reference with the row keeping no key), and so are the
-    gradients."""
+    then a repeated training call: every call is a direct launch - the CuPy front never runs, no CUDA graph is
+    captured - into tensors of torch's allocator, equal to the math SDPA (the NumPy reference with the row keeping
+    no key), and so are the gradients."""
+    from cudnn_attn.engine import replay
     from cudnn_attn.fronts import cupy as cupy_front
     from cudnn_attn.torch import ops
 
@@ -198,6 +199,11 @@ def test_dense_calls_launch_directly_into_torch_memory_through_a_growing_cache(r
         assert_close(f"output, keep-mask (S={length})", _host(out), want, "bfloat16")
         assert_close("the row keeping no key: the mean of V", _host(out)[3], want[3], "bfloat16")
     assert len(ops._direct) == before + 6
+    made = replay.churn().made
+    q, k, v = (_random(rng, (4, 16, 1, 64), torch.bfloat16) for _ in range(3))
+    for _ in range(4):                                       # the same addresses again and again: no capture
+        ct.sdpa(q, k, v, layout="BNTH")
+    assert replay.churn().made == made
     for _ in range(2):                                       # the second call repeats the first's signatures
         q, k, v = _qkv(rng, torch.float16, T=192, S=320)
         _poison_pool()
