@@ -16,8 +16,9 @@ Rows left-padded by 0, 3, 7, 11 tokens for the masked variants.  Variants:
                            (results come back as torch tensors), as ``transformers`` passes them;
 * ``ours torch front``   - ``cudnn_attn.torch.sdpa`` (bottom-right causal) on the torch SDPA variants' ``(B, N, S, D)``
                            tensors, as its transformers attention calls it; ``..., repeated signature`` at S = 128;
-                           ``..., operator`` through ``torch.ops.cudnn_attn.attention`` (torch's dispatcher: what
-                           a call that autograd records pays; ``sdpa`` here calls the operator's implementation);
+                           ``..., operator`` calls ``torch.ops.cudnn_attn.attention`` with the arguments
+                           ``sdpa`` would give it (torch's dispatcher and the direct launch, without ``sdpa``'s
+                           own argument handling);
 * ``jax eager``          - ``cudnn_attn.jax_bridge.dot_product_attention`` on JAX arrays, not jitted;
 * ``torch sdpa`` / ``torch sdpa keep-mask`` / ``torch sdpa repeated signature`` -
                            ``torch.nn.functional.scaled_dot_product_attention(enable_gqa=True)`` on the same

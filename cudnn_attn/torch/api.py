@@ -22,7 +22,7 @@ from cudnn_attn.core.masks import as_mask
 from cudnn_attn.core.parameters import renamed_arguments, wants_logsumexp
 from cudnn_attn.core.types import AttentionLayout, AttentionOutput
 
-from .ops import NAMES, attention_op, attention_unrecorded, config_of
+from .ops import NAMES, attention_op, config_of
 
 __all__ = ["attention", "sdpa"]
 
@@ -62,14 +62,6 @@ def _check_tensors(**tensors: Any) -> None:
             raise ValueError(f"{name}: must be 4-D (BTNH or BNTH), got shape {list(tensors[name].shape)}")
 
 
-def _unrecorded(*tensors: Any) -> bool:
-    """Whether no autograd graph, tracer or tensor subclass would see this call: grad off or no input requiring
-    it, not compiling, every tensor a plain ``torch.Tensor``."""
-    present = [x for x in tensors if x is not None]
-    return (not (torch.is_grad_enabled() and any(x.requires_grad for x in present))
-            and not torch.compiler.is_compiling() and all(type(x) is torch.Tensor for x in present))
-
-
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool = False,
          bottom_right: bool = False, window: int = 0, q_lengths: torch.Tensor | None = None,
          kv_lengths: torch.Tensor | None = None, keep: torch.Tensor | None = None, scale: float | None = None,
@@ -94,10 +86,7 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
         # fails in the caller's terms before any GPU work.
         config_of(query, key, value, q_lengths, kv_lengths, keep, static + (asked,), bool(training))
     q, k, v = (x.contiguous() for x in views)
-    operator = attention_op
-    if not training and _unrecorded(q, k, v, q_lengths, kv_lengths, keep):
-        operator = attention_unrecorded                  # the same call without the dispatcher (its doc)
-    output, logsumexp = operator(q, k, v, q_lengths, kv_lengths, keep, *static, running, bool(training))
+    output, logsumexp = attention_op(q, k, v, q_lengths, kv_lengths, keep, *static, running, bool(training))
     return (output.transpose(1, 2) if transposed else output), logsumexp
 
 

@@ -58,7 +58,7 @@ from cudnn_attn.fronts import cupy as cupy_front
 from cudnn_attn.reference import dot_product_attention as reference_forward
 from cudnn_attn.reference import dot_product_attention_bwd as reference_backward
 
-__all__ = ["attention_backward_op", "attention_op", "attention_unrecorded"]
+__all__ = ["attention_backward_op", "attention_op"]
 
 _TAGS = tuple(tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),) if tag is not None)
 # What validation's messages call an argument, and what the operators call it.
@@ -292,18 +292,6 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_
                  bottom_right: bool, window: int, dropout_rate: float, seed: int, layout: str,
                  training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """cuDNN attention (module doc): ``(output, logsumexp)``, the logsumexp empty unless ``training``."""
-    return attention_unrecorded(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right,
-                                window, dropout_rate, seed, layout, training)
-
-
-def attention_unrecorded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any,
-                         kv_lengths: Any, keep: Any, scale: float, causal: bool, bottom_right: bool, window: int,
-                         dropout_rate: float, seed: int, layout: str,
-                         training: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attention_op`'s implementation, called without torch's dispatcher: for a call of plain tensors that
-    autograd does not record (no grad needed) and ``torch.compile`` does not trace, where the operator would add
-    nothing but its dispatch (about 150 us per call of a custom operator on the GPU machine's host:
-    ``benchmarks/bench_decode.py``'s ``ours torch front`` profile)."""
     with renamed_arguments(NAMES):
         return _forward(query, key, value, q_lengths, kv_lengths, keep,
                         (scale, causal, bottom_right, window, dropout_rate, seed, layout), training)
