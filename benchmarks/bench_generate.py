@@ -254,11 +254,12 @@ def table(rows: list[Row], tokens: int, source: str) -> str:
                      f"{'-' if r.cache_hits is None else r.cache_hits:>5} "
                      f"{'-' if r.cache_misses is None else r.cache_misses:>5} {_f(r.same_tokens):>5s} "
                      f"{_f(r.cold_s, 1):>6s}{verdict}" + (f"  FAILED {r.error}" if r.error else ""))
+    kinds = [r for r in rows if r.notes.get("by_kind")]
+    if kinds:
+        lines.append("attention host us per call by kind: " + "; ".join(
+            f"{r.cache} {'padded' if r.padded else 'plain'} {r.impl}: " + ", ".join(
+                f"{kind} {v['calls']} x {v['host_us']}" for kind, v in r.notes["by_kind"].items()) for r in kinds))
     lines.append("attn us: host time inside the attention function per call; target: x sdpa <= 1.00 (OK/MISS)")
-    lines.append("attention host us per call by kind: " + "; ".join(
-        f"{r.cache} {'padded' if r.padded else 'plain'} {r.impl}: " + ", ".join(
-            f"{kind} {v['calls']} x {v['host_us']}" for kind, v in r.notes.get("by_kind", {}).items())
-        for r in rows if r.notes.get("by_kind")))
     return "\n".join(lines)
 
 
