@@ -15,19 +15,20 @@ pick_python() {
   command -v python3.12 || command -v python3
 }
 
-# make_venv DIR EXTRAS JAX: create or reuse the environment DIR with the project installed editable
+# make_venv DIR EXTRAS JAX [PYTHON]: create or reuse the environment DIR with the project installed editable
 # (with the extras EXTRAS, e.g. "test", or none for ""). JAX is "pinned" (scripts/constraints.txt: the
-# GPU machine's versions) or "latest" (the newest jax[cpu] release; looked up again once a day). Every
-# other package follows scripts/constraints.txt. Reuse costs nothing: a stamp file records the install.
+# GPU machine's versions, or on Python 3.11 the newest for it) or "latest" (the newest jax[cpu] release;
+# looked up again once a day). Every other package follows scripts/constraints.txt. PYTHON: the interpreter
+# that makes a new environment (default: pick_python's). Reuse costs nothing: a stamp file records the install.
 make_venv() {
-  local venv=$1 extras=$2 jax=$3
+  local venv=$1 extras=$2 jax=$3 python=${4:-}
   local spec=. constraints=scripts/constraints.txt day=""
   [ -n "$extras" ] && spec=".[$extras]"
   [ "$jax" = latest ] && { constraints="$venv/constraints-without-jax.txt"; day="-$(date +%F)"; }
   local stamp
   stamp="$venv/.cudnn_attn-installed-$(cat pyproject.toml scripts/constraints.txt | sha1sum | cut -c1-12)-${extras:-none}-$jax$day"
   if [ ! -x "$venv/bin/python" ]; then
-    "$(pick_python)" -m venv "$venv"
+    "${python:-$(pick_python)}" -m venv "$venv"
   fi
   if [ ! -e "$stamp" ]; then
     [ "$jax" = latest ] && grep -v '^jax' scripts/constraints.txt > "$constraints"
