@@ -23,26 +23,22 @@ fi
 status=0
 "$PY" -m pytest "$@" || status=$?
 
+# A focused run (it names test files or ids) runs in .venv alone unless a variable asks for more.
+whole=1
+for arg in "$@"; do
+  case "$arg" in tests*|*.py|*.py::*) whole=0 ;; esac
+done
 latest_run=${CUDNN_ATTN_JAX_LATEST:-auto}
-if [ "$latest_run" = auto ]; then
-  latest_run=1
-  for arg in "$@"; do
-    case "$arg" in tests*|*.py|*.py::*) latest_run=0 ;; esac
-  done
-fi
+[ "$latest_run" = auto ] && latest_run=$whole
+py311_run=${CUDNN_ATTN_PY311:-auto}
+[ "$py311_run" = auto ] && py311_run=$whole
+
 if [ "$latest_run" = 1 ]; then
   latest="${CUDNN_ATTN_VENV_JAX_LATEST:-$root/.venv-jax-latest}"
   make_venv "$latest" test latest
   echo "== newest JAX: jax $("$latest/bin/python" -c 'import jax; print(jax.__version__)'): JAX, score_mod, values, fuzz =="
   "$latest/bin/python" -m pytest "$@" tests/test_jax_*.py tests/test_score_mod*.py tests/test_values.py \
     tests/test_fuzz_front_doors.py || status=$?
-fi
-py311_run=${CUDNN_ATTN_PY311:-auto}
-if [ "$py311_run" = auto ]; then
-  py311_run=1
-  for arg in "$@"; do
-    case "$arg" in tests*|*.py|*.py::*) py311_run=0 ;; esac
-  done
 fi
 if [ "$py311_run" = 1 ]; then
   py311=$(command -v python3.11 || true)

@@ -129,10 +129,9 @@ def config_of(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_len
               keep: Any, static: tuple, training: bool) -> Any:
     """:func:`_validated` once per call signature (shapes, dtypes, the static arguments but the seed, which is
     checked on every call): the configuration of a call, found before it touches the tensors."""
-    scale, causal, bottom_right, window, dropout_rate, seed, layout = static
-    check_seed(seed)
+    check_seed(static[5])
     signature = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in
-                      (query, key, value, q_lengths, kv_lengths, keep)) + static[:5] + (layout, training)
+                      (query, key, value, q_lengths, kv_lengths, keep)) + static[:5] + (static[6], training)
     config = _configs.get(signature)
     if config is None:
         config = _validated(query, key, value, q_lengths, kv_lengths, keep, *static, training)
