@@ -18,7 +18,9 @@ Rows left-padded by 0, 3, 7, 11 tokens for the masked variants.  Variants:
                            tensors, as its transformers attention calls it; ``..., repeated signature`` at S = 128;
                            ``..., operator`` calls ``torch.ops.cudnn_attn.attention`` with the arguments
                            ``sdpa`` would give it (torch's dispatcher and the direct launch, without ``sdpa``'s
-                           own argument handling);
+                           own argument handling); ``..., implementation`` calls the operator's Python
+                           implementation (``cudnn_attn.torch.ops._forward``) without torch's dispatcher: the
+                           operator's row less this one is the dispatcher's cost;
 * ``jax eager``          - ``cudnn_attn.jax_bridge.dot_product_attention`` on JAX arrays, not jitted;
 * ``torch sdpa`` / ``torch sdpa keep-mask`` / ``torch sdpa repeated signature`` -
                            ``torch.nn.functional.scaled_dot_product_attention(enable_gqa=True)`` on the same
@@ -61,7 +63,8 @@ PADS = (0, 3, 7, 11)                 # left padding of each row (masked variants
 SCALE = 1.0 / math.sqrt(D)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 VARIANTS = ("ours causal-br", "ours causal-br, slice", "ours causal-br, torch in", "ours torch front",
-            "ours torch front, operator", "ours keep-mask", "ours segments", "ours padding, fixed S",
+            "ours torch front, operator", "ours torch front, implementation", "ours keep-mask", "ours segments",
+            "ours padding, fixed S",
             "ours repeated signature", "ours repeated signature, torch in", "ours torch front, repeated signature",
             "jax eager",
             "torch sdpa", "torch sdpa keep-mask", "torch sdpa repeated signature")
@@ -129,6 +132,7 @@ def calls(variant: str, st: Steps):
         import torch
 
         import cudnn_attn.torch as ct
+        import cudnn_attn.torch.ops  # noqa: F401  (ct.ops)
 
         tq = [torch.from_dlpack(x).transpose(1, 2) for x in st.q]
         tk, tv = ([torch.from_dlpack(x).transpose(1, 2).contiguous() for x in xs] for xs in (st.k, st.v))
@@ -143,7 +147,11 @@ def calls(variant: str, st: Steps):
             with torch.no_grad():
                 return torch.ops.cudnn_attn.attention(tq[i], tk[i], tv[i], None, None, None, SCALE, True, True, 0,
                                                       0.0, 42, "BNTH", False)[0].transpose(1, 2)
-        return operator if variant.endswith("operator") else front
+        def implementation(i):
+            with torch.no_grad():
+                return ct.ops._forward(tq[i], tk[i], tv[i], None, None, None, (SCALE, True, True, 0, 0.0, 42, "BNTH"),
+                                       False)[0].transpose(1, 2)
+        return {"operator": operator, "implementation": implementation}.get(variant.rpartition(", ")[2], front)
     if variant == "ours keep-mask":
         return lambda i: cudnn_attn.attention(st.q[i], st.k[i], st.v[i], mask=keep(st.keep[i]), scale=SCALE).output
     if variant == "ours segments":
