@@ -25,7 +25,7 @@ def _bench(name: str):
     ("bench_peers", ["bench_peers.json"], "device time per call in a jitted chain"),
     ("bench_small", ["bench_small.json"], "verdict: not enough rows measured"),
     ("bench_decode", ["bench_decode.json", "bench_decode_growing.json"], "stages of a new-signature call"),
-    ("bench_generate", ["bench_generate.json"], "attn us: host time inside the attention function"),
+    ("bench_generate", ["bench_generate.json"], "x sdpa: the median of each round's ratio to sdpa's run"),
     ("bench_decomposition", ["bench_decomposition.json"], "B4 N16 T=S=4k causal     fp8-e4m3   4"),
 ])
 def test_dry_run_writes_its_report_and_prints_the_table_last(name, files, last, tmp_path, capsys):
@@ -36,6 +36,21 @@ def test_dry_run_writes_its_report_and_prints_the_table_last(name, files, last, 
     lines = capsys.readouterr().out.rstrip().splitlines()
     assert lines[-1].startswith(last), lines[-3:]
     assert any(line.startswith("== ") for line in lines)          # gpu_run's summary takes the table from there
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+def test_a_chain_lowers_its_attention_function_once(mode):
+    """Each call of a chain calls one lowered function (a Pallas kernel compiles once per chain, not per call)."""
+    import jax
+    import jax.numpy as jnp
+
+    chain = 5
+    fn = _bench("bench_jax").program(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
+                                     mode, chain, None)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 16, 2, 8)), jnp.bfloat16)
+    text = fn.lower(x, x, x, x).as_text()
+    assert text.count("func.func private") <= 2, text[:2000]      # the forward; with fwd+bwd, its vjp
+    assert text.count("call @") >= chain, text[:2000]
 
 
 def test_peers_rows_in_the_issue_order_survive_a_phase_cut_short():
