@@ -38,6 +38,14 @@ def test_the_word_view_reads_what_ctypes_reads():
     assert int.from_bytes(record, "little") == values[0]
 
 
+def test_torch_still_has_the_mode_and_transform_queries():
+    torch = pytest.importorskip("torch")
+    from torch.utils import _python_dispatch
+
+    assert _python_dispatch.is_in_torch_dispatch_mode() is False
+    assert torch._C._are_functorch_transforms_active() is False
+
+
 def test_jax_still_has_the_lowering_device_set():
     from jax._src import dispatch
 

@@ -115,6 +115,62 @@ def test_meta_tensors_and_compiled_shapes():
     assert torch.ops.cudnn_attn.attention.default in targets or torch.ops.cudnn_attn.attention in targets
 
 
+# -- which calls skip torch's dispatcher (api.unrecorded) ---------------------------------------------------
+
+class _OperatorSpy:
+    """Counts the calls that reach ``torch.ops.cudnn_attn.attention`` (in place of ``api.attention_op``)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return ct.attention_op(*args)
+
+
+def test_unrecorded_calls_skip_the_dispatcher_and_give_the_operators_result(rng, monkeypatch):
+    from cudnn_attn.torch import api
+
+    spy = _OperatorSpy()
+    monkeypatch.setattr(api, "attention_op", spy)
+    q, k, v = _qkv(rng, torch.bfloat16, T=5, S=8, requires_grad=False)
+    out, _ = ct.sdpa(q, k, v, causal=True, bottom_right=True)
+    assert spy.calls == 0
+    with torch.no_grad():
+        ct.sdpa(*(x.requires_grad_(True) for x in (q, k, v)), causal=True, bottom_right=True)
+    assert spy.calls == 0
+    want, _ = ct.sdpa(q, k, v, causal=True, bottom_right=True)        # q, k, v require grad: recorded
+    assert spy.calls == 1 and want.requires_grad
+    assert torch.equal(out, want.detach())
+
+
+def test_dispatch_modes_and_function_transforms_see_the_operator(rng, monkeypatch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cudnn_attn.torch import api
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = _qkv(rng, torch.float16, requires_grad=False)
+    with Names() as mode:
+        ct.sdpa(q, k, v)
+    assert any(name.startswith("cudnn_attn.attention") for name in mode.names), mode.names
+    assert api.unrecorded(q, k, v)
+    with Names():
+        assert not api.unrecorded(q, k, v)
+    seen = []
+    torch.func.vmap(lambda x: (seen.append(api.unrecorded(x)), x)[1])(q)
+    assert seen == [False]
+    assert not api.unrecorded(q.requires_grad_(True))
+
+
 # -- values and gradients (CPU: the NumPy reference) ---------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -16,15 +16,16 @@ import math
 from typing import Any
 
 import torch
+from torch.utils import _python_dispatch
 
 from cudnn_attn.core.config import DiagonalAlignment
 from cudnn_attn.core.masks import as_mask
 from cudnn_attn.core.parameters import renamed_arguments, wants_logsumexp
 from cudnn_attn.core.types import AttentionLayout, AttentionOutput
 
-from .ops import NAMES, attention_op, config_of
+from .ops import NAMES, attention_op, attention_unrecorded, config_of
 
-__all__ = ["attention", "sdpa"]
+__all__ = ["attention", "sdpa", "unrecorded"]
 
 _OTHER = {"BTNH": "BNTH", "BNTH": "BTNH"}
 
@@ -62,6 +63,18 @@ def _check_tensors(**tensors: Any) -> None:
             raise ValueError(f"{name}: must be 4-D (BTNH or BNTH), got shape {list(tensors[name].shape)}")
 
 
+def unrecorded(*tensors: Any) -> bool:
+    """Whether nothing of torch would see a forward call of ``tensors`` through its operator: autograd records
+    nothing (grad off, or no input requiring it), ``torch.compile`` is not tracing, no ``TorchDispatchMode``
+    (``make_fx``, ``FlopCounterMode``, fake tensors) or ``torch.func`` transform is active, and every tensor is a
+    plain ``torch.Tensor``.  Such a call runs the operator's implementation directly
+    (:func:`~cudnn_attn.torch.ops.attention_unrecorded`, which says what that saves)."""
+    present = [x for x in tensors if x is not None]
+    return (not (torch.is_grad_enabled() and any(x.requires_grad for x in present))
+            and not torch.compiler.is_compiling() and all(type(x) is torch.Tensor for x in present)
+            and not _python_dispatch.is_in_torch_dispatch_mode() and not torch._C._are_functorch_transforms_active())
+
+
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool = False,
          bottom_right: bool = False, window: int = 0, q_lengths: torch.Tensor | None = None,
          kv_lengths: torch.Tensor | None = None, keep: torch.Tensor | None = None, scale: float | None = None,
@@ -86,7 +99,10 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
         # fails in the caller's terms before any GPU work.
         config_of(query, key, value, q_lengths, kv_lengths, keep, static + (asked,), bool(training))
     q, k, v = (x.contiguous() for x in views)
-    output, logsumexp = attention_op(q, k, v, q_lengths, kv_lengths, keep, *static, running, bool(training))
+    operator = attention_op
+    if not training and unrecorded(q, k, v, q_lengths, kv_lengths, keep):
+        operator = attention_unrecorded
+    output, logsumexp = operator(q, k, v, q_lengths, kv_lengths, keep, *static, running, bool(training))
     return (output.transpose(1, 2) if transposed else output), logsumexp
 
 
