@@ -340,10 +340,50 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({"dry_run": args.dry_run, "tokens": tokens, "rounds": args.rounds, "source": source,
                    "rows": [asdict(r) for r in rows]},
                   f, indent=1)
+    if not args.dry_run:
+        plot(os.path.join(args.out, "bench_generate.json"), os.path.join(args.out, "bench_generate.png"))
     print()
     print(table(rows, tokens, args.rounds, source))
     return 0
 
 
+def plot(report: str, path: str) -> None:
+    """ms per token of each implementation by cache and prompt (bars, the paired ratio to sdpa on each), from a
+    ``bench_generate.json``; nothing without matplotlib.  ``python benchmarks/bench_generate.py --plot REPORT.json
+    OUT.png`` draws it again from a saved report."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = json.load(open(report))["rows"]
+    groups = list(dict.fromkeys((r["cache"], r["padded"]) for r in rows))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(IMPLS)
+    for i, impl in enumerate(IMPLS):
+        for g, group in enumerate(groups):
+            row = next((r for r in rows if (r["cache"], r["padded"]) == group and r["impl"] == impl), None)
+            if row is None or not row.get("ms_per_token"):
+                continue
+            x = g + i * width
+            ax.bar(x, row["ms_per_token"], width, color=f"C{i}", label=impl if g == 0 else None)
+            ratio = row["notes"].get("vs_sdpa_paired")
+            if ratio:
+                ax.text(x, row["ms_per_token"], f"{ratio:.2f}x", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))],
+                  [f"{cache}, {'left-padded' if padded else 'unpadded'}" for cache, padded in groups])
+    ax.set_ylabel("ms per generated token (median)")
+    ax.set_title("transformers generate(): sdpa against cudnn_attn (labels: paired ratio to sdpa)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["--plot"] and len(sys.argv) == 4:
+        plot(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(main())

@@ -26,10 +26,12 @@ Rows left-padded by 0, 3, 7, 11 tokens for the masked variants.  Variants:
                            ``torch.nn.functional.scaled_dot_product_attention(enable_gqa=True)`` on the same
                            values in torch's ``(B, N, S, D)`` layout (the keep-mask as ``attn_mask``).
 
-Each variant runs two passes over the steps: *cold* (the first sighting of every S: graphs built) and *warm*
-(every graph cached).  Per call: *host* = host clock of the call, the GPU idle before it; *latency* = the call
-and a device synchronisation.  Medians of the warm pass.  Every variant's last output is compared with torch
-SDPA's (the masked ones with torch's masked SDPA): ``max |diff|``.
+Each variant runs a *cold* pass over the steps (the first sighting of every S: graphs built); then every variant
+runs ``WARM_ROUNDS`` *warm* passes (every graph cached), the variants in an order that rotates each round, so
+that neither a slow spell of the host nor the variant before decides a row.  Per call: *host* = host clock of the
+call, the GPU idle before it; *latency* = the call and a device synchronisation; a row is the median over rounds
+of each warm pass's median.  Every variant's last output is compared with torch SDPA's (the masked ones with
+torch's masked SDPA): ``max |diff|``.
 
 Where a new-signature call's time goes, two ways, on a third (warm) pass:
 
@@ -51,9 +53,11 @@ import math
 import os
 import pstats
 import statistics
+import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
@@ -69,6 +73,7 @@ VARIANTS = ("ours causal-br", "ours causal-br, slice", "ours causal-br, torch in
             "jax eager",
             "torch sdpa", "torch sdpa keep-mask", "torch sdpa repeated signature")
 MASKED = {"ours keep-mask", "ours segments", "torch sdpa keep-mask"}
+WARM_ROUNDS = 5                      # warm passes of every variant, in rotating order
 PROFILED = ("ours causal-br", "ours torch front", "ours keep-mask", "ours segments", "ours repeated signature")
 
 
@@ -215,7 +220,8 @@ def as_cupy(x):
     return cp.from_dlpack(x).astype(cp.float32)
 
 
-def measure(variant: str, st: Steps, reference: dict) -> Row:
+def cold(variant: str, st: Steps) -> tuple[Row, Callable[[int], Any] | None]:
+    """The variant's row after its cold pass (its graphs built), and its call (``None`` when it failed)."""
     import cudnn_attn
 
     row = Row(variant)
@@ -230,19 +236,50 @@ def measure(variant: str, st: Steps, reference: dict) -> Row:
         if misses:
             row.notes["build_ms_per_miss"] = round((after.build_seconds - before.build_seconds) * 1e3 / misses, 2)
         row.notes["cold_host_us_median"] = statistics.median(cold_host)
-        host, latency, out = one_pass(call, st.steps)
-        row.host_us, row.latency_us = statistics.median(host), statistics.median(latency)
-        row.notes["warm_host_us_first_last"] = (round(host[0], 1), round(host[-1], 1))
-        last = as_cupy(out)
-        key = "masked" if variant in MASKED else "repeated" if "repeated" in variant else "plain"
-        if variant.startswith("torch"):
-            reference[key] = last
-        elif key in reference:
-            row.max_abs_diff = float(abs(last - reference[key]).max())
+        return row, call
     except Exception as exc:               # one variant failing must not hide the others
-        row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-        row.notes["traceback"] = traceback.format_exc()[-2500:]
-    return row
+        fail(row, exc)
+        return row, None
+
+
+def warm(measured: list[tuple[Row, Any]], st: Steps, rounds: int) -> None:
+    """``rounds`` warm passes of every variant, in an order that rotates each round (a slow spell of the host falls
+    on all of them); a row's host and latency are the medians over rounds of each pass's median.  Every variant's
+    last output is compared with torch SDPA's of the same kind."""
+    live = [(row, call) for row, call in measured if call is not None]
+    host: dict = collections.defaultdict(list)
+    latency: dict = collections.defaultdict(list)
+    outputs: dict = {}
+    for r in range(rounds):
+        for row, call in live[r % len(live):] + live[:r % len(live)] if live else ():
+            if row.error:
+                continue
+            try:
+                h, lat, outputs[row.variant] = one_pass(call, st.steps)
+                host[row.variant].append(statistics.median(h))
+                latency[row.variant].append(statistics.median(lat))
+            except Exception as exc:
+                fail(row, exc)
+    reference = {}
+    for row, _ in live:
+        if row.variant.startswith("torch") and row.variant in outputs:
+            reference[_kind(row.variant)] = as_cupy(outputs[row.variant])
+    for row, _ in live:
+        if row.error or not host[row.variant]:
+            continue
+        row.host_us, row.latency_us = statistics.median(host[row.variant]), statistics.median(latency[row.variant])
+        row.notes["warm_host_us_rounds"] = [round(x, 1) for x in host[row.variant]]
+        if not row.variant.startswith("torch") and _kind(row.variant) in reference:
+            row.max_abs_diff = float(abs(as_cupy(outputs[row.variant]) - reference[_kind(row.variant)]).max())
+
+
+def _kind(variant: str) -> str:
+    return "masked" if variant in MASKED else "repeated" if "repeated" in variant else "plain"
+
+
+def fail(row: Row, exc: Exception) -> None:
+    row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    row.notes["traceback"] = traceback.format_exc()[-2500:]
 
 
 # -- where a new-signature call's time goes ------------------------------------------------------------
@@ -372,15 +409,12 @@ def main(out_dir: str, steps: int, dry_run: bool) -> list[Row]:
             r.error = "not run (--dry-run)"
     else:
         st = Steps(steps)
-        reference: dict = {}
-        order = [v for v in VARIANTS if v.startswith("torch")] + [v for v in VARIANTS if not v.startswith("torch")]
-        by_name = {}
-        for variant in order:                  # torch first: its outputs are the comparison
-            by_name[variant] = measure(variant, st, reference)
-            r = by_name[variant]
-            print(f"  {variant:30s} host {_f(r.host_us)} us  latency {_f(r.latency_us)} us"
+        measured = [cold(variant, st) for variant in VARIANTS]
+        warm(measured, st, WARM_ROUNDS)
+        rows = [row for row, _ in measured]
+        for r in rows:
+            print(f"  {r.variant:36s} host {_f(r.host_us)} us  latency {_f(r.latency_us)} us"
                   + (f"  ERROR {r.error}" if r.error else ""), flush=True)
-        rows = [by_name[v] for v in VARIANTS]
         try:
             stage_rows = stages(st)
         except Exception as exc:
@@ -397,5 +431,40 @@ def main(out_dir: str, steps: int, dry_run: bool) -> list[Row]:
         json.dump({"dry_run": dry_run, "steps": steps, "shape": {"B": B, "N": N, "K": K, "D": D, "S0": S0},
                    "pads": PADS, "rows": [asdict(r) for r in rows], "stages_us": stage_rows, "profiles": profiles},
                   f, indent=1)
+    if not dry_run:
+        plot(os.path.join(out_dir, "bench_decode_growing.json"), os.path.join(out_dir, "bench_decode_growing.png"))
     print(table(rows, stage_rows, profiles, steps))
     return rows
+
+
+def plot(report: str, path: str) -> None:
+    """Host time per call of each variant (bars), from a ``bench_decode_growing.json``; nothing without matplotlib.
+
+    ``python benchmarks/decode_growing.py --plot REPORT.json OUT.png`` draws it again from a saved report."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [r for r in json.load(open(report))["rows"] if r.get("host_us")]
+    fig, ax = plt.subplots(figsize=(10, 0.32 * len(rows) + 1.2))
+    colors = ["tab:orange" if r["variant"].startswith("torch") else "tab:blue" for r in rows]
+    ax.barh([r["variant"] for r in rows], [r["host_us"] for r in rows], color=colors)
+    ax.set_xscale("log")
+    ax.invert_yaxis()
+    ax.set_xlabel("host us per call (warm pass, log scale)")
+    ax.set_title("decode through a growing cache: one query against S = 128..143 keys")
+    for i, r in enumerate(rows):
+        ax.text(r["host_us"], i, f" {r['host_us']:.0f}", va="center", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--plot"] and len(sys.argv) == 4:
+        plot(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit("usage: decode_growing.py --plot REPORT.json OUT.png (the benchmark itself: bench_decode.py)")
