@@ -144,7 +144,7 @@ def test_unrecorded_calls_skip_the_dispatcher_and_give_the_operators_result(rng,
     assert torch.equal(out, want.detach())
 
 
-def test_dispatch_modes_and_function_transforms_see_the_operator(rng, monkeypatch):
+def test_dispatch_modes_and_function_transforms_see_the_operator(rng):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from cudnn_attn.torch import api
