@@ -301,8 +301,8 @@ def attention_unrecorded(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                          training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_op`'s implementation, for a call that nothing of torch would record
     (:func:`cudnn_attn.torch.api.unrecorded`): the same call without torch's dispatcher, which costs a custom
-    operator's call 49-61 us of host time (H200 machines' hosts, a decode step of ``benchmarks/decode_growing.py``,
-    two runs: 104.7 and 118.6 us per call through the operator, 55.4 and 57.4 for this function)."""
+    operator's call 49-61 us of host time (H200 machines' hosts, a decode step of ``benchmarks/decode_growing.py``:
+    104.7-118.6 us per call through the operator, 55.4-57.4 for this function)."""
     with renamed_arguments(NAMES):
         return _forward(query, key, value, q_lengths, kv_lengths, keep,
                         (scale, causal, bottom_right, window, dropout_rate, seed, layout), training)
