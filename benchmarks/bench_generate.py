@@ -17,8 +17,11 @@ Implementations, on the same model (its weights shared; ``set_attn_implementatio
 * ``ours segments``   - the minimal function, with a one-query step's boolean mask turned into one segment per
                         row (its first kept key and the number kept; the mask's kept keys must be one run).
 
-Every name gets transformers' ``sdpa_mask``; ``torch.compile`` stays off (``generation_config.disable_compile``).
-Per cache and prompt: a cold ``generate()`` of each implementation (graphs built), then ``--rounds`` warm ones of
+Every name gets transformers' ``sdpa_mask``.  Caches: ``dynamic``; ``static+compile``, the static cache as
+``generate(cache_implementation="static")`` runs it by default (transformers compiles the decoding forward with
+``torch.compile``, CUDA graphs included); ``static``, the same with ``generation_config.disable_compile`` (eager).
+Under compile each implementation runs unwrapped (a timing wrapper would break the graph: no ``attn us`` there),
+and ``ours segments`` does not run (the CuPy front is not traceable).  Per cache and prompt: a cold ``generate()`` of each implementation (graphs built), then ``--rounds`` warm ones of
 each in a rotating order (``run_group``): ms per generated token (the median of wall / tokens,
 prefill included), attention calls and the host time inside the attention function per call, graph-cache hits
 and misses of the warm run, and the share of generated tokens equal to sdpa's (random weights: near-ties may
@@ -41,7 +44,8 @@ from dataclasses import asdict, dataclass, field
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BATCH, PROMPT = 4, 16, 4, 64, 4, 128
 PADS = (0, 3, 7, 11)
 IMPLS = ("sdpa", "ours keep-mask", "ours segments")
-CACHES = ("dynamic", "static")
+CACHES = ("dynamic", "static+compile", "static")
+COMPILED = "static+compile"
 
 
 @dataclass
@@ -142,8 +146,10 @@ def register() -> dict:
         name = "bench_" + impl.replace(" ", "_").replace("-", "_")
         timed[impl] = Timed(fn)
         AttentionInterface.register(name, timed[impl])
-        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
-        timed[impl].name = name
+        AttentionInterface.register(name + "_raw", fn)
+        for registered in (name, name + "_raw"):
+            ALL_MASK_ATTENTION_FUNCTIONS.register(registered, sdpa_mask)
+        timed[impl].name, timed[impl].raw_name = name, name + "_raw"
     timed["source"] = source
     return timed
 
@@ -156,9 +162,7 @@ def build_model():
     config = LlamaConfig(vocab_size=4096, hidden_size=HEADS * HEAD_DIM, intermediate_size=2816,
                          num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                          head_dim=HEAD_DIM, max_position_embeddings=4096)
-    model = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
-    model.generation_config.disable_compile = True      # generate() would torch.compile a static-cache forward
-    return model
+    return LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
 
 
 def prompts(padded: bool):
@@ -185,7 +189,8 @@ def generate(model, ids, mask, tokens: int, cache: str):
 
     kwargs = dict(attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                   pad_token_id=0)
-    if cache == "static":
+    model.generation_config.disable_compile = cache != COMPILED     # only the dynamic cache never compiles
+    if cache != "dynamic":
         kwargs["cache_implementation"] = "static"
     with torch.no_grad():
         out = model.generate(ids, **kwargs)
@@ -203,9 +208,12 @@ def run_group(rows: list[Row], model, timed: dict, tokens: int, rounds: int) -> 
     ids, mask = prompts(rows[0].padded)
     cache = rows[0].cache
     live = []
+    def name(row: Row) -> str:
+        return timed[row.impl].raw_name if cache == COMPILED else timed[row.impl].name
+
     for row in rows:
         try:
-            set_implementation(model, timed[row.impl].name)
+            set_implementation(model, name(row))
             start = time.perf_counter()
             generate(model, ids, mask, tokens, cache)
             row.cold_s = time.perf_counter() - start
@@ -220,8 +228,7 @@ def run_group(rows: list[Row], model, timed: dict, tokens: int, rounds: int) -> 
             if row.error:
                 continue
             try:
-                fn = timed[row.impl]
-                set_implementation(model, fn.name)
+                set_implementation(model, name(row))
                 before = cudnn_attn.graph_cache.stats()
                 start = time.perf_counter()
                 outputs[row.impl] = generate(model, ids, mask, tokens, cache)
@@ -238,14 +245,15 @@ def run_group(rows: list[Row], model, timed: dict, tokens: int, rounds: int) -> 
             continue
         fn = timed[row.impl]
         row.ms_per_token = statistics.median(times)
-        row.attention_calls = fn.calls // len(times)
-        row.attention_host_us = fn.ns / 1e3 / max(fn.calls, 1)
-        row.notes["by_kind"] = fn.by_kind()
+        if cache != COMPILED:
+            row.attention_calls = fn.calls // len(times)
+            row.attention_host_us = fn.ns / 1e3 / max(fn.calls, 1)
+            row.notes["by_kind"] = fn.by_kind()
         if sdpa is not None and row is not sdpa and len(sdpa.notes["ms_per_token_rounds"]) == len(times):
             row.notes["vs_sdpa_paired"] = statistics.median(
                 t / base for t, base in zip(times, sdpa.notes["ms_per_token_rounds"]))
             row.same_tokens = float((outputs[row.impl] == outputs["sdpa"]).float().mean())
-        if row.impl != "sdpa":
+        if row.impl != "sdpa" and cache != COMPILED:
             profile(row, model, timed, ids, mask, tokens)
 
 
@@ -285,12 +293,12 @@ def table(rows: list[Row], tokens: int, rounds: int, source: str) -> str:
     lines = [f"== generate(): random Llama {LAYERS} layers, {HEADS}/{KV_HEADS} heads, d={HEAD_DIM}, batch {BATCH}, "
              f"{PROMPT}-token prompt, {tokens} tokens, median of {rounds} warm runs in rotating order (ours' "
              f"keep-mask function: {source})",
-             f"{'cache':8s} {'prompt':7s} {'impl':15s} {'ms/token':>8s} {'x sdpa':>6s} {'attn us':>8s} {'calls':>6s} "
+             f"{'cache':14s} {'prompt':7s} {'impl':15s} {'ms/token':>8s} {'x sdpa':>6s} {'attn us':>8s} {'calls':>6s} "
              f"{'hits':>5s} {'miss':>5s} {'same':>5s} {'cold s':>6s}"]
     for r in rows:
         ratio = r.notes.get("vs_sdpa_paired")
         verdict = "" if r.impl == "sdpa" or ratio is None else ("  OK" if ratio <= 1.0 else "  MISS")
-        lines.append(f"{r.cache:8s} {'padded' if r.padded else 'plain':7s} {r.impl:15s} {_f(r.ms_per_token):>8s} "
+        lines.append(f"{r.cache:14s} {'padded' if r.padded else 'plain':7s} {r.impl:15s} {_f(r.ms_per_token):>8s} "
                      f"{_f(ratio):>6s} {_f(r.attention_host_us, 1):>8s} {r.attention_calls or '-':>6} "
                      f"{'-' if r.cache_hits is None else r.cache_hits:>5} "
                      f"{'-' if r.cache_misses is None else r.cache_misses:>5} {_f(r.same_tokens):>5s} "
@@ -315,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     tokens = args.tokens or (16 if args.quick else 64)
-    rows = [Row(cache, padded, impl) for cache in CACHES for padded in (False, True) for impl in IMPLS]
+    rows = [Row(cache, padded, impl) for cache in CACHES for padded in (False, True) for impl in IMPLS
+            if not (cache == COMPILED and impl == "ours segments")]
     source = "-"
     if args.dry_run:
         for r in rows:
@@ -329,11 +338,13 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows:
                 r.error = f"{type(exc).__name__}: {exc}"[:200]
             model = None
-        for i in range(0, len(rows) if model is not None else 0, len(IMPLS)):
-            group = rows[i:i + len(IMPLS)]
+        groups = {}
+        for r in rows:
+            groups.setdefault((r.cache, r.padded), []).append(r)
+        for group in groups.values() if model is not None else ():
             run_group(group, model, timed, tokens, args.rounds)
             for r in group:
-                print(f"  {r.cache:8s} {'padded' if r.padded else 'plain':7s} {r.impl:15s} {_f(r.ms_per_token)} "
+                print(f"  {r.cache:14s} {'padded' if r.padded else 'plain':7s} {r.impl:15s} {_f(r.ms_per_token)} "
                       f"ms/token (rounds {[round(t, 2) for t in r.notes.get('ms_per_token_rounds', [])]})"
                       + (f"  ERROR {r.error}" if r.error else ""), flush=True)
     with open(os.path.join(args.out, "bench_generate.json"), "w") as f:

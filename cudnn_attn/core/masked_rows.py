@@ -124,7 +124,7 @@ def forward_output(xp: Any, config: AttentionConfig, operands: AttentionOperands
     fixed = _physical(config, xp.where(rows[..., None], mean, xp.zeros((), compute_dtype)), xp)
     output = xp.where(_physical(config, rows[..., None], xp), fixed.astype(output.dtype), output).astype(output.dtype)
     if logsumexp is not None:
-        logsumexp = xp.where(rows, xp.asarray(-np.inf, dtype=logsumexp.dtype), logsumexp)
+        logsumexp = xp.where(rows, xp.full((), -np.inf, dtype=logsumexp.dtype), logsumexp)
     return output, logsumexp
 
 
@@ -137,7 +137,7 @@ def backward_residuals(xp: Any, config: AttentionConfig, operands: AttentionOper
     rows = _rows(xp, config, operands)
     grad_output = xp.where(_physical(config, rows[..., None], xp), xp.zeros((), grad_output.dtype),
                            grad_output).astype(grad_output.dtype)
-    logsumexp = xp.where(rows, xp.asarray(NO_PROBABILITY_LSE, dtype=logsumexp.dtype), logsumexp)
+    logsumexp = xp.where(rows, xp.full((), NO_PROBABILITY_LSE, dtype=logsumexp.dtype), logsumexp)
     return grad_output, logsumexp
 
 
@@ -258,7 +258,7 @@ def keyless_logsumexp(xp: Any, config: AttentionConfig, logsumexp: Any, q_seqlen
     if config.packing is not None:
         q_seqlen, kv_seqlen = segments.q_seqlen, segments.kv_seqlen
     rows = rows_without_keys(xp, config, q_seqlen, kv_seqlen)
-    return xp.where(rows, xp.asarray(-np.inf, dtype=logsumexp.dtype), logsumexp)
+    return xp.where(rows, xp.full((), -np.inf, dtype=logsumexp.dtype), logsumexp)
 
 
 def silent_rows_lse(xp: Any, config: AttentionConfig, grad_output: Any, logsumexp: Any) -> Any:
@@ -272,4 +272,4 @@ def silent_rows_lse(xp: Any, config: AttentionConfig, grad_output: Any, logsumex
     silent = xp.all(grad_output == 0, axis=-1)                           # (B, T, N) or (B, N, T)
     if config.layout is AttentionLayout.BTNH:
         silent = xp.swapaxes(silent, 1, 2)
-    return xp.where(silent, xp.asarray(NO_PROBABILITY_LSE, dtype=logsumexp.dtype), logsumexp)
+    return xp.where(silent, xp.full((), NO_PROBABILITY_LSE, dtype=logsumexp.dtype), logsumexp)

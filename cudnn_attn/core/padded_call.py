@@ -158,8 +158,8 @@ def _fold_diagonal(config: AttentionConfig, bias: Any, xp: Any) -> Any:
     keep = d <= mask.right_bound
     if mask.left_bound is not None:
         keep = keep & (-d < mask.left_bound)
-    negative = xp.asarray(LARGE_NEGATIVE[config.dtype], dtype=bias.dtype)
-    return bias + xp.where(keep, xp.asarray(0, dtype=bias.dtype), negative)
+    negative = xp.full((), LARGE_NEGATIVE[config.dtype], dtype=bias.dtype)
+    return bias + xp.where(keep, xp.full((), 0, dtype=bias.dtype), negative)
 
 
 def lift(config: AttentionConfig, operands: AttentionOperands, xp: Any) -> Lifted | None:

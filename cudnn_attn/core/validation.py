@@ -327,7 +327,7 @@ def _fold_bias(bias: Any, mask: Any, bias_shape: tuple[int, ...], mask_shape: tu
     if mask is not None:
         if dtype_name(mask) == "bool":
             neg = LARGE_NEGATIVE[np.dtype(dtype).name]
-            mask = xp.where(mask, xp.asarray(0, dtype=dtype), xp.asarray(neg, dtype=dtype))
+            mask = xp.where(mask, xp.full((), 0, dtype=dtype), xp.full((), neg, dtype=dtype))
         terms.append(xp.reshape(mask, mask_shape))
     combined = terms[0] if len(terms) == 1 else terms[0] + terms[1]
     if _shape(combined) != full_shape:   # materialise broadcast T/S dims densely (a fresh C-order array)

@@ -265,7 +265,7 @@ def _no_probability(xp: Any, lse: Any) -> Any:
     """The backward's logsumexp with the ``-inf`` of a row without keys replaced by
     :data:`~cudnn_attn.core.masked_rows.NO_PROBABILITY_LSE`: ``exp(score - lse)`` is then 0 there, not inf, so the row
     adds nothing to the gradients."""
-    return xp.where(lse == -np.inf, xp.asarray(masked_rows.NO_PROBABILITY_LSE, dtype=lse.dtype), lse)
+    return xp.where(lse == -np.inf, xp.full((), masked_rows.NO_PROBABILITY_LSE, dtype=lse.dtype), lse)
 
 
 def zero_rows(xp: Any, lse: Any, q_seqlen: Any) -> Any:

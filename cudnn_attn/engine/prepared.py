@@ -229,16 +229,23 @@ class PreparedCall:
         self.plan()
         return tuple((shape, dtype) for shape, dtype, _ in self._layout)
 
-    def launch_into(self, pointers: list[int], stream: int, seed: int, *, replay: bool = True) -> None:
+    def launch_into(self, pointers: list[int], stream: int, seed: int, *, replay: bool = True,
+                    workspace: int | None = None) -> None:
         """The direct launch into results the caller allocated: ``pointers`` are the operand addresses in the
         plan's order (:meth:`direct_order`) followed by those of dense buffers of :meth:`result_layout`, all on
         this call's device, which must be current; ``stream`` is a ``cudaStream_t``; ``replay=False`` never
-        replays (:meth:`~cudnn_attn.engine.plan.CallPlan.sequence`).  For a front whose framework allocates its
-        own results (torch's caching allocator: :mod:`cudnn_attn.torch.ops`)."""
+        replays (:meth:`~cudnn_attn.engine.plan.CallPlan.sequence`); ``workspace`` the address of at least
+        :attr:`workspace_size` bytes ordered on ``stream`` (``None``: the device context's).  For a front whose
+        framework allocates its own results and workspace (torch's caching allocator: :mod:`cudnn_attn.torch.ops`)."""
         plan = self._plan() if self._plan is not None else None
         if plan is None:
             plan = self.plan()
-        plan.launch(pointers, stream, None, (seed, 0) if self.dropout else (), replay=replay)
+        plan.launch(pointers, stream, workspace, (seed, 0) if self.dropout else (), replay=replay)
+
+    @property
+    def workspace_size(self) -> int:
+        """The bytes of workspace a launch of this call needs (its plan's)."""
+        return self.plan().workspace_size
 
     def _new_results(self) -> list[Any]:
         """The results as views of one allocation from CuPy's pool, 256-byte aligned: one pool allocation costs

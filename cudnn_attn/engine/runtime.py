@@ -46,6 +46,13 @@ Workspace (CuPy path)
     allocates nothing for it and a growth can never free a buffer another thread is about to use.
     The JAX path gets its workspace from XLA (an extra result of the FFI call) instead.
 
+Another framework's memory
+    Inside :func:`memory_from` every CuPy allocation of the thread - results, folded masks, clamped lengths,
+    temporaries - and every launch's workspace come from the caller's allocator instead of CuPy's pool and the
+    cached workspace.  The torch front runs its general path so, with torch's caching allocator on torch's
+    current stream: a CUDA graph torch captures then holds memory from its own pool alone, which outlives the
+    graph, where a cached workspace that grows would free memory a captured launch still reads.
+
 Arrays
     CuPy arrays are used as they are.  Any other GPU array with ``__dlpack__`` (JAX arrays, torch
     tensors) is imported zero-copy with :func:`cupy.from_dlpack` while the call's stream is current,
@@ -269,9 +276,16 @@ class DeviceContext:
 
     def workspace(self, stream_ptr: int, nbytes: int) -> int:
         """Device address of at least ``nbytes`` bytes of scratch, ordered on ``stream_ptr`` (0 if none).
-        Hold :attr:`lock`: the buffer is shared by every call on that stream."""
+        Hold :attr:`lock`: the buffer is shared by every call on that stream.  Inside :func:`memory_from` a new
+        buffer from its allocator, held until the block ends."""
         if nbytes == 0:
             return 0
+        held = getattr(_borrowed, "held", None)
+        if held is not None:
+            cupy = _cupy()
+            with cupy.cuda.Device(self.device):
+                held.append(cupy.empty(nbytes, cupy.uint8))
+            return held[-1].data.ptr
         buffer = self._workspaces.get(stream_ptr)
         if buffer is None or buffer.nbytes < nbytes:
             cupy = _cupy()
@@ -428,6 +442,30 @@ def as_cupy(name: str, x: Any, device: int | None, stream: Any, *, strided: bool
         with stream if stream is not None else contextlib.nullcontext():
             x = cupy.ascontiguousarray(x)
     return x
+
+
+_borrowed = threading.local()
+
+
+@contextlib.contextmanager
+def memory_from(allocate: Any, device: int) -> Iterator[None]:
+    """CuPy allocations of this thread on ``device`` inside the block come from ``allocate(nbytes) -> (address,
+    owner)`` (the memory lives as long as ``owner``), and launches take a new workspace from it, held until the
+    block ends (see the module doc).  Nested blocks take the innermost allocator."""
+    cupy = _cupy()
+    memory, pointer = cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer
+
+    def allocator(nbytes: int) -> Any:
+        address, owner = allocate(nbytes)
+        return pointer(memory(address, nbytes, owner, device), 0)
+
+    outer = getattr(_borrowed, "held", None)
+    _borrowed.held = []
+    try:
+        with cupy.cuda.using_allocator(allocator):
+            yield
+    finally:
+        _borrowed.held = outer
 
 
 def on_device(device: int) -> Any:

@@ -59,7 +59,8 @@ from cudnn_attn.engine import prepared, runtime
 from cudnn_attn.engine.call import BWD, FWD
 from cudnn_attn.engine.prepared import Known, PreparedCall, calls, prepared_call
 
-__all__ = ["BoundAttention", "attention", "bind", "dot_product_attention", "dot_product_attention_bwd", "paged_attention"]
+__all__ = ["BoundAttention", "attention", "bind", "dot_product_attention", "dot_product_attention_bwd", "paged_attention",
+           "run_backward", "run_forward"]
 
 # -- arrays in, arrays out ------------------------------------------------------------------------------
 
@@ -195,6 +196,15 @@ def _forward(call: Any) -> tuple[AttentionConfig, AttentionOutput, Callable[[Any
     """The forward of a seed or native call on the generic path: arrays imported, validated (through the
     memo), run.  Returns the configuration, the named results and how they return to the caller's framework."""
     exporter = _exporter(call.query, call.out_type)
+    config, result = run_forward(call)
+    return config, result, exporter
+
+
+def run_forward(call: Any, *, output: Any = None, logsumexp: Any = None) -> tuple[AttentionConfig, AttentionOutput]:
+    """The generic path of a forward call (``dot_product_attention.arguments(...)`` or ``attention.arguments(...)``):
+    the arrays imported, validated through the memo, run by the prepared call.  Returns the configuration and the
+    results as CuPy arrays, written into ``output`` / ``logsumexp`` when given (CuPy arrays of the configuration's
+    ``o_shape`` / ``lse_shape``: for a front whose framework allocates its results, :mod:`cudnn_attn.torch`)."""
     arrays, static = parameters.arguments(call)
     arrays = _gpu_arrays(call.stream, **arrays)
     fp8_dtype = getattr(call, "fp8_dtype", None) if static["use_fp8"] else None
@@ -202,8 +212,9 @@ def _forward(call: Any) -> tuple[AttentionConfig, AttentionOutput, Callable[[Any
         config, operands = _validate_on_device(arrays, static, fp8_dtype)
     config = _with_strides(parameters.finish(call, config), operands)
     result = prepared.forward(config, operands, seed=check_seed(call.seed), stream=call.stream,
-                              autotune=call.autotune, check_values=call.check_values)
-    return config, result, exporter
+                              autotune=call.autotune, check_values=call.check_values, output=output,
+                              logsumexp=logsumexp)
+    return config, result
 
 
 @parameters.front(parameters.NATIVE, "fp8_dtype", "stream", "autotune", "out_type", "check_values")
@@ -352,6 +363,17 @@ def dot_product_attention_bwd(query: Any, key: Any, value: Any, output: Any, gra
         if launched is not None:
             return AttentionGrads(*launched[1])
     exporter = _exporter(call.query, call.out_type)
+    config, grads = run_backward(call)
+    if plain and not config.has_dbias and not config.sink:
+        _remember_direct(BWD, residual_arrays, static, config, call.autotune,
+                         ("query", "key", "value", "output", "grad_output", "logsumexp"))
+    return _export(grads, exporter)
+
+
+def run_backward(call: Any, *, dq: Any = None, dk: Any = None,
+                 dv: Any = None) -> tuple[AttentionConfig, AttentionGrads]:
+    """The generic path of a backward call (``dot_product_attention_bwd.arguments(...)``), as :func:`run_forward`:
+    the configuration and the gradients as CuPy arrays, ``dq`` / ``dk`` / ``dv`` written into the given arrays."""
     arrays, static_arguments = parameters.arguments(call, backward=True)
     arrays = _gpu_arrays(call.stream, **arrays, output=call.output, grad_output=call.grad_output,
                          logsumexp=call.logsumexp)
@@ -360,11 +382,9 @@ def dot_product_attention_bwd(query: Any, key: Any, value: Any, output: Any, gra
     validate_backward(config, output, grad_output, logsumexp)      # FP8 O and dO: uint8 bytes like Q/K/V
     config = _with_strides(config, operands)
     grads = prepared.backward(config, operands, output, grad_output, logsumexp, seed=check_seed(call.seed),
-                              stream=call.stream, autotune=call.autotune, check_values=call.check_values)
-    if plain and not config.has_dbias and not config.sink:
-        _remember_direct(BWD, residual_arrays, static, config, call.autotune,
-                         ("query", "key", "value", "output", "grad_output", "logsumexp"))
-    return _export(grads, exporter)
+                              stream=call.stream, autotune=call.autotune, check_values=call.check_values,
+                              dq=dq, dk=dk, dv=dv)
+    return config, grads
 
 
 # -- pre-bound calls ----------------------------------------------------------------------------------

@@ -15,27 +15,32 @@ seed, layout, training) -> (output, logsumexp)``
 * ``output`` has the query's layout and the value's head dim; ``logsumexp`` is float32 ``(B, N, T)`` when
   ``training`` (the backward needs it), else an empty tensor.
 
-CUDA tensors run on torch's current stream, two ways:
+CUDA tensors run on torch's current stream, and every byte a CUDA call uses comes from torch's caching allocator on
+that stream - results, the workspace, a folded keep-mask, clamped lengths, temporaries - with no host
+synchronisation and no host read of a device value.  So a CUDA graph torch captures (``torch.cuda.graph``,
+``torch.compile(mode="reduce-overhead")``, transformers' static-cache ``generate()``) holds the whole call, and
+the operators carry no ``cudagraph_unsafe`` tag.  A call runs one of two ways:
 
-* a call of dense query/key/value alone (and, backward, the dense residuals) is a *direct launch*: validated
-  once per signature on stand-ins (:func:`config_of`), its :class:`~cudnn_attn.engine.prepared.PreparedCall`
-  launched on the tensors' addresses into results from torch's caching allocator - no CuPy array, no DLPack.
-  Decoding through a growing cache makes every call a new signature, and that first call is a validation and
-  a graph-cache lookup only;
-* any other call (lengths, a keep-mask, a strided tensor) runs the library's CuPy front
-  (:func:`cudnn_attn.fronts.cupy.dot_product_attention` and ``dot_product_attention_bwd``) on the tensors
-  themselves, zero-copy through DLPack, with torch's stream as CuPy's current stream (so the keep-mask's folding
-  and the results' allocation are ordered there as well); its results are torch tensors over CuPy's memory
-  pool.
+* a call of dense query/key/value alone (and, backward, the dense residuals; a bfloat16 inference forward with a
+  boolean ``keep`` as well) is a *direct launch*: validated once per signature on stand-ins (:func:`config_of`),
+  its :class:`~cudnn_attn.engine.prepared.PreparedCall` launched on the tensors' addresses into results from
+  torch's caching allocator - no CuPy array, no DLPack;
+* any other call (lengths, a keep-mask, a strided tensor) runs the CuPy front's generic path
+  (:func:`cudnn_attn.fronts.cupy.run_forward` and ``run_backward``) on the tensors themselves, zero-copy, with
+  torch's stream as CuPy's current stream and torch's allocator as CuPy's (:func:`cudnn_attn.engine.runtime.memory_from`),
+  into results torch allocated.
+
+Both kinds are remembered in one table, :data:`calls`, by :func:`call_key`.  The first call of a signature
+validates, builds (or finds) its cuDNN graph and compiles the CuPy kernels it uses; none of that may happen while
+a stream is being captured, so a first call met during capture raises :class:`CaptureWarmupError`: run the call
+once before capturing, as torch's own CUDA graph recipes (and ``torch.compile``'s warm-up run) do.  A replayed
+graph repeats the dropout mask of its capture: the seed is a host scalar bound when the call is captured.
 
 CPU tensors run the NumPy reference
 (:mod:`cudnn_attn.reference`, float64 inside): the same validation and results, for tests and machines
 without a GPU.  Both validate with :func:`cudnn_attn.core.validation.validate_call`, so errors are the
 other fronts' (``ValueError`` naming the argument; ``UnsupportedConfigurationError`` from the support table).
 The fake implementations validate the same way on stand-ins of the shapes (NumPy arrays of stride 0).
-
-The operators carry torch's ``cudagraph_unsafe`` tag: the CuPy front allocates its results and the folded
-keep-mask from CuPy's pool, which a CUDA graph captured by torch (``mode="reduce-overhead"``) must not hold.
 """
 
 from __future__ import annotations
@@ -58,9 +63,8 @@ from cudnn_attn.fronts import cupy as cupy_front
 from cudnn_attn.reference import dot_product_attention as reference_forward
 from cudnn_attn.reference import dot_product_attention_bwd as reference_backward
 
-__all__ = ["attention_backward_op", "attention_op", "attention_unrecorded"]
+__all__ = ["CaptureWarmupError", "attention_backward_op", "attention_op", "attention_unrecorded", "call_key", "calls"]
 
-_TAGS = tuple(tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),) if tag is not None)
 # What validation's messages call an argument, and what the operators call it.
 NAMES = {"q_seqlen": "q_lengths", "kv_seqlen": "kv_lengths", "mask": "keep", "qkv_layout": "layout",
          "sliding_window_length": "window", "training (return_residual)": "training"}
@@ -121,8 +125,9 @@ def _validate_stand_ins(query, key, value, q_lengths, kv_lengths, keep, scale, c
     return config
 
 
-_configs: dict[tuple, Any] = {}
-_CONFIGS_MAX = 256
+_validated_configs: dict[tuple, Any] = {}
+"""The validation memo of :func:`config_of`: a call signature's configuration."""
+_VALIDATED_MAX = 256
 
 
 def config_of(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any, kv_lengths: Any,
@@ -132,35 +137,40 @@ def config_of(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_len
     check_seed(static[5])
     signature = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in
                       (query, key, value, q_lengths, kv_lengths, keep)) + static[:5] + (static[6], training)
-    config = _configs.get(signature)
+    config = _validated_configs.get(signature)
     if config is None:
         config = _validated(query, key, value, q_lengths, kv_lengths, keep, *static, training)
-        if len(_configs) >= _CONFIGS_MAX:
-            _configs.clear()
-        _configs[signature] = config
+        if len(_validated_configs) >= _VALIDATED_MAX:
+            _validated_configs.clear()
+        _validated_configs[signature] = config
     return config
 
 
-# -- the direct launch of repeated calls --------------------------------------------------------------------
+# -- repeated calls ------------------------------------------------------------------------------------------
 
 _TORCH_DTYPES = {np.dtype(np.float16): torch.float16, np.dtype(ml_dtypes.bfloat16): torch.bfloat16,
                  np.dtype(np.float32): torch.float32}
 
 
-class _Direct(NamedTuple):
-    """A call of dense CUDA tensors alone, launched without CuPy or DLPack: its prepared call, the order of its
-    operands in the plan, and the ``(shape, torch dtype)`` of its results, which torch's caching allocator
-    makes on torch's current stream (where the call runs).
+class CaptureWarmupError(RuntimeError):
+    """The first call of a signature met while torch captures a CUDA graph (module doc): run it once first."""
 
-    It never replays a CUDA graph (:mod:`cudnn_attn.engine.replay`).  In transformers' ``generate()`` with the
-    dynamic cache every decode step is a new plan whose address sets come back once per ``generate()``, so each
-    second sighting captured a graph that was hardly replayed: 322 us of host time per decode call against 174
-    for the same calls whose addresses did not repeat (``benchmarks/bench_generate.py``, one H200).  A torch loop
-    whose addresses do repeat has torch's own CUDA graphs (``torch.cuda.graphs``, ``torch.compile``)."""
+
+class _Direct(NamedTuple):
+    """A call launched without CuPy or DLPack: its prepared call, the order of its operands in the plan, the
+    ``(shape, torch dtype)`` of its results and its workspace bytes, which torch's caching allocator makes on
+    torch's current stream (where the call runs).
+
+    It never replays a CUDA graph of the engine's (:mod:`cudnn_attn.engine.replay`).  In transformers'
+    ``generate()`` with the dynamic cache every decode step is a new plan whose address sets come back once per
+    ``generate()``, so each second sighting captured a graph that was hardly replayed: 322 us of host time per
+    decode call against 174 for the same calls whose addresses did not repeat (``benchmarks/bench_generate.py``,
+    one H200).  A torch loop whose addresses do repeat has torch's own CUDA graphs, which hold this launch."""
 
     prepared: PreparedCall
     order: Callable[[Sequence[Any]], tuple]
     results: tuple
+    workspace: int
 
     def launch(self, tensors: tuple, seed: int, keep: torch.Tensor | None = None) -> list[torch.Tensor]:
         call = self.prepared
@@ -169,10 +179,18 @@ class _Direct(NamedTuple):
             tensors = (*tensors, _folded(keep, call.config))
         results = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.results]
         pointers = [x.data_ptr() for x in self.order(tensors)] + [r.data_ptr() for r in results]
+        workspace = torch.empty(self.workspace, dtype=torch.uint8, device=device) if self.workspace else None
         stream = torch.cuda.current_stream(device).cuda_stream
         with runtime.on_device(call.device):
-            call.launch_into(pointers, stream, check_seed(seed) if call.dropout else seed, replay=False)
+            call.launch_into(pointers, stream, check_seed(seed) if call.dropout else seed, replay=False,
+                             workspace=0 if workspace is None else workspace.data_ptr())
         return results
+
+
+class _General(NamedTuple):
+    """A call the CuPy front's generic path runs (module doc), by its configuration."""
+
+    config: Any
 
 
 def _folded(keep: torch.Tensor, config: Any) -> torch.Tensor:
@@ -194,52 +212,110 @@ def _folded(keep: torch.Tensor, config: Any) -> torch.Tensor:
 
 _fold_values: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-_direct = Calls()
-"""The torch operators' direct launches, by :func:`_direct_key`."""
+calls = Calls()
+"""The torch front's calls seen on CUDA (:class:`_Direct` or :class:`_General` entries), by :func:`call_key`."""
 
 _FWD_NAMES = ("query", "key", "value")
 _BWD_NAMES = _FWD_NAMES + ("output", "grad_output", "logsumexp")
 
 
-def _direct_key(kind: str, tensors: tuple, static: tuple) -> tuple:
-    """The identity of a call of ``tensors`` alone: the shape, strides, dtype and device of each, the static
-    arguments but the seed (a new dropout seed per call launches the same plan)."""
+def call_key(kind: str, tensors: tuple, static: tuple, training: bool) -> tuple:
+    """The identity of a CUDA call: the shape, strides, dtype and device of each tensor (``None`` where absent), the
+    static arguments but the seed (a new dropout seed per call launches the same plan) and ``training``."""
     return (kind, *[None if x is None else (x.shape, x.stride(), x.dtype, x.get_device()) for x in tensors],
-            static[:5], static[6])
+            static[:5], static[6], training)
 
 
-def _direct_call(kind: str, tensors: tuple, static: tuple, training: bool,
-                 keep: torch.Tensor | None = None) -> _Direct | None:
-    """The direct launch of a call of dense ``tensors`` (made on the first call of its signature), or ``None``
-    when the call needs the general path (:attr:`PreparedCall.direct_capable`, a backward with a bias or sink, a
-    tensor that is not dense).  A forward's boolean ``keep`` mask goes with it where cuDNN's own result is the
-    library's (:func:`cudnn_attn.core.masked_rows.kernel_gives_the_mean`: bfloat16 inference with the mask
-    alone, as transformers decodes a left-padded batch or through a static cache), folded by :func:`_folded`."""
-    signature = _direct_key(kind, (*tensors, keep), static) + (training,)
-    found = _direct.get(signature)
-    if found is not None:
-        return found
-    if not all(x.is_contiguous() for x in tensors) or len({x.get_device() for x in (*tensors, keep)
-                                                            if x is not None}) > 1:
-        return None                            # the general path copies, or names the tensor on another device
-    if keep is not None and (kind != FWD or keep.dtype != torch.bool):
-        return None
-    config = config_of(*tensors[:3], None, None, keep, static, training)
-    if keep is not None and not masked_rows.kernel_gives_the_mean(config):
-        return None
+def _first_call(kind: str, tensors: tuple, static: tuple, training: bool) -> _Direct | _General:
+    """How a call of a new signature runs (made before it first runs; remembered by the caller once it ran).
+    ``tensors`` are the forward's ``(query, key, value, q_lengths, kv_lengths, keep)`` or the backward's residuals
+    followed by ``(q_lengths, kv_lengths, keep)``."""
+    if torch.cuda.is_current_stream_capturing():
+        raise CaptureWarmupError(
+            f"cudnn_attn: the first call of a signature ({kind}, query {tuple(tensors[0].shape)} "
+            f"{tensors[0].dtype}) was made while a CUDA graph is being captured; call it once before capturing "
+            f"(a warm-up run) so that its cuDNN graph is built and its kernels are loaded")
+    dense, rest = tensors[:3] if kind == FWD else tensors[:6], tensors[-3:]
+    q_lengths, kv_lengths, keep = rest
+    config = config_of(*tensors[:3], q_lengths, kv_lengths, keep, static, training)
     if kind == BWD:
         with renamed_arguments(NAMES):
-            validate_backward(config, *(_stand_in(name, x) for name, x in zip(_BWD_NAMES[3:], tensors[3:])))
-        if config.has_dbias or config.sink:
-            return None
+            validate_backward(config, *(_stand_in(name, x) for name, x in zip(_BWD_NAMES[3:], tensors[3:6])))
+    if q_lengths is not None or kv_lengths is not None or not all(x.is_contiguous() for x in dense) \
+            or len({x.get_device() for x in tensors if x is not None}) > 1:
+        return _General(config)                # the general path copies, or names the tensor on another device
+    if keep is not None and (kind != FWD or keep.dtype != torch.bool or not masked_rows.kernel_gives_the_mean(config)):
+        return _General(config)
+    if kind == BWD and (config.has_dbias or config.sink):
+        return _General(config)
     call = prepared_call(config, kind, tensors[0].get_device())
     if not call.direct_capable:
-        return None
+        return _General(config)
     names = _FWD_NAMES + (("bias",) if keep is not None else ()) if kind == FWD else _BWD_NAMES
-    found = _Direct(call, call.direct_order(names),
-                    tuple((shape, _TORCH_DTYPES[dtype]) for shape, dtype in call.result_layout()))
-    _direct.remember(signature, found)
-    return found
+    return _Direct(call, call.direct_order(names),
+                   tuple((shape, _TORCH_DTYPES[dtype]) for shape, dtype in call.result_layout()), call.workspace_size)
+
+
+def _run(kind: str, tensors: tuple, static: tuple, training: bool) -> list[torch.Tensor]:
+    """A CUDA call: the results in the plan's order (forward: output, then the logsumexp when ``training``;
+    backward: dq, dk, dv)."""
+    key = call_key(kind, tensors, static, training)
+    known = calls.get(key)
+    first = known is None
+    if first:
+        known = _first_call(kind, tensors, static, training)
+    if type(known) is _Direct:
+        results = known.launch(tensors[:3] if kind == FWD else tensors[:6], static[5],
+                               tensors[5] if kind == FWD else None)
+    else:
+        results = _general(kind, known.config, tensors, static, training)
+    if first:
+        calls.remember(key, known)
+    return results
+
+
+def _general(kind: str, config: Any, tensors: tuple, static: tuple, training: bool) -> list[torch.Tensor]:
+    """The CuPy front's generic path on torch's stream and torch's memory (module doc), into torch's results."""
+    query = tensors[0]
+    device = query.device
+    if kind == FWD:
+        results = [torch.empty(config.o_shape, dtype=query.dtype, device=device)]
+        if training:
+            results.append(torch.empty(config.lse_shape, dtype=torch.float32, device=device))
+    else:
+        results = [torch.empty(x.shape, dtype=x.dtype, device=device) for x in tensors[:3]]
+    arrays = _detached(*tensors)
+    q_lengths, kv_lengths, keep = arrays[-3:]
+    with runtime.memory_from(_torch_memory(device), device.index), _on_torch_stream(query):
+        arguments = _seed_arguments(q_lengths, kv_lengths, _cupy_keep(keep), *static)
+        views = [_cupy_view(x) for x in results]
+        if kind == FWD:
+            call = cupy_front.dot_product_attention.arguments(*arrays[:3], **arguments, return_residual=training,
+                                                              stream=_stream(query))
+            cupy_front.run_forward(call, output=views[0], logsumexp=views[1] if training else None)
+        else:
+            call = cupy_front.dot_product_attention_bwd.arguments(*arrays[:6], **arguments, stream=_stream(query))
+            cupy_front.run_backward(call, dq=views[0], dk=views[1], dv=views[2])
+    return results
+
+
+def _torch_memory(device: torch.device) -> Callable[[int], tuple[int, torch.Tensor]]:
+    """``nbytes -> (address, owner)`` from torch's caching allocator on torch's current stream of ``device``
+    (:func:`cudnn_attn.engine.runtime.memory_from`)."""
+    def allocate(nbytes: int) -> tuple[int, torch.Tensor]:
+        owner = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return owner.data_ptr(), owner
+    return allocate
+
+
+_CUPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+                torch.float32: np.dtype(np.float32)}
+
+
+def _cupy_view(x: torch.Tensor) -> Any:
+    """A dense CUDA tensor as a CuPy array over its memory (it keeps ``x`` alive), without DLPack."""
+    memory = cupy.cuda.UnownedMemory(x.data_ptr(), x.numel() * x.element_size(), x, x.get_device())
+    return cupy.ndarray(tuple(x.shape), _CUPY_DTYPES[x.dtype], cupy.cuda.MemoryPointer(memory, 0))
 
 
 # -- NumPy views of CPU tensors -----------------------------------------------------------------------------
@@ -266,11 +342,11 @@ def _stream(x: torch.Tensor) -> int:
 
 def _on_torch_stream(x: torch.Tensor) -> Any:
     """torch's current stream of ``x``'s device as CuPy's current stream: what the CuPy front does besides the
-    launch (importing, folding the keep-mask, allocating and exporting the results) is ordered there too."""
+    launch (importing, folding the keep-mask, clamping lengths) is ordered there too."""
     return runtime.device_context(x.device.index).stream(_stream(x))
 
 
-def _cupy_keep(keep: torch.Tensor | None) -> Any:
+def _cupy_keep(keep: Any) -> Any:
     """A boolean CUDA tensor as a CuPy bool array over the same memory (through its uint8 view: DLPack's bool
     type is recent, its uint8 older than both libraries)."""
     if keep is None or keep.dtype != torch.bool:
@@ -285,7 +361,7 @@ def _empty_lse(query: torch.Tensor) -> torch.Tensor:
 # -- the forward operator -----------------------------------------------------------------------------------
 
 # torch infers the operators' schemas from these annotations (Optional[torch.Tensor] -> "Tensor?").
-@torch.library.custom_op("cudnn_attn::attention", mutates_args=(), tags=_TAGS)
+@torch.library.custom_op("cudnn_attn::attention", mutates_args=())
 def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Optional[torch.Tensor],
                  kv_lengths: Optional[torch.Tensor], keep: Optional[torch.Tensor], scale: float, causal: bool,
                  bottom_right: bool, window: int, dropout_rate: float, seed: int, layout: str,
@@ -317,19 +393,8 @@ def _detached(*tensors: Any) -> tuple:
 def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any, kv_lengths: Any, keep: Any,
              static: tuple, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if query.is_cuda:
-        if q_lengths is None and kv_lengths is None:
-            direct = _direct_call(FWD, (query, key, value), static, training, keep)
-            if direct is not None:
-                result = direct.launch((query, key, value), static[5], keep)
-                return (result[0], result[1]) if training else (result[0], _empty_lse(query))
-        query, key, value, q_lengths, kv_lengths, keep = _detached(query, key, value, q_lengths, kv_lengths, keep)
-        if keep is not None and not keep.is_contiguous():     # validated before _cupy_keep copies it
-            config_of(query, key, value, q_lengths, kv_lengths, keep, static, training)
-        with _on_torch_stream(query):
-            arguments = _seed_arguments(q_lengths, kv_lengths, _cupy_keep(keep), *static)
-            result = cupy_front.dot_product_attention(query, key, value, **arguments, return_residual=training,
-                                                      stream=_stream(query))
-        return (result[0], result[1]) if training else (result, _empty_lse(query))
+        result = _run(FWD, (query, key, value, q_lengths, kv_lengths, keep), static, training)
+        return (result[0], result[1]) if training else (result[0], _empty_lse(query))
     if query.device.type != "cpu":
         raise ValueError(f"query: the torch front runs on CUDA (cuDNN) and CPU (the NumPy reference) tensors, "
                          f"got a tensor on {query.device}")
@@ -368,7 +433,7 @@ def _shapes(query: torch.Tensor, value: torch.Tensor, layout: str) -> tuple[tupl
 
 # -- the backward operator ----------------------------------------------------------------------------------
 
-@torch.library.custom_op("cudnn_attn::attention_backward", mutates_args=(), tags=_TAGS)
+@torch.library.custom_op("cudnn_attn::attention_backward", mutates_args=())
 def attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
                           grad_output: torch.Tensor, logsumexp: torch.Tensor, q_lengths: Optional[torch.Tensor],
                           kv_lengths: Optional[torch.Tensor], keep: Optional[torch.Tensor], scale: float,
@@ -384,19 +449,10 @@ def attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: torch.T
 def _backward_grads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
                     grad_output: torch.Tensor, logsumexp: torch.Tensor, q_lengths: Any, kv_lengths: Any, keep: Any,
                     static: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep = _detached(
-        query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep)
     if query.device.type == "cuda":
-        if q_lengths is None and kv_lengths is None and keep is None:
-            residuals = (query, key, value, output, grad_output, logsumexp)
-            direct = _direct_call(BWD, residuals, static, True)
-            if direct is not None:
-                return tuple(direct.launch(residuals, static[5]))
-        with _on_torch_stream(query):
-            arguments = _seed_arguments(q_lengths, kv_lengths, _cupy_keep(keep), *static)
-            grads = cupy_front.dot_product_attention_bwd(query, key, value, output, grad_output, logsumexp,
-                                                         **arguments, stream=_stream(query))
-        return grads.dq, grads.dk, grads.dv
+        grads = _run(BWD, _detached(query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep),
+                     static, True)
+        return grads[0], grads[1], grads[2]
     arguments = _seed_arguments(_to_numpy(q_lengths), _to_numpy(kv_lengths), _to_numpy(keep), *static)
     grads = reference_backward(*(_to_numpy(x) for x in (query, key, value, output, grad_output,
                                                                           logsumexp)), **arguments)

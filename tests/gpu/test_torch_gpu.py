@@ -6,9 +6,9 @@ current stream, ``torch.compile(fullgraph=True)`` forward and backward, dropout,
 The reference is ``torch.nn.functional.scaled_dot_product_attention`` under ``sdpa_kernel(SDPBackend.MATH)`` in
 float32 on the same io-dtype inputs, compared by relative Frobenius error with the GPU tier's bounds
 (``_checks.RELATIVE_TOLERANCE``: 2e-3 fp16, 1e-2 bf16).  The operators allocate their results (from torch's
-caching allocator on the direct launch, from CuPy's pool on the CuPy front), so instead of NaN-filled output
-buffers both allocators' free memory is filled with NaN before each call (:func:`_poison_pool`): a row cuDNN left
-unwritten reads back as NaN and fails the finiteness check.
+caching allocator, on both paths), so instead of NaN-filled output buffers the allocators' free memory is filled
+with NaN before each call (:func:`_poison_pool`): a row cuDNN left unwritten reads back as NaN and fails the
+finiteness check.
 """
 
 from __future__ import annotations
@@ -172,10 +172,10 @@ def test_dense_calls_launch_directly_into_torch_memory_through_a_growing_cache(r
     def refuse(*args, **kwargs):
         raise AssertionError("a dense call ran the CuPy front instead of the direct launch")
 
-    monkeypatch.setattr(cupy_front, "dot_product_attention", refuse)
-    monkeypatch.setattr(cupy_front, "dot_product_attention_bwd", refuse)
+    monkeypatch.setattr(cupy_front, "run_forward", refuse)
+    monkeypatch.setattr(cupy_front, "run_backward", refuse)
     cache_k, cache_v = (_random(rng, (4, 4, 140, 64), torch.bfloat16) for _ in range(2))
-    before = len(ops._direct)
+    before = len(ops.calls)
     for length in (128, 129, 130, 131, 129):
         q = _random(rng, (4, 16, 1, 64), torch.bfloat16)
         k, v = cache_k[:, :, :length].contiguous(), cache_v[:, :, :length].contiguous()
@@ -185,7 +185,7 @@ def test_dense_calls_launch_directly_into_torch_memory_through_a_growing_cache(r
         out, lse = ct.sdpa(q, k, v, layout="BNTH")
         assert torch.cuda.memory_allocated() > allocated and lse.numel() == 0
         assert_close(f"output (S={length})", _host(out), _host(_math_sdpa(q, k, v, layout="BNTH")), "bfloat16")
-    assert len(ops._direct) == before + 4                    # one entry per new signature, S = 129 found again
+    assert len(ops.calls) == before + 4                    # one entry per new signature, S = 129 found again
     for length in (140, 141):                                # a left-padded batch, its last row keeping no key
         q = _random(rng, (4, 16, 1, 64), torch.bfloat16)
         k, v = (_random(rng, (4, 4, length, 64), torch.bfloat16) for _ in range(2))
@@ -198,7 +198,7 @@ def test_dense_calls_launch_directly_into_torch_memory_through_a_growing_cache(r
                                                scale=0.125, qkv_layout="BNTH")
         assert_close(f"output, keep-mask (S={length})", _host(out), want, "bfloat16")
         assert_close("the row keeping no key: the mean of V", _host(out)[3], want[3], "bfloat16")
-    assert len(ops._direct) == before + 6
+    assert len(ops.calls) == before + 6
     made = replay.churn().made
     q, k, v = (_random(rng, (4, 16, 1, 64), torch.bfloat16) for _ in range(3))
     for _ in range(4):                                       # the same addresses again and again: no capture
