@@ -8,12 +8,14 @@
 * :func:`register_transformers` - registers the attention and its mask with Hugging Face transformers
   (``attn_implementation="cudnn_attn"``).
 
-CUDA tensors run cuDNN on torch's current stream, zero-copy; CPU tensors run the NumPy reference.
+CUDA tensors run cuDNN on torch's current stream, zero-copy, in memory of torch's caching allocator, so torch's CUDA
+graphs (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) hold them; a shape's first call must come
+before a capture (:class:`CaptureWarmupError`).  CPU tensors run the NumPy reference.
 """
 
 from .api import attention, sdpa
-from .ops import attention_backward_op, attention_op
+from .ops import CaptureWarmupError, attention_backward_op, attention_op
 from .transformers_attention import register_transformers, transformers_attention
 
-__all__ = ["attention", "attention_backward_op", "attention_op", "register_transformers", "sdpa",
+__all__ = ["CaptureWarmupError", "attention", "attention_backward_op", "attention_op", "register_transformers", "sdpa",
            "transformers_attention"]

@@ -229,7 +229,8 @@ def call_key(kind: str, tensors: tuple, static: tuple, training: bool) -> tuple:
 def _first_call(kind: str, tensors: tuple, static: tuple, training: bool) -> _Direct | _General:
     """How a call of a new signature runs (made before it first runs; remembered by the caller once it ran).
     ``tensors`` are the forward's ``(query, key, value, q_lengths, kv_lengths, keep)`` or the backward's residuals
-    followed by ``(q_lengths, kv_lengths, keep)``."""
+    followed by ``(q_lengths, kv_lengths, keep)``.  Every ``ValueError`` of a CUDA call is raised here, in the
+    operators' names: a repeated call, validated already, runs outside :func:`renamed_arguments`."""
     if torch.cuda.is_current_stream_capturing():
         raise CaptureWarmupError(
             f"cudnn_attn: the first call of a signature ({kind}, query {tuple(tensors[0].shape)} "
@@ -379,9 +380,8 @@ def attention_unrecorded(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     (:func:`cudnn_attn.torch.api.unrecorded`): the same call without torch's dispatcher, which costs a custom
     operator's call 49-61 us of host time (H200 machines' hosts, a decode step of ``benchmarks/decode_growing.py``:
     104.7-118.6 us per call through the operator, 55.4-57.4 for this function)."""
-    with renamed_arguments(NAMES):
-        return _forward(query, key, value, q_lengths, kv_lengths, keep,
-                        (scale, causal, bottom_right, window, dropout_rate, seed, layout), training)
+    return _forward(query, key, value, q_lengths, kv_lengths, keep,
+                    (scale, causal, bottom_right, window, dropout_rate, seed, layout), training)
 
 
 def _detached(*tensors: Any) -> tuple:
@@ -399,8 +399,9 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_leng
         raise ValueError(f"query: the torch front runs on CUDA (cuDNN) and CPU (the NumPy reference) tensors, "
                          f"got a tensor on {query.device}")
     arguments = _seed_arguments(_to_numpy(q_lengths), _to_numpy(kv_lengths), _to_numpy(keep), *static)
-    result = reference_forward(_to_numpy(query), _to_numpy(key), _to_numpy(value), **arguments,
-                                             return_residual=training)
+    with renamed_arguments(NAMES):
+        result = reference_forward(_to_numpy(query), _to_numpy(key), _to_numpy(value), **arguments,
+                                   return_residual=training)
     if training:
         return _from_numpy(result[0]), _from_numpy(result[1])
     return _from_numpy(result), _empty_lse(query)

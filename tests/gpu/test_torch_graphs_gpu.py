@@ -162,7 +162,7 @@ def test_first_call_during_capture_asks_for_a_warm_up(rng):
     q, k, v = (_random(rng, (3, 8, 1, 64), torch.bfloat16) for _ in range(3))
     k, v = (_random(rng, (3, 8, 333, 64), torch.bfloat16) for _ in range(2))
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(ops.CaptureWarmupError, match="warm-up"):
+    with pytest.raises(ct.CaptureWarmupError, match="warm-up"):
         with torch.cuda.graph(graph):
             ct.sdpa(q, k, v, layout="BNTH")
     out = ct.sdpa(q, k, v, layout="BNTH")[0]                   # the front works on afterwards
