@@ -180,7 +180,7 @@ class _Direct(NamedTuple):
         results = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.results]
         pointers = [x.data_ptr() for x in self.order(tensors)] + [r.data_ptr() for r in results]
         workspace = torch.empty(self.workspace, dtype=torch.uint8, device=device) if self.workspace else None
-        stream = torch.cuda.current_stream(device).cuda_stream
+        stream = _current_stream(device)
         with runtime.on_device(call.device):
             call.launch_into(pointers, stream, check_seed(seed) if call.dropout else seed, replay=False,
                              workspace=0 if workspace is None else workspace.data_ptr())
@@ -337,8 +337,20 @@ def _from_numpy(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(x)
 
 
+def _public_current_stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_current_stream: Callable[[torch.device], int] = _public_current_stream if _raw_stream is None else \
+    (lambda device: _raw_stream(device.index))
+"""torch's current ``cudaStream_t`` of a CUDA device: ``torch._C._cuda_getCurrentRawStream`` (private), which makes no
+``torch.cuda.Stream`` object: 4.3 us of a 40.8 us decode call's host time less (``benchmarks/bench_torch_host.py``,
+cProfile, H200 host); the public ``torch.cuda.current_stream`` where torch lacks it."""
+
+
 def _stream(x: torch.Tensor) -> int:
-    return torch.cuda.current_stream(x.device).cuda_stream
+    return _current_stream(x.device)
 
 
 def _on_torch_stream(x: torch.Tensor) -> Any:
@@ -357,6 +369,18 @@ def _cupy_keep(keep: Any) -> Any:
 
 def _empty_lse(query: torch.Tensor) -> torch.Tensor:
     return query.new_empty((0,), dtype=torch.float32)
+
+
+def _shared_empty_lse(query: torch.Tensor) -> torch.Tensor:
+    """One empty float32 tensor per device, for the calls outside torch's dispatcher (an operator returns new
+    tensors): 3.3 us of a decode call's host time less (``benchmarks/bench_torch_host.py``, cProfile)."""
+    empty = _empty_lses.get(query.device)
+    if empty is None:
+        empty = _empty_lses.setdefault(query.device, _empty_lse(query))
+    return empty
+
+
+_empty_lses: dict[torch.device, torch.Tensor] = {}
 
 
 # -- the forward operator -----------------------------------------------------------------------------------
@@ -381,7 +405,7 @@ def attention_unrecorded(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     operator's call 49-61 us of host time (H200 machines' hosts, a decode step of ``benchmarks/decode_growing.py``:
     104.7-118.6 us per call through the operator, 55.4-57.4 for this function)."""
     return _forward(query, key, value, q_lengths, kv_lengths, keep,
-                    (scale, causal, bottom_right, window, dropout_rate, seed, layout), training)
+                    (scale, causal, bottom_right, window, dropout_rate, seed, layout), training, _shared_empty_lse)
 
 
 def _detached(*tensors: Any) -> tuple:
@@ -391,10 +415,11 @@ def _detached(*tensors: Any) -> tuple:
 
 
 def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any, kv_lengths: Any, keep: Any,
-             static: tuple, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             static: tuple, training: bool,
+             empty_lse: Callable[[torch.Tensor], torch.Tensor] = _empty_lse) -> tuple[torch.Tensor, torch.Tensor]:
     if query.is_cuda:
         result = _run(FWD, (query, key, value, q_lengths, kv_lengths, keep), static, training)
-        return (result[0], result[1]) if training else (result[0], _empty_lse(query))
+        return (result[0], result[1]) if training else (result[0], empty_lse(query))
     if query.device.type != "cpu":
         raise ValueError(f"query: the torch front runs on CUDA (cuDNN) and CPU (the NumPy reference) tensors, "
                          f"got a tensor on {query.device}")

@@ -287,3 +287,14 @@ def test_sixteen_threads_share_the_front_and_one_model(rng):
         faulthandler.cancel_dump_traceback_later()
     assert not errors, errors[:3]
     assert not mismatches, f"{len(mismatches)} mismatches, first {mismatches[:3]}"
+
+
+def test_the_raw_current_stream_query_agrees_with_the_public_one():
+    """``ops._current_stream`` reads ``torch._C._cuda_getCurrentRawStream`` (a private query, DESIGN's table): it must
+    exist and give the public ``torch.cuda.current_stream`` on the default stream and inside ``torch.cuda.stream``."""
+    assert hasattr(torch._C, "_cuda_getCurrentRawStream"), "torch dropped _cuda_getCurrentRawStream"
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert ops._current_stream(device) == torch.cuda.current_stream(device).cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert ops._current_stream(device) == side.cuda_stream != 0

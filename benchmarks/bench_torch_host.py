@@ -1,0 +1,181 @@
+"""Host time of one eager torch decode call, by stage: ``cudnn_attn.torch.sdpa`` against torch's SDPA (not a test).
+
+    python benchmarks/bench_torch_host.py [--out OUT_DIR] [--calls 2000] [--rounds 5]
+
+The call: batch 4, 16 query / 4 key-value heads, head dim 64, bf16, one query against S keys in BNTH (a decode step
+as transformers makes it), without a mask and with a boolean keep-mask ``(B, 1, 1, S)`` (left padding).  Two cache
+kinds: ``fixed`` (S = 512, one signature) and ``growing`` (S = 512 .. 575, a new length every call, every length
+seen before: what the dynamic cache's decode steps are in a warm ``generate()``).
+
+Rows, each the host clock per call (``time.perf_counter_ns`` over ``--calls`` calls, the median of ``--rounds``
+rounds; the GPU synchronised between rounds, never inside one):
+
+* ``torch sdpa``         - ``torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask, enable_gqa=True)``;
+* ``ours``               - ``cudnn_attn.torch.sdpa(q, k, v, keep=..., layout="BNTH")``, the whole call;
+* ``ours: sdpa()``       - the same with the operator's implementation stubbed out (argument handling alone);
+* ``ours: lookup``       - ``ops.call_key`` and the table lookup of a repeated call;
+* ``ours: launch``       - the direct launch of a known call (results, fold, stream, ``launch_into``);
+* ``ours: launch_into``  - ``PreparedCall.launch_into`` on fixed addresses (the engine's launch sequence and
+                           cuDNN's execute).
+
+Writes ``bench_torch_host.json`` into OUT_DIR and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+B, N, K, H = 4, 16, 4, 64
+FIXED = 512
+GROWING = range(512, 576)
+
+
+def _timed(fn, calls: int, rounds: int) -> float:
+    import torch
+
+    samples = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter_ns()
+        for i in range(calls):
+            fn(i)
+        samples.append((time.perf_counter_ns() - start) / calls / 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def measure(calls: int, rounds: int) -> list[dict]:
+    import torch
+
+    import cudnn_attn.torch as ct
+    from cudnn_attn.engine.call import FWD
+    from cudnn_attn.torch import api, ops
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def normal(*shape):
+        return torch.randn(shape, generator=generator, device="cuda", dtype=torch.bfloat16)
+
+    rows = []
+    for cache in ("fixed", "growing"):
+        lengths = [FIXED] if cache == "fixed" else list(GROWING)
+        caches = {S: (normal(B, K, S, H), normal(B, K, S, H)) for S in lengths}
+        keeps = {S: (torch.arange(S, device="cuda")[None, :] >= torch.tensor([0, 3, 7, 11], device="cuda")[:, None])
+                 .view(B, 1, 1, S) for S in lengths}
+        q = normal(B, N, 1, H)
+        for masked in (False, True):
+            def keep_of(S):
+                return keeps[S] if masked else None
+
+            def length(i):
+                return lengths[i % len(lengths)]
+
+            def theirs(i):
+                S = length(i)
+                return torch.nn.functional.scaled_dot_product_attention(q, *caches[S], attn_mask=keep_of(S),
+                                                                        enable_gqa=True)
+
+            def ours(i):
+                S = length(i)
+                return ct.sdpa(q, *caches[S], keep=keep_of(S), layout="BNTH")
+
+            with torch.no_grad():
+                for i in range(2 * len(lengths)):                     # graphs built, signatures known
+                    theirs(i), ours(i)
+                row = {"cache": cache, "mask": "keep" if masked else "none",
+                       "torch sdpa": _timed(theirs, calls, rounds), "ours": _timed(ours, calls, rounds)}
+                implementation = api.attention_unrecorded
+                stub_result = ours(0)
+                api.attention_unrecorded = lambda *args: stub_result
+                try:
+                    row["ours: sdpa()"] = _timed(ours, calls, rounds)
+                finally:
+                    api.attention_unrecorded = implementation
+                static = (H ** -0.5, False, False, 0, 0.0, 42, "BNTH")
+
+                def lookup(i):
+                    S = length(i)
+                    return ops.calls.get(ops.call_key(FWD, (q, *caches[S], None, None, keep_of(S)), static, False))
+
+                row["ours: lookup"] = _timed(lookup, calls, rounds)
+                known = {S: lookup(j) for j, S in enumerate(lengths)}
+                if all(type(k) is ops._Direct for k in known.values()):
+                    def launch(i):
+                        S = length(i)
+                        return known[S].launch((q, *caches[S]), 42, keep_of(S))
+
+                    row["ours: launch"] = _timed(launch, calls, rounds)
+                    direct = known[lengths[0]]
+                    tensors = (q, *caches[lengths[0]])
+                    if masked:
+                        tensors = (*tensors, ops._folded(keep_of(lengths[0]), direct.prepared.config))
+                    results = [torch.empty(shape, dtype=dtype, device="cuda") for shape, dtype in direct.results]
+                    pointers = [x.data_ptr() for x in direct.order(tensors)] + [r.data_ptr() for r in results]
+                    stream = torch.cuda.current_stream().cuda_stream
+                    row["ours: launch_into"] = _timed(
+                        lambda i: direct.prepared.launch_into(list(pointers), stream, 42, replay=False, workspace=0),
+                        calls, rounds)
+                row["ours / torch sdpa"] = row["ours"] / row["torch sdpa"]
+                row["profile"] = _profile(ours, calls)
+            rows.append(row)
+            print("  " + json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()
+                                     if k != "profile"}), flush=True)
+    return rows
+
+
+def _profile(fn, calls: int) -> list[str]:
+    """cProfile of ``calls`` calls: the 12 functions of most own time, in us per call (cProfile's overhead
+    included: read the shares, not the sums)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for i in range(calls):
+        fn(i)
+    profiler.disable()
+    stats = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: -item[1][2])[:12]
+    return [f"{os.path.basename(where[0])}:{where[1]}:{where[2]} {own * 1e6 / calls:.1f}"
+            for where, (_, _, own, _, _) in stats]
+
+
+COLUMNS = ("torch sdpa", "ours", "ours / torch sdpa", "ours: sdpa()", "ours: lookup", "ours: launch",
+           "ours: launch_into")
+
+
+def table(rows: list[dict], calls: int, rounds: int) -> str:
+    lines = [f"== host us per eager decode call: B{B} {N}/{K} heads d{H} bf16 BNTH, one query; median of {rounds} "
+             f"rounds of {calls} calls",
+             f"{'cache':8s} {'mask':5s} " + " ".join(f"{c:>18s}" for c in COLUMNS)]
+    for r in rows:
+        lines.append(f"{r['cache']:8s} {r['mask']:5s} " + " ".join(
+            f"{'-' if r.get(c) is None else format(r[c], '.2f'):>18s}" for c in COLUMNS))
+    for r in rows:
+        lines.append(f"profile {r['cache']} {r['mask']} (us per call): " + "; ".join(r.get("profile", [])))
+    lines.append("ours / torch sdpa: the whole call's host time over torch SDPA's (target <= 1.00); the 'ours:' "
+                 "columns are parts of ours' call timed alone")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    rows = measure(args.calls, args.rounds)
+    with open(os.path.join(args.out, "bench_torch_host.json"), "w") as f:
+        json.dump({"calls": args.calls, "rounds": args.rounds, "rows": rows}, f, indent=1)
+    print()
+    print(table(rows, args.calls, args.rounds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
