@@ -14,6 +14,9 @@ events recorded on torch's current stream around the step (host gaps between ker
 ratio is ours over sdpa's GPU ms (below 1: ours faster).  The two implementations start from the same
 parameters; the first step's losses are printed side by side (they differ only by the two attention kernels' rounding).
 
+After the timed steps one more step of each runs under ``torch.profiler``: the GPU time of its attention kernels
+and of all the others (where a difference between the two implementations lies).
+
 Writes ``bench_torch.json`` into OUT_DIR and prints the table last.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -60,8 +64,33 @@ def _time_steps(model, implementation: str, ids: torch.Tensor, steps: int, warmu
         if step >= warmup:
             gpu.append(start.elapsed_time(end))
             wall.append((time.perf_counter() - began) * 1e3)
-    return {"gpu_ms": statistics.median(gpu), "wall_ms": statistics.median(wall), "first_loss": losses[0],
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+    result = {"gpu_ms": statistics.median(gpu), "wall_ms": statistics.median(wall), "first_loss": losses[0],
+              "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+    result["kernels"] = _kernel_split(lambda: (model(ids, labels=ids).loss.backward(), optimizer.step(),
+                                               optimizer.zero_grad(set_to_none=True)))
+    return result
+
+
+_ATTENTION = re.compile(r"(?i)sdpa|fmha|flash|attn|attention|cudnn")
+
+
+def _kernel_split(step) -> dict:
+    """One more step under ``torch.profiler``: the GPU ms of its attention kernels (names matching
+    :data:`_ATTENTION`) and of every other kernel, and the five longest of each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [(e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
+               if e.self_device_time_total > 0]
+    split = {"attention_ms": 0.0, "other_ms": 0.0, "attention_top": [], "other_top": []}
+    for name, ms, count in sorted(kernels, key=lambda k: -k[1]):
+        kind = "attention" if _ATTENTION.search(name) else "other"
+        split[f"{kind}_ms"] += ms
+        if len(split[f"{kind}_top"]) < 5:
+            split[f"{kind}_top"].append(f"{name[:90]} x{count}: {ms:.3f} ms")
+    return split
 
 
 def measure(layers: int, batch: int, sequence: int, steps: int, warmup: int) -> dict:
@@ -98,6 +127,13 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{label:16s} {ours['gpu_ms']:12.2f} {theirs['gpu_ms']:12.2f} {r['ratio']:6.3f} "
                      f"{ours['wall_ms']:10.2f} {theirs['wall_ms']:10.2f}  {ours['first_loss']:.4f} / "
                      f"{theirs['first_loss']:.4f}")
+    for r in rows:
+        for implementation in ("cudnn_attn", "sdpa"):
+            split = r[implementation].get("kernels")
+            if split:
+                lines.append(f"kernels of one step, {r['layers']} {r['batch']} {r['sequence']} {implementation}: "
+                             f"attention {split['attention_ms']:.2f} ms, other {split['other_ms']:.2f} ms; "
+                             f"attention: {'; '.join(split['attention_top'])}")
     return "\n".join(lines)
 
 
