@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NamedTuple
 
 from cudnn_attn.core.config import AttentionConfig
-from cudnn_attn.core.environment import cudnn_version
+from cudnn_attn.core.environment import Environment, cudnn_version
 from cudnn_attn.core.errors import NoGPUError
 from cudnn_attn.core.support import check_supported
 from cudnn_attn.core.types import Kind
@@ -254,7 +254,7 @@ class GraphCache:
             NoGPUError: neither a driver nor a stub can load cuDNN here (the message says what is missing), or the
                 plan store is off (``CUDNN_ATTN_CACHE_DIR=off``: the stub has no folder).
         """
-        from cudnn_attn.graphs import driver_stub
+        from cudnn_attn.graphs import driver_stub   # 10 ms of imports (subprocess, ctypes.util) import cudnn_attn skips
 
         store = default_store()
         if store is None:
@@ -264,7 +264,6 @@ class GraphCache:
             driver_stub.preload(store.directory)
         except driver_stub.StubUnavailable as exc:
             raise NoGPUError(f"deviceless planning: {exc}") from None
-        from cudnn_attn.core.environment import Environment
         from cudnn_attn.graphs.target import DevicelessTarget  # imports the cuDNN frontend
         from cudnn_attn.persist.build import build_or_load
 
