@@ -14,7 +14,9 @@ from cudnn_attn.core.errors import NoGPUError, UnsupportedConfigurationError
 from cudnn_attn.core.masks import MaskSpec, alibi, causal, keep, padding, segments, window
 from cudnn_attn.core.parameters import AuxRequest
 from cudnn_attn.core.types import AttentionGrads, AttentionLayout, AttentionOutput, FP8Params, Kind, MaskType
+from cudnn_attn.core.validation import validate_call
 from cudnn_attn.engine.cache import GraphCache, graph_cache
+from cudnn_attn.engine.runtime import is_gpu_available
 from cudnn_attn.fronts.cupy import (
     BoundAttention,
     attention,
@@ -27,9 +29,9 @@ from cudnn_attn.fronts.cupy import (
 __all__ = [
     "AttentionConfig", "AttentionGrads", "AttentionLayout", "AttentionOperands", "AttentionOutput", "AuxRequest",
     "BoundAttention", "DiagonalAlignment", "FP8Params", "GraphCache", "Kind", "MaskSpec", "MaskType", "NoGPUError",
-    "TopLeftCausalWarning", "UnsupportedConfigurationError", "alibi", "attention", "bind", "causal", "dot_product_attention",
-    "dot_product_attention_bwd", "graph_cache", "keep", "padding", "paged_attention", "segments",
-    "window",
+    "TopLeftCausalWarning", "UnsupportedConfigurationError", "alibi", "attention", "bind", "causal",
+    "dot_product_attention", "dot_product_attention_bwd", "graph_cache", "is_gpu_available", "keep", "padding",
+    "paged_attention", "segments", "validate_call", "window",
 ]
 __version__ = VERSION
 

@@ -57,6 +57,7 @@ window.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from typing import Any, Callable
@@ -175,26 +176,39 @@ def _seed_form(query: Any, key: Any, value: Any, spec: masks.MaskSpec, bias: Any
                                  diagonal_alignment=spec.alignment.value, **options)
 
 
-def flax_attention_fn(*, is_causal: bool = False, diagonal_alignment: str = "top_left", window: Any = None,
+def flax_attention_fn(*arrays: Any, is_causal: bool = False, diagonal_alignment: str = "top_left", window: Any = None,
                       sink: Any = None, softcap: float | None = None, score_mod: Callable[..., Any] | None = None,
                       scale: float | None = None, compute_dtype: Any = None, dropout_seed: int | None = None,
-                      cuda_graph: bool | None = None, backend: str = "ffi",
-                      check_values: bool | None = None) -> Callable[..., Any]:
+                      cuda_graph: bool | None = None, backend: str = "ffi", check_values: bool | None = None,
+                      **unknown: Any) -> Callable[..., Any]:
     """An ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` / ``flax.linen.MultiHeadDotProductAttention``
-    that runs cuDNN attention (module doc: the arguments, the options, dropout).
+    that runs cuDNN attention (module doc: the arguments, the options, dropout).  A factory: the module takes
+    ``attention_fn=flax_attention_fn()``, called, with any options.
 
     Raises:
-        ValueError: an option is malformed (named in the message).
+        ValueError: an option is malformed or unknown (named in the message), or the factory itself was given as
+            the module's ``attention_fn`` and is being called with Flax's arrays.
     """
+    if arrays:
+        raise ValueError("attention_fn: flax_attention_fn is a factory; call it: attention_fn=flax_attention_fn() "
+                         "(with options, e.g. flax_attention_fn(is_causal=True)), not attention_fn=flax_attention_fn")
+    if unknown:
+        options = [name for name in inspect.signature(flax_attention_fn).parameters if name not in ("arrays",
+                                                                                                    "unknown")]
+        raise ValueError(f"{', '.join(sorted(unknown))}: not an option of flax_attention_fn (its options: "
+                         f"{', '.join(options)}); Flax's own arguments go to the module's call")
     if not isinstance(is_causal, (bool, np.bool_)):
         raise ValueError(f"is_causal: must be True or False, got {is_causal!r}")
+    try:
+        masks.causal(diagonal_alignment)                   # the alignment's rule, named as the factory names it
+    except ValueError as exc:
+        raise ValueError(f"diagonal_alignment: {str(exc).removeprefix('mask: alignment ')}") from None
     static = masks.MaskSpec()
     if is_causal:
         static = static & masks.causal(diagonal_alignment)
     bounds = _window(window)
     if bounds is not None:
         static = static & masks.window(*bounds, alignment=diagonal_alignment)
-    masks.causal(diagonal_alignment)                       # checks the alignment when neither is given
     softcap = _positive_float("softcap", softcap)
     if softcap is not None and score_mod is not None:
         raise ValueError("softcap/score_mod: give one of them (softcap is the score_mod c * tanh(score / c))")

@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
-# CI and local runs. 1) Set up .venv (Python 3.12, jax pinned as on the GPU machine) and run the whole
-# CPU test suite, including the deviceless cuDNN tier. 2) Run the tests that touch JAX or score_mod, and
-# the fuzz test of the front doors, against the newest JAX release in .venv-jax-latest, set up the same way.
-# 3) Run the whole suite again on Python 3.11 (the oldest the package supports) in .venv-py311: jax 0.10.2,
-# the newest JAX for it, and torch's CPU build with transformers, so the torch front's CPU tests run too.
-# Extra arguments go to pytest in every run; naming test files or ids (a focused run) skips the second and
-# third unless CUDNN_ATTN_JAX_LATEST=1 / CUDNN_ATTN_PY311=1 (=0 always skips them); without a python3.11 the
-# third is skipped, saying so. Exits non-zero when any run fails.
+# The test command.  ./scripts/test.sh [PYTEST ARGS]: set up .venv (Python 3.12, jax pinned as on the GPU machine)
+# and run the whole CPU suite there, including the deviceless cuDNN tier, on the machine's cores (pytest-xdist,
+# -n auto; each test file runs whole on one worker, --dist loadfile; CUDNN_ATTN_TEST_WORKERS=N sets the workers).
+# ./scripts/test.sh --all [PYTEST ARGS]: the CI matrix (.ci/run): that run, then 2) the tests that touch JAX or
+# score_mod, and the fuzz test of the front doors, against the newest JAX release in .venv-jax-latest, set up the
+# same way, and 3) the whole suite again on Python 3.11 (the oldest the package supports) in .venv-py311: jax
+# 0.10.2, the newest JAX for it, and torch's CPU build with transformers, so the torch front's CPU tests run too.
+# Other arguments go to pytest in every run (after -n, so `-n 0` runs serially); with --all, naming test files or
+# ids (a focused run) skips the second and third runs unless CUDNN_ATTN_JAX_LATEST=1 / CUDNN_ATTN_PY311=1 (=0
+# always skips them; =1 also adds them to a run without --all); without a python3.11 the third is skipped, saying
+# so.  Each run prints its wall time.  Exits non-zero when any run fails.
+matrix=0
+args=()
+for arg in "$@"; do
+  if [ "$arg" = --all ]; then matrix=1; else args+=("$arg"); fi
+done
+set -- ${args[@]+"${args[@]}"}
 source "$(dirname "$0")/_venv.sh" test
 
 # tests/test_cache_browser.py renders the graph cache's HTML in headless Chromium: installed from the distribution's
@@ -20,11 +29,17 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
       >/dev/null 2>&1 || echo "note: apt could not install chromium: tests/test_cache_browser.py will skip"
   fi
 fi
+parallel=(-n "${CUDNN_ATTN_TEST_WORKERS:-auto}" --dist loadfile)
 status=0
-"$PY" -m pytest "$@" || status=$?
+timed() {   # timed NAME COMMAND...: run it, print its wall time, remember a failure
+  local start=$SECONDS
+  "${@:2}" || status=$?
+  echo "== $1: $((SECONDS - start)) s =="
+}
+timed ".venv, the whole suite" "$PY" -m pytest "${parallel[@]}" "$@"
 
-# A focused run (it names test files or ids) runs in .venv alone unless a variable asks for more.
-whole=1
+# The matrix: a focused run (it names test files or ids) runs in .venv alone unless a variable asks for more.
+whole=$matrix
 for arg in "$@"; do
   case "$arg" in tests*|*.py|*.py::*) whole=0 ;; esac
 done
@@ -37,8 +52,8 @@ if [ "$latest_run" = 1 ]; then
   latest="${CUDNN_ATTN_VENV_JAX_LATEST:-$root/.venv-jax-latest}"
   make_venv "$latest" test latest
   echo "== newest JAX: jax $("$latest/bin/python" -c 'import jax; print(jax.__version__)'): JAX, score_mod, values, fuzz =="
-  "$latest/bin/python" -m pytest "$@" tests/test_jax_*.py tests/test_score_mod*.py tests/test_values.py \
-    tests/test_fuzz_front_doors.py || status=$?
+  timed "newest JAX" "$latest/bin/python" -m pytest "${parallel[@]}" "$@" tests/test_jax_*.py \
+    tests/test_score_mod*.py tests/test_values.py tests/test_fuzz_front_doors.py
 fi
 if [ "$py311_run" = 1 ]; then
   py311=$(command -v python3.11 || true)
@@ -49,7 +64,7 @@ if [ "$py311_run" = 1 ]; then
     make_venv "$venv311" "test,torch" pinned "$py311"
     echo "== Python $("$venv311/bin/python" -c 'import platform; print(platform.python_version())'):" \
       "jax $("$venv311/bin/python" -c 'import jax; print(jax.__version__)'), the whole suite =="
-    "$venv311/bin/python" -m pytest "$@" || status=$?
+    timed "Python 3.11, the whole suite" "$venv311/bin/python" -m pytest "${parallel[@]}" "$@"
   fi
 fi
 exit $status

@@ -513,3 +513,11 @@ def test_the_jax_bridge_names_the_call_sites_that_hold_a_plan(monkeypatch):
     held = graph_cache._held()
     assert held[id(plan)] == ["JAX call site 7 on device 0: 2 live executable(s)"]
     assert held[id(other)] == ["JAX call site 8 on device 1: 0 live executable(s)"]
+
+
+def test_a_deviceless_cache_needs_a_plan_store_folder(monkeypatch):
+    from cudnn_attn import NoGPUError
+
+    monkeypatch.setenv("CUDNN_ATTN_CACHE_DIR", "off")
+    with pytest.raises(NoGPUError, match="CUDNN_ATTN_CACHE_DIR=off"):
+        GraphCache.deviceless(maxsize=2)

@@ -96,9 +96,11 @@ def test_info_checklist_names_the_unmet_rule(capsys, store_dir):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["info", "--shape", "2,128,128,4"], "--shape: expected six positive integers"),
+    (["info", "--shape", "2,128,128,4"], "--shape: must be six positive integers"),
     (["info", "--shape", "2,128,128,4,3,64"], "query heads N=4 must be a multiple of key/value heads K=3"),
     (["precompile", "--target", "sm90"], "give --shape"),
+    (["info", "--shape", "2,128,128,4,4,64", "--scale", "nan"], "--scale: must be a finite positive number, got nan"),
+    (["info", "--shape", "2,128,128,4,4,64", "--scale", "-1"], "--scale: must be a finite positive number"),
 ])
 def test_bad_calls_exit_2_naming_the_problem(capsys, store_dir, argv, message):
     status, _, err = run(capsys, *argv)
@@ -142,7 +144,7 @@ def test_precompile_into_a_folder_that_cannot_be_made_exits_2(capsys, tmp_path):
 @pytest.mark.parametrize("content, message", [
     ("not json", "cannot read a JSON list"),
     ("[]", "non-empty JSON list"),
-    ('[{"shape": "1,2,3"}]', "[0]: expected six positive integers"),
+    ('[{"shape": "1,2,3"}]', "[0]: shape must be six positive integers"),
     ('[{"shape": "2,128,128,4,4,64", "dtype": "fp32"}]', "dtype must be one of bf16, fp16, fp8"),
     ('[{"shape": "2,128,128,4,4,64"}, {"shape": "2,128,128,4,4,64", "window": 3}]', "[1]: expected an object"),
 ])

@@ -287,7 +287,7 @@ def test_errors_name_the_argument(rng):
     for options, name in ((dict(window=(-1, 0)), "window"), (dict(softcap=0.0), "softcap"),
                           (dict(softcap=1.0, score_mod=jnp.tanh), "softcap/score_mod"),
                           (dict(compute_dtype=jnp.float32), "compute_dtype"), (dict(dropout_seed=-1), "dropout_seed"),
-                          (dict(is_causal=1), "is_causal"), (dict(diagonal_alignment="up"), "mask: alignment"),
+                          (dict(is_causal=1), "is_causal"), (dict(diagonal_alignment="up"), "diagonal_alignment: must be"),
                           (dict(sink=[0.0] * N), "sink")):
         with pytest.raises(ValueError, match=f"^{name}"):
             flax_attention_fn(**options)

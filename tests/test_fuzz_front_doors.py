@@ -2,8 +2,11 @@
 
 Front doors: the NumPy reference (``dot_product_attention``, ``dot_product_attention_bwd``,
 ``paged_attention``), the JAX bridge eager and under ``jit`` (``dot_product_attention``,
-``paged_attention``), the ``jax.nn`` drop-in eager and under ``jit``, and the support query
-(``not_supported_reasons``, ``Environment``).
+``paged_attention``), the ``jax.nn`` drop-in eager and under ``jit``, the support query
+(``not_supported_reasons``, ``Environment``), the Flax door (``flax_attention_fn``'s options and the
+``attention_fn`` it returns) and the torch front on CPU tensors (``cudnn_attn.torch.attention`` / ``sdpa``; skipped
+where torch is not installed), plus the messages that name a fix: a float keep-mask (``m > 0``), another API's
+keyword (``is_causal`` -> ``mask_type``), K/V in the other layout.
 
 Each case starts from a valid call (shapes, layout, dtype and optional features drawn from the case's
 seed) and breaks one argument in one way from a catalogue of bad values: wrong types (``None``,
@@ -533,3 +536,154 @@ def test_support_query_never_raises_for_valid_arguments():
         enforced_by = [None, support.CUDNN, support.LIBRARY][number % 3]
         reasons = support.not_supported_reasons(config, env, kind=kind, enforced_by=enforced_by)
         assert isinstance(reasons, list) and all(isinstance(r, str) for r in reasons), (number, config.describe())
+
+
+# -- the messages users met: each names the argument and the fix ---------------------------------------------
+def _qkv(rng: np.random.Generator, layout: str = "BTNH") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    import ml_dtypes
+
+    shape = (B, T, N, H) if layout == "BTNH" else (B, N, T, H)
+    kv = (B, S, N, H) if layout == "BTNH" else (B, N, S, H)
+    return (rng.standard_normal(shape).astype(ml_dtypes.bfloat16),
+            *(rng.standard_normal(kv).astype(ml_dtypes.bfloat16) for _ in range(2)))
+
+
+@pytest.mark.parametrize("door", ["reference", "jax"])
+def test_a_float_keep_mask_suggests_m_greater_than_zero(door, rng):
+    from cudnn_attn import keep
+
+    q, k, v = _qkv(rng)
+    attention = reference.attention if door == "reference" else jb.attention
+    with pytest.raises(ValueError, match=r"(?s)mask \(keep\): dtype must be one of bool.*keep\(m > 0\)"):
+        attention(q, k, v, mask=keep(np.ones((T, S), np.float32)))
+
+
+@pytest.mark.parametrize("door", ["reference", "jax", "cupy"])
+@pytest.mark.parametrize("foreign, fix", [("is_causal", "mask_type=MaskType.CAUSAL"), ("dropout_p", "dropout_rate="),
+                                          ("softmax_scale", "scale=")])
+def test_a_keyword_of_another_api_names_ours(door, foreign, fix, rng):
+    import cudnn_attn
+
+    q, k, v = _qkv(rng)
+    function = {"reference": reference.dot_product_attention, "jax": jb.dot_product_attention,
+                "cupy": cudnn_attn.dot_product_attention}[door]
+    with pytest.raises(TypeError, match=f"'{foreign}'; write {re.escape(fix)}"):
+        function(q, k, v, **{foreign: True})
+    with pytest.raises(TypeError, match=r"'is_causal'; write mask=causal\(\)"):
+        (reference.attention if door == "reference" else jb.attention)(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("layout", ["BTNH", "BNTH"])
+def test_key_value_in_the_other_layout_names_the_layout(layout, rng):
+    q, k, v = _qkv(rng, layout)
+    other = "BNTH" if layout == "BTNH" else "BTNH"
+    k, v = (x.transpose(0, 2, 1, 3) for x in (k, v))
+    with pytest.raises(ValueError, match=f"read as {other}, key/value would have K={N} heads and S={S} positions"):
+        reference.dot_product_attention(q, k, v, qkv_layout=layout)
+
+
+# -- the Flax door ---------------------------------------------------------------------------------------------
+FLAX_OPTIONS_BAD = [
+    ("is_causal", dict(is_causal="yes")), ("diagonal_alignment", dict(is_causal=True, diagonal_alignment="middle")),
+    ("window", dict(window=-1)), ("window", dict(window=(1, 2, 3))), ("scale", dict(scale="0.1")),
+    ("scale", dict(scale=math.nan)), ("softcap", dict(softcap=-1.0)), ("dropout_seed", dict(dropout_seed=-1)),
+    ("dropout_seed", dict(dropout_seed="x")), ("compute_dtype", dict(compute_dtype=jnp.float32)),
+    ("sink", dict(sink="x")), ("score_mod", dict(score_mod="tanh")), ("is_casual", dict(is_casual=True)),
+]
+
+
+@pytest.mark.parametrize("argument, options", FLAX_OPTIONS_BAD,
+                         ids=[_id(f"{a}-{sorted(o.items())[-1][1]!r}") for a, o in FLAX_OPTIONS_BAD])
+def test_flax_factory_validates_its_options(argument, options):
+    from cudnn_attn.jax_bridge import flax_attention_fn
+
+    with pytest.raises(ValueError, match=argument):
+        flax_attention_fn(**options)
+
+
+FLAX_CALLS_BAD = [
+    ("query", lambda c: dict(c, query=None)), ("query", lambda c: dict(c, query=c["query"][0, 0])),
+    ("mask", lambda c: dict(c, mask=np.ones((T + 1, S), bool))), ("bias", lambda c: dict(c, bias=np.ones((3, T, S)))),
+    ("dropout_rate", lambda c: dict(c, dropout_rate=2.0)), ("dropout_rate", lambda c: dict(c, dropout_rate="0.1")),
+    ("broadcast_dropout", lambda c: dict(c, dropout_rate=0.1, dropout_rng=jax.random.key(0))),
+    ("einsum_dot_general", lambda c: dict(c, einsum_dot_general=jnp.einsum)),
+]
+
+
+@pytest.mark.parametrize("argument, change", FLAX_CALLS_BAD, ids=[f"{a}-{i}" for i, (a, _) in enumerate(FLAX_CALLS_BAD)])
+def test_flax_attention_fn_validates_flax_arguments(argument, change, rng):
+    from cudnn_attn.jax_bridge import flax_attention_fn
+
+    q, k, v = (jnp.asarray(x) for x in _qkv(rng))
+    call = change(dict(query=q, key=k, value=v))
+    with pytest.raises(ValueError, match=argument):
+        flax_attention_fn()(**call)
+
+
+def test_flax_attention_fn_given_uncalled_says_to_call_it(rng):
+    nnx = pytest.importorskip("flax.nnx")
+    from cudnn_attn.jax_bridge import flax_attention_fn
+
+    attention = nnx.MultiHeadAttention(N, N * H, dtype=jnp.bfloat16, decode=False, attention_fn=flax_attention_fn,
+                                       rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((B, T, N * H)), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"attention_fn: .*attention_fn=flax_attention_fn\(\)"):
+        attention(x)
+    called = nnx.MultiHeadAttention(N, N * H, dtype=jnp.bfloat16, decode=False, attention_fn=flax_attention_fn(),
+                                    rngs=nnx.Rngs(0))
+    assert called(x).shape == (B, T, N * H)
+
+
+# -- the torch door (skipped where torch is not installed) -----------------------------------------------------
+def _torch_call(rng: np.random.Generator) -> dict:
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16) for x in _qkv(rng))
+    return dict(query=q, key=k, value=v)
+
+
+TORCH_BAD = [
+    # (door, argument, change of the call's keywords)
+    *(("attention", name, lambda c, name=name: {**c, name: None}) for name in ("query", "key", "value")),
+    ("sdpa", "query", lambda c: {**c, "query": c["query"].float().numpy()}),
+    ("attention", "query", lambda c: {**c, "query": c["query"][0]}),
+    *(("attention", "scale", lambda c, v=v: {**c, "scale": v}) for v in ("0.1", math.nan, math.inf, True, 10 ** 400)),
+    *(("attention", "seed", lambda c, v=v: {**c, "seed": v}) for v in ("x", None, -1, True, 1.5, 2 ** 64)),
+    *(("attention", "dropout_rate", lambda c, v=v: {**c, "dropout_rate": v}) for v in ("0.1", 1.0, -0.1, None)),
+    *(("sdpa", "window", lambda c, v=v: {**c, "causal": True, "window": v}) for v in (-3, 1.5, "4", True)),
+    ("sdpa", "causal", lambda c: {**c, "causal": "yes"}),
+    ("sdpa", "bottom_right", lambda c: {**c, "causal": True, "bottom_right": "yes"}),
+    ("sdpa", "training", lambda c: {**c, "training": "yes"}),
+    ("attention", "layout", lambda c: {**c, "layout": "XYZ"}),
+    ("attention", "mask", lambda c: {**c, "mask": "causal"}),
+    ("sdpa", "q_lengths", lambda c: {**c, "q_lengths": np.full((B,), T, np.int32), "kv_lengths": None}),
+    ("sdpa", "keep", lambda c: {**c, "keep": __import__("torch").ones((T, S), dtype=__import__("torch").int32)}),
+    ("attention", "key", lambda c: {**c, "key": c["key"][..., :4]}),
+    ("attention", "BNTH", lambda c: {**c, "key": c["key"].transpose(1, 2).contiguous(),
+                                     "value": c["value"].transpose(1, 2).contiguous()}),
+]
+
+
+@pytest.mark.parametrize("door, argument, change", TORCH_BAD,
+                         ids=[f"{d}-{a}-{i}" for i, (d, a, _) in enumerate(TORCH_BAD)])
+def test_torch_front_validates_like_the_other_fronts(door, argument, change, rng):
+    call = change(_torch_call(rng))
+    import cudnn_attn.torch as ct
+
+    try:
+        getattr(ct, door)(**call)
+    except ValueError as error:
+        assert argument in str(error), f"ct.{door} {argument}: {error}"
+    except Exception as error:  # noqa: BLE001 -- the contract is about exactly this
+        pytest.fail(f"ct.{door} {argument} raised {type(error).__name__} instead of ValueError: {error}")
+    else:
+        pytest.fail(f"ct.{door} {argument}: raised nothing")
+
+
+@pytest.mark.parametrize("window", [0, None, 3])
+def test_torch_front_takes_its_valid_scalars(window, rng):
+    call = _torch_call(rng)
+    import cudnn_attn.torch as ct
+
+    output, _ = ct.sdpa(**call, causal=True, bottom_right=True, window=window, scale=np.float32(0.3), seed=np.int64(7))
+    assert output.shape == call["query"].shape
+    assert ct.attention(**call, scale=1).output.shape == call["query"].shape

@@ -138,6 +138,8 @@ DEFERRED = {
     ("cudnn_attn.engine.cache", "cudnn_attn.persist.build"): "imports the cuDNN frontend (import cudnn_attn "
                                                              "must not: cudnn_attn.engine.preload does it "
                                                              "on a thread)",
+    ("cudnn_attn.engine.cache", "cudnn_attn.graphs.target"): "imports the cuDNN frontend (GraphCache.deviceless)",
+    ("cudnn_attn.engine.cache", "cudnn_attn.graphs.driver_stub"): "10 ms of imports (GraphCache.deviceless)",
     ("cudnn_attn.engine.autotune", "cudnn_attn.graphs.builder"): "imports the cuDNN frontend",
     ("cudnn_attn.engine.autotune", "cudnn_attn.persist.build"): "imports the cuDNN frontend",
     ("cudnn_attn.tools.cli", "cudnn_attn.persist.build"): "imports the cuDNN frontend (info and cache work "

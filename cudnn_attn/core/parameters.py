@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import inspect
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -110,9 +111,36 @@ def front(form: Form, *extensions: str) -> Callable[[Callable[..., Any]], Callab
                                            module=function.__module__,
                                            defaults=[p.default for p in parameters[form.required:]])
         arguments.form = form
-        function.arguments = arguments
-        return function
+        accepted = {p.name for p in parameters}
+
+        @functools.wraps(function)
+        def public(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return function(*args, **kwargs)
+            except TypeError:
+                # Only a keyword that is not a parameter, so the call failed binding: say what to write instead.
+                foreign = next((name for name in kwargs if name not in accepted and name in FOREIGN_KEYWORDS), None)
+                if foreign is None:
+                    raise
+                seed_form, native_form = FOREIGN_KEYWORDS[foreign]
+                raise TypeError(f"{form.name}() got an unexpected keyword argument {foreign!r}; write "
+                                f"{native_form if form is NATIVE else seed_form} instead") from None
+
+        public.arguments = arguments
+        return public
     return check
+
+
+# Keywords of other attention APIs (torch SDPA, flash-attn, Flax) that the public functions do not take, with
+# what each function form writes instead: (the seed forms, the native ``attention``).
+FOREIGN_KEYWORDS = {
+    "is_causal": ("mask_type=MaskType.CAUSAL (PADDING_CAUSAL with lengths)", "mask=causal()"),
+    "causal": ("mask_type=MaskType.CAUSAL (PADDING_CAUSAL with lengths)", "mask=causal()"),
+    "attn_mask": ("mask= (a boolean keep-mask, or an additive one) or bias=", "mask=keep(bool_array) or bias="),
+    "dropout_p": ("dropout_rate=", "dropout_rate="),
+    "softmax_scale": ("scale=", "scale="),
+    "window_size": ("sliding_window_length=w", "mask=window(left, right)"),
+}
 
 
 # -- onto validation's arguments -----------------------------------------------------------------------

@@ -91,12 +91,12 @@ class _ArgumentCheck:
 
     def __init__(self, query: Any, key: Any, value: Any, layout: str):
         self._inputs = (query, key, value)
-        self._layout = layout
+        self.layout = layout
 
     def error(self, argument: str, rule: str, hint: str | None = None) -> ValueError:
         query, key, value = self._inputs
         lines = [f"{argument}: {rule}",
-                 f"  inputs ({self._layout}): {_describe_inputs(query=query, key=key, value=value)}"]
+                 f"  inputs ({self.layout}): {_describe_inputs(query=query, key=key, value=value)}"]
         if hint:
             lines.append(f"  hint: {hint}")
         return ValueError("\n".join(lines))
@@ -235,8 +235,14 @@ def _check_shapes(call: _ArgumentCheck, q: _Dims, k: _Dims, v: _Dims) -> None:
     if k.heads != v.heads:
         raise call.error("value", f"number of heads {v.heads} must equal the key's {k.heads}")
     if q.heads % k.heads:
+        hint = "grouped-query attention shares each K/V head among N/K query heads; choose K dividing N."
+        if q.heads % k.length == 0:      # K/V read in the other layout would fit: the layout is the likelier mistake
+            other = "BNTH" if call.layout == "BTNH" else "BTNH"
+            hint = (f"read as {other}, key/value would have K={k.length} heads and S={k.heads} positions: "
+                    f"query, key and value take one layout (here {call.layout}); give key/value in it too "
+                    f"(e.g. x.transpose(0, 2, 1, 3)) or all three in {other} with qkv_layout/layout={other!r}.")
         raise call.error("key/value", f"query heads N={q.heads} must be a multiple of key/value heads K={k.heads}",
-                         "grouped-query attention shares each K/V head among N/K query heads; choose K dividing N.")
+                         hint)
     if k.length != v.length:
         raise call.error("value", f"sequence length {v.length} must equal the key's {k.length}")
 
@@ -272,11 +278,11 @@ def _mask_spec(call: _ArgumentCheck, mask_type: MaskType, sliding_window_length:
     causal = mask_type in (MaskType.CAUSAL, MaskType.PADDING_CAUSAL, MaskType.ALIBI)
     left_bound = None
     if sliding_window_length is not None:
-        if isinstance(sliding_window_length, bool) or not isinstance(sliding_window_length, numbers.Integral) \
-                or sliding_window_length <= 0:
-            raise call.error("sliding_window_length", f"must be an int > 0 or None, got {sliding_window_length!r}",
-                             "the window (pos - w, pos] keeps w keys ending at the diagonal.")
-        left_bound = int(sliding_window_length)
+        try:
+            left_bound = window_length(sliding_window_length)
+        except ValueError as exc:
+            raise call.error("sliding_window_length", str(exc),
+                             "the window (pos - w, pos] keeps w keys ending at the diagonal.") from None
         causal = True
     try:
         alignment = DiagonalAlignment(diagonal_alignment)
@@ -306,10 +312,10 @@ def _check_fp8(call: _ArgumentCheck, fp8_params: Any) -> dict:
 
 
 def _check_bias_like(call: _ArgumentCheck, name: str, x: Any, full: tuple[int, int, int, int],
-                     allowed_dtypes: Sequence[str]) -> tuple[int, int, int, int]:
+                     allowed_dtypes: Sequence[str], hint: str | None = None) -> tuple[int, int, int, int]:
     shape = _shape(x)
     if dtype_name(x) not in allowed_dtypes:
-        raise call.error(name, f"dtype must be one of {', '.join(allowed_dtypes)}, got {dtype_name(x)}")
+        raise call.error(name, f"dtype must be one of {', '.join(allowed_dtypes)}, got {dtype_name(x)}", hint)
     four = (1,) * (4 - len(shape)) + shape
     if len(shape) > 4 or any(d not in (1, f) for d, f in zip(four, full)):
         raise call.error(name, f"shape {shape} does not broadcast to (B, N, T, S) = {full}: rank <= 4, "
@@ -346,7 +352,10 @@ def _prepare_bias(call: _ArgumentCheck, bias: Any, mask: Any, full: tuple[int, i
     if bias is not None:
         shapes["bias"] = _check_bias_like(call, "bias", bias, full, dtypes)
     if mask is not None:
-        shapes["mask"] = _check_bias_like(call, "mask", mask, full, ("bool", *dtypes))
+        shapes["mask"] = _check_bias_like(call, "mask", mask, full, ("bool", *dtypes),
+                                          "a boolean mask keeps the keys where it is True; a 0/1 keep-mask m of "
+                                          "another dtype (Flax's float masks) is m > 0 (keep(m > 0) in the native "
+                                          "call); an additive mask takes the query's dtype.")
     # Batch and heads stay broadcast (cuDNN reads them with stride 0); T and S are materialised.
     combined = tuple(max(dims) for dims in zip(*shapes.values()))[:2] + full[2:]
     differentiable = bias is not None or dtype_name(mask) != "bool"
@@ -369,10 +378,37 @@ def _check_real(call: _ArgumentCheck, name: str, value: Any, rule: RealRule) -> 
         raise call.error(name, str(exc)) from None
 
 
-def _check_flag(call: _ArgumentCheck, name: str, value: Any) -> bool:
+def flag(value: Any) -> bool:
+    """``value`` as a bool (a Python or NumPy bool), or a ``ValueError`` saying the rule (the caller adds the
+    name)."""
     if not isinstance(value, (bool, np.bool_)):
-        raise call.error(name, f"must be True or False, got {type(value).__name__} {value!r}")
+        raise ValueError(f"must be True or False, got {type(value).__name__} {value!r}")
     return bool(value)
+
+
+def window_length(value: Any) -> int:
+    """A sliding window's length in keys (the seed's ``sliding_window_length`` when given), or a ``ValueError``
+    saying the rule (the caller adds the name)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"must be an int > 0 or None, got {value!r}")
+    return int(value)
+
+
+def checked(name: str, rule: Callable[[Any], Any], value: Any) -> Any:
+    """``rule(value)`` (:func:`flag`, :func:`window_length`, ``SCALE_RULE.check``, ...) with its ``ValueError``
+    naming ``name``: validation's rules for a front that checks a static argument before it calls
+    :func:`validate_call` (the torch front, whose operator takes typed scalars)."""
+    try:
+        return rule(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def _check_flag(call: _ArgumentCheck, name: str, value: Any) -> bool:
+    try:
+        return flag(value)
+    except ValueError as exc:
+        raise call.error(name, str(exc)) from None
 
 
 def _check_score_mod(call: _ArgumentCheck, score_mod: Any, score_mod_args: Sequence[Any],

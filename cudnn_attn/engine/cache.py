@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NamedTuple
 
 from cudnn_attn.core.config import AttentionConfig
-from cudnn_attn.core.environment import cudnn_version
+from cudnn_attn.core.environment import Environment, cudnn_version
 from cudnn_attn.core.errors import NoGPUError
 from cudnn_attn.core.support import check_supported
 from cudnn_attn.core.types import Kind
@@ -240,6 +240,41 @@ class GraphCache:
         self._misses_kept: collections.deque[MissRow] = collections.deque(maxlen=MISSES_KEPT)
         self._evicted: OrderedDict[GraphKey, None] = OrderedDict()
         self._holders: list[Holder] = []
+
+    @classmethod
+    def deviceless(cls, maxsize: int = 128, target: Any = None) -> "GraphCache":
+        """A cache whose builder plans for a GPU without using one (cuDNN's deviceless planning): for ``target``, a
+        :class:`cudnn_attn.graphs.DevicelessTarget` (default ``DevicelessTarget.h200()``), the support check for
+        that GPU, then the plan from the plan store or built and saved there (as the default builder does on a
+        GPU).  Where no NVIDIA driver exists, a stub ``libcuda.so.1`` is built once into the plan store's folder
+        (a C compiler is needed) and loaded first.  Its entries hold plans no GPU runs: a machine without one can
+        watch builds, hits, misses and evictions, and fill a store for the GPU machine.
+
+        Raises:
+            NoGPUError: neither a driver nor a stub can load cuDNN here (the message says what is missing), or the
+                plan store is off (``CUDNN_ATTN_CACHE_DIR=off``: the stub has no folder).
+        """
+        from cudnn_attn.graphs import driver_stub   # 10 ms of imports (subprocess, ctypes.util) import cudnn_attn skips
+
+        store = default_store()
+        if store is None:
+            raise NoGPUError("deviceless planning keeps its stub driver in the plan store's folder, and the store "
+                             "is off (CUDNN_ATTN_CACHE_DIR=off): point CUDNN_ATTN_CACHE_DIR at a folder")
+        try:
+            driver_stub.preload(store.directory)
+        except driver_stub.StubUnavailable as exc:
+            raise NoGPUError(f"deviceless planning: {exc}") from None
+        from cudnn_attn.graphs.target import DevicelessTarget  # imports the cuDNN frontend
+        from cudnn_attn.persist.build import build_or_load
+
+        target = DevicelessTarget.h200() if target is None else target
+        environment = Environment.for_deviceless(target)
+
+        def build(key: GraphKey) -> Any:
+            check_supported(key.config, environment, kind=key.kind)
+            return build_or_load(key.config, key.kind, target, store=default_store() if key.kind in PERSIST_KINDS
+                                 else None)
+        return cls(maxsize=maxsize, builder=build)
 
     # -- lookup -----------------------------------------------------------------------------------
     def plan(self, config: AttentionConfig, kind: str, device: int | None = None, *,

@@ -125,6 +125,9 @@ def require_gpu() -> None:
 
 
 def is_gpu_available() -> bool:
+    """Whether this process sees a CUDA GPU the cuDNN path can use (CuPy imports and finds a device); without
+    one the CuPy front raises :class:`~cudnn_attn.core.errors.NoGPUError`, and the NumPy reference and the JAX
+    bridge on CPU still run."""
     try:
         require_gpu()
     except NoGPUError:

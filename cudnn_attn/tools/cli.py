@@ -29,6 +29,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -77,24 +78,30 @@ class CallSpec(NamedTuple):
 
     @classmethod
     def parse(cls, shape: Any, dtype: str = "bf16", mask: str = "none", layout: str = "BTNH",
-              backward: bool = False, scale: float | None = None, where: str = "--shape") -> "CallSpec":
+              backward: bool = False, scale: float | None = None, where: str | None = None) -> "CallSpec":
+        """The call of the command line's flags (``where=None``: a bad value is named by its flag, ``--scale``)
+        or of one entry of a ``--from`` file (``where`` names the entry, the message the field)."""
+        def bad(field: str, rule: str) -> UsageError:
+            return UsageError(f"--{field}: {rule}" if where is None else f"{where}: {field} {rule}")
+
         values = shape.split(",") if isinstance(shape, str) else shape
         try:
             dims = tuple(int(v) for v in values)
         except (TypeError, ValueError):
             dims = ()
         if len(dims) != 6 or min(dims) < 1:
-            raise UsageError(f"{where}: expected six positive integers B,T,S,N,K,H, got {shape!r}")
+            raise bad("shape", f"must be six positive integers B,T,S,N,K,H, got {shape!r}")
         if dtype not in DTYPES:
-            raise UsageError(f"{where}: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+            raise bad("dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if mask not in MASKS:
-            raise UsageError(f"{where}: mask must be one of {', '.join(MASKS)}, got {mask!r}")
+            raise bad("mask", f"must be one of {', '.join(MASKS)}, got {mask!r}")
         if str(layout).upper() not in ("BTNH", "BNTH"):
-            raise UsageError(f"{where}: layout must be BTNH or BNTH, got {layout!r}")
+            raise bad("layout", f"must be BTNH or BNTH, got {layout!r}")
         if not isinstance(backward, bool):
-            raise UsageError(f"{where}: backward must be true or false, got {backward!r}")
-        if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
-            raise UsageError(f"{where}: scale must be a positive number, got {scale!r}")
+            raise bad("backward", f"must be true or false, got {backward!r}")
+        if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                                      and math.isfinite(scale) and scale > 0):
+            raise bad("scale", f"must be a finite positive number, got {scale!r}")
         return cls(dims, dtype, mask, str(layout).upper(), backward, None if scale is None else float(scale))
 
     @property

@@ -12,16 +12,16 @@ are opaque to it: :mod:`cudnn_attn.torch.ops`).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch.utils import _python_dispatch
 
-from cudnn_attn.core.config import DiagonalAlignment
+from cudnn_attn.core.config import DROPOUT_RULE, SCALE_RULE, DiagonalAlignment
 from cudnn_attn.core.masks import as_mask
 from cudnn_attn.core.parameters import renamed_arguments, wants_logsumexp
 from cudnn_attn.core.types import AttentionLayout, AttentionOutput
+from cudnn_attn.core.validation import check_seed, checked, default_scale, flag, window_length
 
 from .ops import NAMES, attention_op, attention_unrecorded, config_of
 
@@ -56,8 +56,10 @@ def _running_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor)
 
 def _check_tensors(**tensors: Any) -> None:
     for name, x in tensors.items():
-        if x is not None and not isinstance(x, torch.Tensor):
-            raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        required = name in ("query", "key", "value")
+        if (required or x is not None) and not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor{'' if required else ' or None'}, "
+                             f"got {type(x).__name__}")
     for name in ("query", "key", "value"):
         if tensors[name].dim() != 4:
             raise ValueError(f"{name}: must be 4-D (BTNH or BNTH), got shape {list(tensors[name].shape)}")
@@ -85,11 +87,15 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     autograd will need it (grad enabled and an input requiring grad); otherwise the logsumexp is empty."""
     _check_tensors(query=query, key=key, value=value, q_lengths=q_lengths, kv_lengths=kv_lengths, keep=keep)
     asked = _layout_name(layout)
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
+    # The static arguments by validation's rules, before the operator's typed schema converts them.
+    scale = default_scale(query.shape[-1]) if scale is None else checked("scale", SCALE_RULE.check, scale)
+    if window is not None and not (type(window) is int and window == 0):          # 0 and None: no window
+        checked("window", window_length, window)
     if training is None:
         training = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    static = (float(scale), bool(causal), bool(bottom_right), int(window), float(dropout_rate), int(seed))
+    static = (scale, checked("causal", flag, causal), checked("bottom_right", flag, bottom_right), int(window or 0),
+              checked("dropout_rate", DROPOUT_RULE.check, dropout_rate), check_seed(seed))
+    training = checked("training", flag, training)
     transposed = _running_layout(query, key, value)
     running = _OTHER[asked] if transposed else asked
     views = tuple(x.transpose(1, 2) if transposed else x for x in (query, key, value))
