@@ -12,7 +12,7 @@ are opaque to it: :mod:`cudnn_attn.torch.ops`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils import _python_dispatch
@@ -23,7 +23,9 @@ from cudnn_attn.core.parameters import renamed_arguments, wants_logsumexp
 from cudnn_attn.core.types import AttentionLayout, AttentionOutput
 from cudnn_attn.core.validation import check_seed, checked, default_scale, flag, window_length
 
-from .ops import NAMES, attention_op, attention_unrecorded, config_of
+from cudnn_attn.engine.call import FWD
+
+from .ops import NAMES, _Direct, _shared_empty_lse, attention_op, attention_unrecorded, call_key, calls, config_of
 
 __all__ = ["attention", "sdpa", "unrecorded"]
 
@@ -84,7 +86,94 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
          training: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(output, logsumexp)`` of cuDNN attention (the operator's arguments, :mod:`cudnn_attn.torch.ops`), the
     output in ``layout``.  ``scale=None`` is ``1/sqrt(H)``; ``training=None`` keeps the logsumexp exactly when
-    autograd will need it (grad enabled and an input requiring grad); otherwise the logsumexp is empty."""
+    autograd will need it (grad enabled and an input requiring grad); otherwise the logsumexp is empty.
+
+    What a call decides - its checked static arguments, the layout it runs in, and for a forward that nothing of
+    torch records its direct launch - is remembered by the call's signature (:func:`_signature`), so a repeated
+    eager call checks only its seed and the state of torch that no signature holds (dispatch modes, transforms)."""
+    tensors = (query, key, value, q_lengths, kv_lengths, keep)
+    signature = _signature(tensors, scale, causal, bottom_right, window, dropout_rate, layout, training)
+    decision = _decisions.get(signature) if signature is not None else None
+    if decision is None:
+        decision = _decide(tensors, scale, causal, bottom_right, window, dropout_rate, seed, layout, training)
+    static = decision.static + (check_seed(seed),)
+    q, k, v = (x.transpose(1, 2) if decision.transposed else x for x in (query, key, value))
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if decision.direct is not None and _untraced():
+        output, logsumexp = decision.direct.launch((q, k, v), static[5], keep)[0], _shared_empty_lse(q)
+    else:
+        operator = attention_op
+        if not decision.training and unrecorded(q, k, v, q_lengths, kv_lengths, keep):
+            operator = attention_unrecorded
+        output, logsumexp = operator(q, k, v, q_lengths, kv_lengths, keep, *static, decision.running,
+                                     decision.training)
+        if signature is not None and operator is attention_unrecorded and q.is_cuda:
+            known = calls.get(call_key(FWD, (q, k, v, q_lengths, kv_lengths, keep), static + (decision.running,),
+                                       decision.training))
+            if type(known) is _Direct and not known.prepared.dropout:
+                decision = decision._replace(direct=known)
+        if signature is not None:
+            _remember(signature, decision)
+    return (output.transpose(1, 2) if decision.transposed else output), logsumexp
+
+
+class _Decision(NamedTuple):
+    """What :func:`sdpa` decided for a call signature: the checked static arguments but the seed, the layout the
+    operator runs in, whether the tensors are transposed views of it, ``training``, and the direct launch of an
+    unrecorded forward (:class:`~cudnn_attn.torch.ops._Direct`; ``None`` until one ran, or for other calls)."""
+
+    static: tuple
+    running: str
+    transposed: bool
+    training: bool
+    direct: Any = None
+
+
+_decisions: dict[tuple, _Decision] = {}
+_DECISIONS_MAX = 1024
+
+
+def _remember(signature: tuple, decision: _Decision) -> None:
+    if len(_decisions) >= _DECISIONS_MAX:
+        _decisions.clear()
+    _decisions[signature] = decision
+
+
+def _signature(tensors: tuple, *scalars: Any) -> tuple | None:
+    """The identity of an eager :func:`sdpa` call: every tensor's shape, strides, dtype, device and
+    ``requires_grad``, each scalar argument with its type (``True`` and ``1`` differ), and whether grad is enabled;
+    ``None`` (nothing remembered) while ``torch.compile`` traces, for anything but plain tensors, or for an
+    unhashable argument."""
+    if torch.compiler.is_compiling():
+        return None
+    described = []
+    for x in tensors:
+        if x is None:
+            described.append(None)
+        elif type(x) is torch.Tensor:
+            described.append((x.shape, x.stride(), x.dtype, x.get_device(), x.requires_grad))
+        else:
+            return None
+    signature = (*described, *[(type(a), a) for a in scalars], torch.is_grad_enabled())
+    try:
+        hash(signature)
+    except TypeError:
+        return None
+    return signature
+
+
+def _untraced() -> bool:
+    """No dispatch mode or ``torch.func`` transform is active: the state :func:`unrecorded` reads that no call
+    signature holds."""
+    return not _python_dispatch.is_in_torch_dispatch_mode() and not torch._C._are_functorch_transforms_active()
+
+
+def _decide(tensors: tuple, scale: Any, causal: Any, bottom_right: Any, window: Any, dropout_rate: Any, seed: Any,
+            layout: Any, training: Any) -> _Decision:
+    """The checks of a new signature (every argument by validation's rules, before any GPU work) and its
+    :class:`_Decision`."""
+    query, key, value, q_lengths, kv_lengths, keep = tensors
     _check_tensors(query=query, key=key, value=value, q_lengths=q_lengths, kv_lengths=kv_lengths, keep=keep)
     asked = _layout_name(layout)
     # The static arguments by validation's rules, before the operator's typed schema converts them.
@@ -94,7 +183,7 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     if training is None:
         training = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     static = (scale, checked("causal", flag, causal), checked("bottom_right", flag, bottom_right), int(window or 0),
-              checked("dropout_rate", DROPOUT_RULE.check, dropout_rate), check_seed(seed))
+              checked("dropout_rate", DROPOUT_RULE.check, dropout_rate))
     training = checked("training", flag, training)
     transposed = _running_layout(query, key, value)
     running = _OTHER[asked] if transposed else asked
@@ -103,13 +192,8 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
         # The operator validates its own call (the fake implementation when traced).  Where that call differs
         # from this one - another layout, copies of the tensors - this one is validated first, so that a bad call
         # fails in the caller's terms before any GPU work.
-        config_of(query, key, value, q_lengths, kv_lengths, keep, static + (asked,), bool(training))
-    q, k, v = (x.contiguous() for x in views)
-    operator = attention_op
-    if not training and unrecorded(q, k, v, q_lengths, kv_lengths, keep):
-        operator = attention_unrecorded
-    output, logsumexp = operator(q, k, v, q_lengths, kv_lengths, keep, *static, running, bool(training))
-    return (output.transpose(1, 2) if transposed else output), logsumexp
+        config_of(query, key, value, q_lengths, kv_lengths, keep, static + (check_seed(seed), asked), bool(training))
+    return _Decision(static, running, transposed, bool(training))
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any = None, *,
