@@ -27,6 +27,7 @@ cuDNN versions are integers as ``cudnn.backend_version()`` returns them: ``91900
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -336,9 +337,8 @@ def _jax_score_mod_args(c: AttentionConfig, env: Environment) -> str | None:
 def _jax_int64_offsets(c: AttentionConfig, env: Environment) -> str | None:
     if c.packing is None:
         return None
-    import jax
-
-    if ragged_offset_dtype(c) == "int64" and not jax.config.jax_enable_x64:
+    jax = sys.modules.get("jax")       # the JAX front's row: that front imported JAX; without it, JAX's default
+    if ragged_offset_dtype(c) == "int64" and not (jax is not None and jax.config.jax_enable_x64):
         return "these packed tensors need int64 ragged offsets; enable jax_enable_x64"
     return None
 
