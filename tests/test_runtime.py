@@ -178,10 +178,10 @@ def _fake_cudnn(monkeypatch, *, backend: bool = True, handle_type=_FakeHandle):
     fake = types.ModuleType("cudnn")
     fake.Handle = handle_type
     fake.create_handle = lambda: calls.append("create_handle") or _FakeHandle(7, "looked up", 0)
+    fake.destroy_handle = lambda handle: calls.append(("destroyed", handle.backend_handle))
     if backend:
         fake._pybind_module = types.SimpleNamespace(
-            create_handle=lambda: calls.append("raw") or 1234, get_stream=lambda raw: 0,
-            _raw_destroy_handle=lambda raw: calls.append(("destroyed", raw)))
+            create_handle=lambda: calls.append("raw") or 1234, get_stream=lambda raw: 0)
     monkeypatch.setitem(sys.modules, "cudnn", fake)
     return calls
 
@@ -197,12 +197,21 @@ def test_create_handle_falls_back_to_the_frontend(monkeypatch):
     calls = _fake_cudnn(monkeypatch, backend=False)
     assert runtime.create_handle(0).ordinal == "looked up" and calls == ["create_handle"]
 
-    def refuse(*args):
-        raise TypeError("another signature")
+    def another_signature(self, backend_handle):
+        self.backend_handle = backend_handle
 
-    calls = _fake_cudnn(monkeypatch, handle_type=type("Refusing", (), {"__init__": refuse}))
+    calls = _fake_cudnn(monkeypatch, handle_type=type("Other", (), {"__init__": another_signature}))
     assert runtime.create_handle(0).ordinal == "looked up"
-    assert calls == ["raw", ("destroyed", 1234), "create_handle"]      # the raw handle is not leaked
+    assert calls == ["create_handle"]                       # no raw handle made for a Handle that cannot take it
+
+    def refuse_a_stream(self, backend_handle, ordinal=None, stream=None):
+        if stream is not None:
+            raise TypeError("no stream")
+        self.backend_handle = backend_handle
+
+    calls = _fake_cudnn(monkeypatch, handle_type=type("Refusing", (), {"__init__": refuse_a_stream}))
+    assert runtime.create_handle(0).ordinal == "looked up"
+    assert calls == ["raw", ("destroyed", 1234), "create_handle"]   # destroyed through cudnn.destroy_handle
 
 
 def test_the_direct_sequence_launches_then_captures_then_replays(monkeypatch):
