@@ -6,7 +6,7 @@ Two tables, both data:
   needs (and cuDNN versions known to be broken for it).
 * :data:`RESTRICTIONS` — combinations that cannot run, each a small named check returning what was
   found.  Every row says who enforces it: ``CUDNN`` (cuDNN 9.19 refuses the graph on sm90; verified
-  with deviceless builds, see ``shared/research/cudnn_frontend_api.md`` §6.3) or ``LIBRARY`` (this
+  with deviceless builds: ``tests/deviceless/test_support_agreement.py``) or ``LIBRARY`` (this
   library follows the JAX seed's policy, or has no path for it, although cuDNN might build it), the
   graphs it concerns (:class:`~cudnn_attn.core.types.Kind`), the fronts it holds on
   (:class:`~cudnn_attn.core.types.Front`: CuPy and JAX run cuDNN, the NumPy reference runs on the CPU) and
