@@ -87,7 +87,8 @@ def test_bind_gives_the_graph_exactly_the_tensors_its_plan_checks(case, kind):
     lengths = np.array([T, 5], np.int32)
     extra = {"plain": {}, "bias": dict(bias=np.ones((B, N, T, S), np.float16)),
              "padding": dict(q_seqlen=lengths, kv_seqlen=lengths, mask_type=MaskType.PADDING),
-             "packed": dict(q_seqlen=np.array([[3, 5], [8, -1]], np.int32), kv_seqlen=np.array([[3, 5], [8, -1]], np.int32),
+             "packed": dict(q_seqlen=np.array([[3, 5], [8, -1]], np.int32),
+                            kv_seqlen=np.array([[3, 5], [8, -1]], np.int32),
                             q_offsets=np.array([[0, 3, -1], [0, -1, -1]], np.int32),
                             kv_offsets=np.array([[0, 3, -1], [0, -1, -1]], np.int32), mask_type=MaskType.PADDING)}[case]
     config, operands = _call(training=True, **extra)

@@ -1,5 +1,6 @@
-"""The rules for the library's environment variables (:func:`cudnn_attn.core.settings.flag`, :func:`cudnn_attn.core.settings.count`),
-and :mod:`cudnn_attn.core.settings` as the library's one reader of the environment."""
+"""The rules for the library's environment variables (:func:`cudnn_attn.core.settings.flag`,
+:func:`cudnn_attn.core.settings.count`), and :mod:`cudnn_attn.core.settings` as the library's one reader of the
+environment."""
 
 from __future__ import annotations
 

@@ -188,7 +188,7 @@ def test_the_table_is_bounded_and_ignores_unhashable_keys():
     assert len(table) == 2 and table.get(("call", [1])) is None
     marker = object()
     table.remember(("direct",), prepared.Known(config, frozenset(), marker, order=len))
-    assert table.direct() == [marker]
+    assert table.direct_launches() == [marker]
     table.clear()
     assert len(table) == 0
 
