@@ -506,7 +506,7 @@ def importtime() -> list[tuple[str, float]]:
 def table(rows: list[Row], imports: list[tuple[str, float]]) -> str:
     shape = ", ".join(f"{k}{v}" for k, v in SHAPE.items())
     lines = [f"== first call of a new process, bf16 {shape} causal fwd (ms, median of the processes; "
-             f"gpu_run's summary starts here)",
+             f"run_all's summary starts here)",
              f"{'scenario':28s} {'path':6s} {'median ms':>10s} {'target':>7s}  {'origin':22s} plan / notes"]
     for r in rows:
         target = f"{r['target_ms']:.0f}" if "target_ms" in r else "-"

@@ -7,6 +7,7 @@ composable mask (:mod:`cudnn_attn.core.masks`); the configuration's static mask 
 :class:`cudnn_attn.core.config.MaskSpec`.
 """
 
+from cudnn_attn.tracing import score_mod as _score_mod_tracer  # noqa: F401 -- installs the score_mod tracer
 from cudnn_attn.core.config import AttentionConfig, AttentionOperands, DiagonalAlignment
 from cudnn_attn.core.diagonal_warning import TopLeftCausalWarning
 from cudnn_attn.core.environment import VERSION

@@ -31,6 +31,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from cudnn_attn.core import settings
+
 CUDA_ERROR_NO_DEVICE = 100
 DRIVER_VERSION = 13000
 LIBRARY = "libcuda.so.1"
@@ -70,7 +72,7 @@ def cudnn_library_dir() -> Path | None:
 
 def c_compiler() -> str | None:
     """The C compiler to build the stub with (``$CC``, ``cc`` or ``gcc``), or ``None``."""
-    for name in (os.environ.get("CC"), "cc", "gcc"):
+    for name in (settings.c_compiler(), "cc", "gcc"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None

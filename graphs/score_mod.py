@@ -5,8 +5,8 @@ Users write ``score_mod(score, *score_mod_args)`` with ``jax.numpy`` / ``jax.lax
 ``c * tanh(s / c)``, relative-position biases from ``lax.broadcasted_iota`` or ``jnp.arange``, document
 masks from index comparisons, ALiBi variants.  Here that function is
 
-1. traced with JAX when the call is made (:mod:`.score_mod_spec`; its identity in the configuration is
-   the traced program) and translated (:mod:`.score_mod_trace`) into a pointwise
+1. traced with JAX when the call is made (:mod:`cudnn_attn.tracing.score_mod`; its identity in the configuration is
+   the traced program) and translated (:mod:`cudnn_attn.tracing.jaxpr_program`) into a pointwise
    :class:`~.score_mod_ir.Program` for the forward and one for its VJP with respect to the score
    (``score_mod_bprop``);
 2. combined with the configuration's masks (:func:`masked_programs`): cuDNN refuses ``score_mod``

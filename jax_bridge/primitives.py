@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Mapping
 
+import jax
 from jax._src import dispatch
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
@@ -46,6 +47,16 @@ from .signature import (
 )
 
 
+@functools.lru_cache(maxsize=256)
+def _compiled(primitive: Primitive, config: AttentionConfig, options: CallOptions) -> Any:
+    return jax.jit(functools.partial(primitive.bind, config=config, options=options))
+
+
+def _eager(primitive: Primitive, *operands: Any, config: AttentionConfig, options: CallOptions) -> Any:
+    """A primitive bound outside any trace: its ``jit`` (one per primitive and parameters), as JAX runs its own."""
+    return _compiled(primitive, config, options)(*operands)
+
+
 class AttentionPrimitive:
     """The forward or backward attention operation as a pair of JAX primitives (see the module doc)."""
 
@@ -56,7 +67,7 @@ class AttentionPrimitive:
         for primitive in (self.outer, self.inner):
             primitive.multiple_results = True
             primitive.def_abstract_eval(self._abstract_eval)
-            primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))
+            primitive.def_impl(functools.partial(_eager, primitive))
             dispatch.prim_requires_devices_during_lowering.add(primitive)
         batching.primitive_batchers[self.outer] = functools.partial(batching_rules.batch, self)
         mlir.register_lowering(self.outer, self._lower)

@@ -35,7 +35,7 @@ def test_dry_run_writes_its_report_and_prints_the_table_last(name, files, last, 
         assert report["dry_run"] is True
     lines = capsys.readouterr().out.rstrip().splitlines()
     assert lines[-1].startswith(last), lines[-3:]
-    assert any(line.startswith("== ") for line in lines)          # gpu_run's summary takes the table from there
+    assert any(line.startswith("== ") for line in lines)          # run_all's summary takes the table from there
 
 
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
@@ -147,19 +147,19 @@ def test_decomposition_blocks_cover_the_causal_mask_once(T, n):
     assert backward == (n - 1) + 2 * sum(p - 1 for p in key_partials)
 
 
-def test_gpu_run_bundles_every_file_into_one_archive(tmp_path):
-    """``scripts/gpu_run.py --bundle``: the device machine returns 8 files at most, so every file of ``$OUT`` goes
-    into one archive beside the summary, nested ones included, and the originals are removed."""
+def test_run_all_bundles_every_file_into_one_archive(tmp_path):
+    """``benchmarks/run_all.py --bundle``: every file of ``$OUT`` goes into one archive beside the summary, nested
+    ones included, and the originals are removed."""
     import tarfile
 
-    scripts = Path(__file__).resolve().parent.parent / "scripts"
-    if str(scripts) not in sys.path:
-        sys.path.insert(0, str(scripts))
-    gpu_run = importlib.import_module("gpu_run")
+    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    if str(benchmarks) not in sys.path:
+        sys.path.insert(0, str(benchmarks))
+    run_all = importlib.import_module("run_all")
     (tmp_path / "ab").mkdir()
     for name in ("tests.log", "gpu_tests.xml", "summary.txt", "ab/new1.json"):
         (tmp_path / name).write_text(name)
-    gpu_run.bundle(str(tmp_path))
+    run_all.bundle(str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["bundle.tar.gz", "summary.txt"]
     with tarfile.open(tmp_path / "bundle.tar.gz") as archive:
         assert sorted(archive.getnames()) == ["ab/new1.json", "gpu_tests.xml", "tests.log"]

@@ -232,14 +232,14 @@ def test_progress_rewrites_a_terminal_line_and_logs_otherwise(caplog):
 
 
 def test_specs_describe_the_configuration_prepare_makes():
-    spec = cli.CallSpec.parse("2,1024,512,8,2,128", "fp16", "padding_causal", "bnth", True)
+    spec = cli.CommandLineCall.parse("2,1024,512,8,2,128", "fp16", "padding_causal", "bnth", True)
     config = spec.config()
     assert (config.batch, config.q_len, config.kv_len, config.q_heads, config.kv_heads, config.qk_dim) == (
         2, 1024, 512, 8, 2, 128)
     assert config.dtype == "float16" and config.layout.name == "BNTH" and config.training
     assert config.mask.causal and config.mask.padding and config.scale == pytest.approx(128 ** -0.5)
     assert spec.kinds == ("fwd", "bwd")
-    fp8 = cli.CallSpec.parse([1, 256, 256, 4, 4, 128], "fp8", "causal", scale=0.1).config()
+    fp8 = cli.CommandLineCall.parse([1, 256, 256, 4, 4, 128], "fp8", "causal", scale=0.1).config()
     assert fp8.fp8 and fp8.dtype == "float8_e4m3fn" and fp8.scale == 0.1 and not fp8.training
 
 

@@ -1,8 +1,9 @@
 """The layers of the package: every module imports only from its own package or from a lower layer, and the
 project's import graph has no cycle - imports inside functions counted.
 
-Layers, lowest first (DESIGN.md, "Layers"): ``core`` (what a call is) < ``reference`` and ``graphs`` (the NumPy
-reference; the cuDNN graph builder) < ``persist`` (plans on disk) < ``engine`` (running prepared calls) <
+Layers, lowest first (DESIGN.md, "Layers"): ``core`` (what a call is; it imports neither JAX nor torch) <
+``tracing`` (a score_mod traced with JAX) < ``reference`` and ``graphs`` (the NumPy reference; the cuDNN graph
+builder) < ``persist`` (plans on disk) < ``engine`` (running prepared calls) <
 ``fronts`` and ``jax_bridge`` (the array-library fronts) < ``torch`` (the torch front: custom operators over
 the CuPy front, and transformers' attention; optional, nothing below or in the face imports it) < the package's face (``cudnn_attn/__init__.py``) <
 ``tools`` (command line, demo, self-test) < ``cudnn_attn.__main__``.  The imports are read from the sources (AST), so a
@@ -19,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {"cudnn_attn": "cudnn_attn", "graphs": "cudnn_attn.graphs", "jax_bridge": "cudnn_attn.jax_bridge"}
-LAYERS = [("cudnn_attn.core",), ("cudnn_attn.reference", "cudnn_attn.graphs"), ("cudnn_attn.persist",),
+LAYERS = [("cudnn_attn.core",), ("cudnn_attn.tracing",), ("cudnn_attn.reference", "cudnn_attn.graphs"), ("cudnn_attn.persist",),
           ("cudnn_attn.engine",), ("cudnn_attn.fronts", "cudnn_attn.jax_bridge"), ("cudnn_attn.torch",), ("cudnn_attn",),
           ("cudnn_attn.tools",), ("cudnn_attn.__main__",)]
 
@@ -157,11 +158,36 @@ def test_function_local_imports_are_the_deferred_ones():
                                     f"gone: {sorted(set(DEFERRED) - found)}")
 
 
-@pytest.mark.parametrize("package", ["cudnn_attn.core", "cudnn_attn.persist", "cudnn_attn.engine",
+@pytest.mark.parametrize("package", ["cudnn_attn.core", "cudnn_attn.tracing", "cudnn_attn.persist", "cudnn_attn.engine",
                                      "cudnn_attn.fronts", "cudnn_attn.tools"])
 def test_layer_packages_import_nothing(package):
     """These layers' ``__init__`` hold a docstring only, so importing one module of a layer imports no other."""
     assert not GRAPH[package], GRAPH[package]
+
+
+def _third_party_imports(path: Path) -> list[tuple[str, int]]:
+    """``(top-level module, line)`` of every absolute import statement in ``path``, inside functions too, and of
+    every ``importlib.import_module("...")`` / ``__import__("...")`` with a literal name."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name.partition(".")[0], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append((node.module.partition(".")[0], node.lineno))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) and \
+                isinstance(node.args[0].value, str) and getattr(node.func, "attr", getattr(node.func, "id", "")) in \
+                ("import_module", "__import__"):
+            found.append((node.args[0].value.partition(".")[0], node.lineno))
+    return found
+
+
+def test_core_imports_neither_jax_nor_torch():
+    """``core`` says what a call is for every front: no module of it imports JAX or torch, not even inside a
+    function (tracing a score_mod is :mod:`cudnn_attn.tracing`'s; JAX arrays are asked for their namespace)."""
+    wrong = [f"{path.relative_to(ROOT)}:{line}: imports {name}" for module, path in MODULES.items()
+             if _layer(module)[1] == "cudnn_attn.core"
+             for name, line in _third_party_imports(path) if name in ("jax", "jaxlib", "torch", "flax")]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_front_signatures_are_written_out_and_match_the_parameter_table():

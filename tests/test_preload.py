@@ -132,7 +132,7 @@ def test_a_deserialized_plan_runs_its_checks_on_preloaded_libraries(tmp_path):
         assert len(preload.load_engine_libraries()) == 4
         store = PlanStore({str(tmp_path)!r})
         driver_stub.preload(store.directory)
-        config = cli.CallSpec.parse("1,128,128,2,2,64").config()
+        config = cli.CommandLineCall.parse("1,128,128,2,2,64").config()
         print(persist.build_or_load(config, "fwd", DevicelessTarget.h200(), store=store).origin)
     """)
     assert out.returncode == 0, out.stderr

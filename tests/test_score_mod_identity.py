@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from cudnn_attn import reference
-from cudnn_attn.core.score_mod_spec import apply, score_mod_program, score_mod_spec, vjp
+from cudnn_attn.core.score_mod_spec import score_mod_program, score_mod_spec
+from cudnn_attn.tracing.score_mod import apply, vjp
 from cudnn_attn.core.validation import validate_call
 
 B, T, S, N, H = 2, 16, 24, 4, 32

@@ -21,29 +21,29 @@ check a target: they are the oracle the tests compare against.
 from __future__ import annotations
 
 import functools
-import os
 import re
 from typing import Mapping
 
+from . import settings
 from .config import AttentionConfig
 from .environment import Environment, cudnn_version
 from .errors import UnsupportedConfigurationError
 from .padded_call import lifted_config
 from .support import not_supported_reasons
 
-VARIABLE = "CUDNN_ATTN_CPU_TARGET"
+VARIABLE = settings.CPU_TARGET
 DEFAULT_CUDNN = 91900           # the target's cuDNN when none loads here: 9.19.0
 _OFF = ("off", "none", "0")
 _PATTERN = re.compile(r"sm(\d+)(\d)(?::(\d+)(?:\.(\d+)(?:\.(\d+))?)?)?")
 
 
-def target(environ: Mapping[str, str] = os.environ) -> Environment | None:
+def target(environ: Mapping[str, str] | None = None) -> Environment | None:
     """The target of ``$CUDNN_ATTN_CPU_TARGET`` (module doc), ``None`` for ``off``.
 
     Raises:
         ValueError: a value that is none of the module doc's forms (naming the variable).
     """
-    return _parse(environ.get(VARIABLE, "").strip().lower())
+    return _parse(settings.cpu_target() if environ is None else settings.cpu_target(environ))
 
 
 @functools.lru_cache(maxsize=8)

@@ -2,9 +2,12 @@
 
 :data:`current` is a :class:`Settings`, read from the environment when :mod:`cudnn_attn` is imported; the modules
 that act on a setting read it from there when they act (``settings.current.replay``).  Tests and benchmarks change
-settings for a block with :func:`override`.  Two variables are read at each use instead, because a program may set
-them after the import: ``CUDNN_ATTN_CHECK_VALUES`` (:func:`check_values`) and ``CUDNN_ATTN_CACHE_DIR``
-(:mod:`cudnn_attn.persist.store`).
+settings for a block with :func:`override`.  Three variables are read at each use instead, because a program may
+set them after the import: ``CUDNN_ATTN_CHECK_VALUES`` (:func:`check_values`), ``CUDNN_ATTN_CACHE_DIR``
+(:func:`cache_location`, for :mod:`cudnn_attn.persist.store`) and ``CUDNN_ATTN_CPU_TARGET`` (:func:`cpu_target`,
+for :mod:`cudnn_attn.core.cpu_target`).  This module is the library's one reader of the environment: the other
+variables it reads for others are ``XDG_CACHE_HOME`` and ``HOME`` (the plan store's default folder) and ``CC``
+(the compiler of the deviceless driver stub); ``tests/test_env.py`` fails on an ``os.environ`` anywhere else.
 
 Variables, one rule for each kind: on/off (:func:`flag`) - ``1``/``true``/``yes``/``on`` turn a flag on,
 ``0``/``false``/``no``/``off`` turn it off (any case, spaces ignored); unset, empty or anything else leaves the
@@ -23,6 +26,7 @@ from typing import Iterator, Mapping
 AUTOTUNE = "CUDNN_ATTN_AUTOTUNE"
 CACHE_DIR = "CUDNN_ATTN_CACHE_DIR"
 CHECK_VALUES = "CUDNN_ATTN_CHECK_VALUES"
+CPU_TARGET = "CUDNN_ATTN_CPU_TARGET"
 PRELOAD = "CUDNN_ATTN_PRELOAD"
 PRELOAD_ENGINES = "CUDNN_ATTN_PRELOAD_ENGINES"
 REPLAY = "CUDNN_ATTN_REPLAY"
@@ -103,3 +107,20 @@ def override(**changes: object) -> Iterator[Settings]:
 def check_values(environ: Mapping[str, str] = os.environ) -> bool:
     """``$CUDNN_ATTN_CHECK_VALUES`` now: the checked mode for every call that does not say (read at each use)."""
     return flag(CHECK_VALUES, False, environ)
+
+
+def cpu_target(environ: Mapping[str, str] = os.environ) -> str:
+    """``$CUDNN_ATTN_CPU_TARGET`` now, stripped and lower case (empty when unset; read at each use; its forms are
+    :mod:`cudnn_attn.core.cpu_target`'s)."""
+    return environ.get(CPU_TARGET, "").strip().lower()
+
+
+def cache_location(environ: Mapping[str, str] = os.environ) -> tuple[str | None, str | None, str | None]:
+    """``($CUDNN_ATTN_CACHE_DIR, $XDG_CACHE_HOME, $HOME)`` now, ``None`` where unset: what decides the plan
+    store's folder (:func:`cudnn_attn.persist.store.default_directory`; read at each use)."""
+    return environ.get(CACHE_DIR), environ.get("XDG_CACHE_HOME"), environ.get("HOME")
+
+
+def c_compiler(environ: Mapping[str, str] = os.environ) -> str | None:
+    """``$CC``: the C compiler asked for the deviceless driver stub (:mod:`cudnn_attn.graphs.driver_stub`)."""
+    return environ.get("CC")

@@ -6,7 +6,7 @@ Two tables, both data:
   needs (and cuDNN versions known to be broken for it).
 * :data:`RESTRICTIONS` — combinations that cannot run, each a small named check returning what was
   found.  Every row says who enforces it: ``CUDNN`` (cuDNN 9.19 refuses the graph on sm90; verified
-  with deviceless builds, see ``shared/research/cudnn_frontend_api.md`` §6.3) or ``LIBRARY`` (this
+  with deviceless builds: ``tests/deviceless/test_support_agreement.py``) or ``LIBRARY`` (this
   library follows the JAX seed's policy, or has no path for it, although cuDNN might build it), the
   graphs it concerns (:class:`~cudnn_attn.core.types.Kind`), the fronts it holds on
   (:class:`~cudnn_attn.core.types.Front`: CuPy and JAX run cuDNN, the NumPy reference runs on the CPU) and
@@ -27,6 +27,7 @@ cuDNN versions are integers as ``cudnn.backend_version()`` returns them: ``91900
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -336,9 +337,8 @@ def _jax_score_mod_args(c: AttentionConfig, env: Environment) -> str | None:
 def _jax_int64_offsets(c: AttentionConfig, env: Environment) -> str | None:
     if c.packing is None:
         return None
-    import jax
-
-    if ragged_offset_dtype(c) == "int64" and not jax.config.jax_enable_x64:
+    jax = sys.modules.get("jax")       # the JAX front's row: that front imported JAX; without it, JAX's default
+    if ragged_offset_dtype(c) == "int64" and not (jax is not None and jax.config.jax_enable_x64):
         return "these packed tensors need int64 ragged offsets; enable jax_enable_x64"
     return None
 

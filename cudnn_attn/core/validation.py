@@ -120,8 +120,7 @@ def _array_namespace(x: Any) -> Any:
     """``numpy``, ``cupy`` or ``jax.numpy`` by the type of ``x`` (JAX tracers count as JAX)."""
     root = type(x).__module__.partition(".")[0]
     if root in ("jax", "jaxlib"):
-        import jax.numpy as jnp
-        return jnp
+        return x.__array_namespace__()      # jax.numpy, for arrays and tracers alike
     if root == "cupy":
         import cupy
         return cupy

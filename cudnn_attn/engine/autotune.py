@@ -67,19 +67,19 @@ def tuned_plan(key: Any, launch_arguments: Callable[[Any], tuple] | None) -> Any
     import cupy
 
     from cudnn_attn.graphs.builder import ALL_PLANS, build_graph
-    from cudnn_attn.persist.build import autotuned_plan, environment_for, remember_autotuned
+    from cudnn_attn.persist.build import autotuned_engine_plan, environment_for, remember_autotuned
 
     context = runtime.device_context(key.device)
     check_supported(key.config, context.environment, kind=key.kind)
     store = default_store()
     with cupy.cuda.Device(key.device):
         environment = environment_for(None)
-        winner = autotuned_plan(store, key.config, key.kind, environment=environment, rng_dump=key.rng_dump)
+        winner = autotuned_engine_plan(store, key.config, key.kind, environment=environment, rng_dump=key.rng_dump)
         if winner is not None:                 # tuned by an earlier process: its winner, without timing again
             try:
                 return build_plan(key, plan_name=winner)
             except UnsupportedConfigurationError:
-                logger.info("the remembered autotuned plan %s is no longer offered; tuning again", winner)
+                logger.info("the remembered autotuned engine plan %s is no longer offered; tuning again", winner)
         with context.planning() as handle:
             built = build_graph(key.config, key.kind, handle, rng_dump=key.rng_dump, plan=ALL_PLANS)
     candidates = CallPlan(built, context, rng_dump=key.rng_dump)

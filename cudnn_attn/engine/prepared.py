@@ -322,7 +322,7 @@ class Calls:
         with self._lock:
             self._known.clear()
 
-    def direct(self) -> list[PreparedCall]:
+    def direct_launches(self) -> list[PreparedCall]:
         """The prepared calls of the direct launches remembered (oldest first)."""
         return [known.prepared for known in list(self._known.values()) if known.order is not None]
 

@@ -74,6 +74,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import inspect
 import logging
 import threading
 from typing import Any, Iterator
@@ -193,15 +194,25 @@ def create_handle(device: int) -> Any:
 
     backend = getattr(cudnn, "_pybind_module", None)
     create, get_stream = getattr(backend, "create_handle", None), getattr(backend, "get_stream", None)
-    if create is None or get_stream is None or not isinstance(getattr(cudnn, "Handle", None), type):
+    if create is None or get_stream is None or not _takes_a_raw_handle(getattr(cudnn, "Handle", None)):
         return cudnn.create_handle()
     raw = create()
     try:
         return cudnn.Handle(raw, device, get_stream(raw))
     except Exception:
         with contextlib.suppress(Exception):
-            backend._raw_destroy_handle(raw)
+            cudnn.destroy_handle(cudnn.Handle(raw, device))
         return cudnn.create_handle()
+
+
+def _takes_a_raw_handle(handle_type: Any) -> bool:
+    """Whether ``handle_type(backend_handle, ordinal, stream)`` is a call its signature takes (then a raw handle
+    made for it can also be destroyed through the public ``cudnn.destroy_handle``)."""
+    try:
+        inspect.signature(handle_type).bind(0, 0, 0)
+    except (TypeError, ValueError):
+        return False
+    return isinstance(handle_type, type)
 
 
 class DeviceContext:

@@ -17,8 +17,8 @@ plan_index=-1)`` (the path ``pygraph.execute`` itself takes for a deserialized g
 launch path of :class:`cudnn_attn.engine.launch.Launcher` once it treats an empty plan list as "the one
 plan" (see the module's tests).
 
-Autotuning remembers its winner: :func:`remember_autotuned` records the winning plan's name and
-:func:`autotuned_plan` reads it back, so another process rebuilds (or loads) that plan by name
+Autotuning remembers its winner: :func:`remember_autotuned` records the winning engine plan's name and
+:func:`autotuned_engine_plan` reads it back, so another process rebuilds (or loads) that engine plan by name
 without timing anything.
 """
 
@@ -153,20 +153,22 @@ def _mismatch(graph: Any, blob: bytes, key: PlanKey, uids: Mapping[TensorId, int
 # ---------------------------------------------------------------------------------------------------
 # Autotuning winners
 # ---------------------------------------------------------------------------------------------------
-def autotuned_plan(store: PlanStore | None, config: Any, kind: str, *, environment: Environment,
-                   rng_dump: bool = False) -> str | None:
-    """The plan name an earlier autotuning chose for ``(config, kind)`` in ``environment``, or ``None``."""
+def autotuned_engine_plan(store: PlanStore | None, config: Any, kind: str, *, environment: Environment,
+                          rng_dump: bool = False) -> str | None:
+    """The name of the engine plan (``eng9_k24=7``) an earlier autotuning chose for ``(config, kind)`` in
+    ``environment``, or ``None``."""
     key = plan_key(config, kind, environment, plan=AUTOTUNED, rng_dump=rng_dump) if store is not None else None
     entry = store.load(key) if key is not None else None
     name = entry.meta.get("plan_name") if entry is not None else None
     return name if isinstance(name, str) and name else None
 
 
-def remember_autotuned(store: PlanStore | None, config: Any, kind: str, plan_name: str, *,
+def remember_autotuned(store: PlanStore | None, config: Any, kind: str, engine_plan: str, *,
                        environment: Environment, rng_dump: bool = False,
                        timings: Mapping[str, float] | None = None) -> None:
-    """Record ``plan_name`` as the autotuning winner (``timings``: plan name -> milliseconds, for the listing)."""
+    """Record the engine plan named ``engine_plan`` as the autotuning winner (``timings``: engine plan name ->
+    milliseconds, for the listing)."""
     key = plan_key(config, kind, environment, plan=AUTOTUNED, rng_dump=rng_dump) if store is not None else None
     if key is not None:
-        store.save(key, b"", {"description": f"{kind} {config.describe()} (autotuned)", "plan_name": plan_name,
+        store.save(key, b"", {"description": f"{kind} {config.describe()} (autotuned)", "plan_name": engine_plan,
                               "timings_ms": dict(timings or {})})

@@ -413,12 +413,12 @@ class PlanStore:
 def default_directory() -> Path | None:
     """``$CUDNN_ATTN_CACHE_DIR`` (``None`` for ``off``), else ``$XDG_CACHE_HOME/cudnn_attn`` (an
     absolute ``XDG_CACHE_HOME`` only, as the XDG spec says), else ``~/.cache/cudnn_attn``."""
-    value = os.environ.get(ENV_VAR, "").strip()
+    value, xdg, _ = settings.cache_location()
+    value, xdg = (value or "").strip(), xdg or ""
     if value.lower() == OFF:
         return None
     if value:
         return Path(value).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
     base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
     return base / "cudnn_attn"
 
@@ -431,7 +431,7 @@ def default_store() -> PlanStore | None:
     """The process's store (:meth:`PlanStore.from_env`), one instance per location so that each bad
     entry warns once per process; the environment is read again when its variables change."""
     global _default
-    marker = (os.environ.get(ENV_VAR), os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"))
+    marker = settings.cache_location()
     with _default_lock:
         if _default is None or _default[0] != marker:
             _default = (marker, PlanStore.from_env())

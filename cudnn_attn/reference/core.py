@@ -30,7 +30,7 @@ import numpy as np
 
 from cudnn_attn.core import masked_rows
 from cudnn_attn.core.config import AttentionConfig, AttentionOperands
-from cudnn_attn.core.score_mod_spec import vjp
+from cudnn_attn.tracing.score_mod import vjp
 from cudnn_attn.core.support import check_everywhere
 from cudnn_attn.core.types import AttentionGrads, AttentionOutput, Kind
 from cudnn_attn.core.validation import check_seed

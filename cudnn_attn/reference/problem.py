@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from cudnn_attn.core.config import AttentionConfig, AttentionOperands
-from cudnn_attn.core.score_mod_spec import apply
+from cudnn_attn.tracing.score_mod import apply
 
 from . import masks
 from .segments import Segments, segments_of

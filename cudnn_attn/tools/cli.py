@@ -67,7 +67,7 @@ class Unavailable(Exception):
 # ---------------------------------------------------------------------------------------------------
 # Calls described on the command line
 # ---------------------------------------------------------------------------------------------------
-class CallSpec(NamedTuple):
+class CommandLineCall(NamedTuple):
     """One attention call: ``shape`` = (B, T, S, N, K, H), names as on the command line."""
     shape: tuple[int, int, int, int, int, int]
     dtype: str = "bf16"
@@ -78,7 +78,7 @@ class CallSpec(NamedTuple):
 
     @classmethod
     def parse(cls, shape: Any, dtype: str = "bf16", mask: str = "none", layout: str = "BTNH",
-              backward: bool = False, scale: float | None = None, where: str | None = None) -> "CallSpec":
+              backward: bool = False, scale: float | None = None, where: str | None = None) -> "CommandLineCall":
         """The call of the command line's flags (``where=None``: a bad value is named by its flag, ``--scale``)
         or of one entry of a ``--from`` file (``where`` names the entry, the message the field)."""
         def bad(field: str, rule: str) -> UsageError:
@@ -125,7 +125,7 @@ class CallSpec(NamedTuple):
                 + (" +backward" if self.backward else ""))
 
 
-def _specs_from_file(path: str) -> list[CallSpec]:
+def _specs_from_file(path: str) -> list[CommandLineCall]:
     try:
         entries = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -134,24 +134,24 @@ def _specs_from_file(path: str) -> list[CallSpec]:
         raise UsageError(f"--from {path}: expected a non-empty JSON list of calls, "
                          'e.g. [{"shape": "2,1024,1024,8,8,128", "dtype": "bf16", "mask": "causal"}]')
     specs = []
-    allowed = set(CallSpec._fields)
+    allowed = set(CommandLineCall._fields)
     for i, entry in enumerate(entries):
         where = f"--from {path} [{i}]"
         if not isinstance(entry, dict) or "shape" not in entry or set(entry) - allowed:
             raise UsageError(f"{where}: expected an object with 'shape' and optionally {sorted(allowed - {'shape'})}, "
                              f"got {entry!r}")
-        specs.append(CallSpec.parse(**entry, where=where))
+        specs.append(CommandLineCall.parse(**entry, where=where))
     return specs
 
 
-def _specs(args: argparse.Namespace) -> list[CallSpec]:
+def _specs(args: argparse.Namespace) -> list[CommandLineCall]:
     if getattr(args, "from_file", None):
         if args.shape:
             raise UsageError("give --shape or --from, not both")
         return _specs_from_file(args.from_file)
     if not args.shape:
         raise UsageError("give --shape B,T,S,N,K,H (or --from FILE.json)")
-    return [CallSpec.parse(args.shape, args.dtype, args.mask, args.layout, args.backward, args.scale)]
+    return [CommandLineCall.parse(args.shape, args.dtype, args.mask, args.layout, args.backward, args.scale)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -407,7 +407,7 @@ def _bytecode_lines(packages: Sequence[str] = FIRST_CALL_PACKAGES) -> list[str]:
     return lines
 
 
-def _checklist(spec: CallSpec, target: str | None) -> str:
+def _checklist(spec: CommandLineCall, target: str | None) -> str:
     """Each support rule that concerns the call, ok or why not, then the verdict per graph."""
     config = spec.config()
     env = support.Environment.sm90(_installed_cudnn() or 91900) if target == "sm90" else support.Environment.detect()
@@ -493,7 +493,7 @@ def _format_table(rows: Sequence[Sequence[str]]) -> str:
 # precompile
 # ---------------------------------------------------------------------------------------------------
 class _Outcome(NamedTuple):
-    spec: CallSpec
+    spec: CommandLineCall
     kind: str
     status: str           # "built", "loaded", "refused", "failed"
     detail: str
@@ -524,7 +524,7 @@ def cmd_precompile(args: argparse.Namespace) -> int:
 Planner = Callable[[Any, str, Any], Any]
 
 
-def _precompile_one(spec: CallSpec, config: Any, kind: str, store: Any, plan: Planner) -> _Outcome:
+def _precompile_one(spec: CommandLineCall, config: Any, kind: str, store: Any, plan: Planner) -> _Outcome:
     try:
         built = plan(config, kind, store)
     except UnsupportedConfigurationError as exc:

@@ -67,7 +67,7 @@ def main() -> None:
     os.dup2(2, 1)                                   # cuDNN's printf output must not corrupt the reply
     store_dir, action, *args = sys.argv[1:]
     from cudnn_attn.graphs import DevicelessTarget
-    from cudnn_attn.persist.build import autotuned_plan, build_or_load, environment_for, remember_autotuned
+    from cudnn_attn.persist.build import autotuned_engine_plan, build_or_load, environment_for, remember_autotuned
     from cudnn_attn.persist.store import PlanStore, PlanStoreWarning
 
     store, target = PlanStore(store_dir), DevicelessTarget.h200()
@@ -80,7 +80,7 @@ def main() -> None:
         elif action == "remember":
             remember_autotuned(store, *_case(args[0]), args[1], environment=env, timings={args[1]: 1.0})
         elif action == "recall":
-            reply["plan"] = autotuned_plan(store, *_case(args[0]), environment=env)
+            reply["plan"] = autotuned_engine_plan(store, *_case(args[0]), environment=env)
         else:
             raise SystemExit(f"unknown action {action!r}")
     reply["warnings"] = [str(w.message) for w in caught if issubclass(w.category, PlanStoreWarning)]

@@ -65,6 +65,23 @@ def test_a_loaded_graph_takes_the_fast_launch_path(round_trip):
     assert all(f["launch_path"] == "fast" for f in second["graphs"].values())
 
 
+def test_a_stored_blob_names_its_engine_and_gpu_where_the_load_check_reads_them(round_trip):
+    """``persist.build._mismatch`` reads cuDNN's engine JSON inside a serialized plan (a format cuDNN does not
+    publish) to refuse an entry of another engine or GPU; when the format moves, this fails instead of the check
+    going silent."""
+    from cudnn_attn.persist.build import _ENGINE, _PLAN_ENGINE
+    from cudnn_attn.persist.store import decode_entry
+
+    store, _, _ = round_trip
+    entries = [e for e in PlanStore(store).entries() if e.error is None]
+    assert entries
+    for entry in entries:
+        header, blob = decode_entry(entry.path.read_bytes())
+        engine, named = _ENGINE.search(blob), _PLAN_ENGINE.match(header["meta"]["plan_name"])
+        assert engine is not None, f"no engine JSON in {entry.path.name}: the load check no longer sees engines"
+        assert int(engine.group(2)) == 900 and named is not None and engine.group(1).decode() == named.group(1)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_a_damaged_entry_warns_once_and_is_rebuilt(deviceless_env, tmp_path, damage):
     store = tmp_path / "plans"

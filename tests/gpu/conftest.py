@@ -1,6 +1,6 @@
 """GPU tier: every test here needs an NVIDIA GPU with cuDNN; it is skipped cleanly elsewhere.
 
-Run on the GPU machine with ``scripts/gpu_run.sh`` (``pytest -m gpu``).
+Run on the GPU machine with ``benchmarks/run_all.sh`` (``pytest -m gpu``).
 """
 
 import pytest
@@ -11,7 +11,7 @@ from cudnn_attn.engine import runtime
 def pytest_collection_modifyitems(config, items):
     if runtime.is_gpu_available():
         return
-    skip = pytest.mark.skip(reason="no CUDA GPU: the gpu tier runs on the GPU machine (scripts/gpu_run.sh)")
+    skip = pytest.mark.skip(reason="no CUDA GPU: the gpu tier runs on the GPU machine (benchmarks/run_all.sh)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

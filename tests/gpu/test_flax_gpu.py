@@ -12,7 +12,7 @@
   tolerance (``_checks.RELATIVE_TOLERANCE``).  XLA allocates the results, so there is no NaN poisoning here;
   every result must be finite.
 
-Under the GPU tier's per-test timeout (``scripts/gpu_run.py``: ``--timeout 200``).
+Under the GPU tier's per-test timeout (``benchmarks/run_all.py``: ``--timeout 200``).
 """
 
 from __future__ import annotations

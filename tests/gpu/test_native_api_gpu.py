@@ -162,12 +162,12 @@ def test_repeated_cupy_native_calls_take_the_direct_path(rng):
     kwargs = dict(mask=causal() & window(31, 0), scale=0.125, return_aux=AuxRequest(logsumexp=True))
     calls.clear()
     first = cudnn_attn.attention(q, k, v, **kwargs)
-    assert len(calls.direct()) == 1
+    assert len(calls.direct_launches()) == 1
     again = cudnn_attn.attention(q, k, v, mask=causal() & window(31, 0), scale=0.125,
                                  return_aux=AuxRequest(logsumexp=True))     # a new, equal mask object
-    assert len(calls.direct()) == 1
+    assert len(calls.direct_launches()) == 1
     assert cp.array_equal(first.output, again.output) and cp.array_equal(first.logsumexp, again.logsumexp)
     other = cudnn_attn.attention(q, k, v, mask=causal(), scale=0.125)       # another mask: another entry
-    assert len(calls.direct()) == 2 and other.logsumexp is None
+    assert len(calls.direct_launches()) == 2 and other.logsumexp is None
     want = reference.attention(*(cp.asnumpy(x) for x in (q, k, v)), mask=causal(), scale=0.125)
     assert_close("output", other.output, want.output, "float16")

@@ -100,7 +100,7 @@ def test_dropped_results_come_back_at_the_same_address_and_replay():
     after = result_blocks.stats()
     assert len(set(addresses[1:])) == 1, addresses            # the first call is the generic path
     assert after.reused - before.reused >= 4, (before, after)
-    direct = next(d for d in calls.direct() if d.config.scale == pytest.approx(0.15))
+    direct = next(d for d in calls.direct_launches() if d.config.scale == pytest.approx(0.15))
     replays, captures = _replays(direct)
     assert captures >= 1 and replays >= 2, (captures, replays)
     held = [cudnn_attn.dot_product_attention(q, k, v, **kwargs) for _ in range(3)]

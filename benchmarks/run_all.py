@@ -1,14 +1,11 @@
-"""The GPU machine's one command (run by ``scripts/gpu_run.sh``): phases in order, logs under ``$OUT``,
-a short summary table printed last.
+"""Every GPU test and benchmark in one command (run by ``benchmarks/run_all.sh``, which installs first): phases in
+order, logs under ``$OUT``, a short summary table printed last.
 
-    scripts/gpu_run.sh [PHASE ...] [--budget SECONDS] [--full] [--bundle]
+    benchmarks/run_all.sh [PHASE ...] [--budget SECONDS] [--full] [--bundle] [--pytest ARGS]
 
 Phases (default: ``tests train host jax attention``):
 
 * ``tests``      - the GPU test tier (``pytest -m gpu``, 4 workers), JUnit XML -> per-file table;
-* ``legacy``     - the 2-GPU training step on the code of ``.legacy/`` (a commit exported there by the
-                   caller, before the per-thread cuDNN handles), plain and ``cuda_graph=True``, under a 60 s watchdog:
-                   does it still hang / crash?  Runs in the background next to the other phases;
 * ``train``      - per-step times, ours vs ``jax.nn`` cuDNN, tiny and 1024-wide models, 1 and 2 GPUs;
 * ``host``, ``jax``, ``attention``, ``fp8``, ``decode``, ``first_call``, ``context_parallel``, ``autotune``,
   ``peers``, ``small``, ``generate``, ``frameworks`` (training steps in Flax, and torch, against the framework's
@@ -23,10 +20,10 @@ Phases (default: ``tests train host jax attention``):
 * ``soak_ab``    - the soak twice, half the phase's time each: ``CUDNN_ATTN_REPLAY=0``, then replay on (which of
                    them grows device memory); ``SOAK_CALLS`` / ``SOAK_ARGS`` as for ``soak``.
 
-Each phase gets at most what is left of ``--budget`` (default 570 s) minus a reserve for the phases after
-it; a phase cut short is reported as such.  The summary is printed last and written to ``$OUT/summary.txt``;
-``--bundle`` then packs every other file of ``$OUT`` into ``$OUT/bundle.tar.gz`` (the device machine returns 8
-files at most).  Exit status: non-zero when a phase failed.
+``PHASE:SECONDS`` (``tests:200``) gives a phase at most that long.  Each phase gets at most what is left of
+``--budget`` (default 570 s) minus a reserve for the phases after it; a phase cut short is reported as such.  The
+summary is printed last and written to ``$OUT/summary.txt``; ``--bundle`` then packs every other file of ``$OUT``
+into ``$OUT/bundle.tar.gz``.  Exit status: non-zero when a phase failed.
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.environ.get("OUT", os.path.join(ROOT, "bench_out"))
 BENCHES = ("host", "jax", "attention", "fp8", "decode", "first_call", "context_parallel", "soak", "autotune", "peers",
            "small", "generate", "frameworks", "torch", "decomposition")
-RESERVE = {"tests": 60, "train": 40, "legacy": 0}       # seconds kept for each later phase (default 30)
+RESERVE = {"tests": 60, "train": 40}       # seconds kept for each later phase (default 30)
 
 
 def run(name: str, command: list[str], limit: float, env: dict | None = None) -> tuple[int, float]:
@@ -121,11 +118,7 @@ def main() -> int:
     os.makedirs(OUT, exist_ok=True)
     deadline = time.monotonic() + args.budget
     status, summary = 0, []
-    legacy = None
-    if "legacy" in args.phases:
-        legacy = subprocess.Popen(["bash", "-c", LEGACY], cwd=ROOT, stdout=open(os.path.join(OUT, "legacy.log"), "w"),
-                                  stderr=subprocess.STDOUT)
-    phases = [p for p in args.phases if p != "legacy"]
+    phases = args.phases
     for i, phase in enumerate(phases):
         phase, _, mode = phase.partition(":")          # "attention:full" runs one benchmark without --quick,
         full = args.full or mode == "full"             # "tests:200" gives a phase at most 200 s
@@ -207,13 +200,6 @@ def main() -> int:
             continue
         summary.append(f"[{phase}: rc={rc}, {took:.0f} s{' - TIMED OUT' if rc == 124 else ''}]")
         status |= int(rc != 0)
-    if legacy is not None:
-        try:
-            legacy.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            legacy.kill()
-        summary.append("== legacy code (.legacy/), training step on 2 GPUs:")
-        summary += ["  " + line for line in tail("legacy", 400).splitlines() if line.startswith("LEGACY")][:60]
     print("\n==================== summary ====================")
     print("\n".join(summary))
     with open(os.path.join(OUT, "summary.txt"), "w") as f:
@@ -224,8 +210,7 @@ def main() -> int:
 
 
 def bundle(out: str) -> None:
-    """Every file under ``out`` into ``out/bundle.tar.gz``, the originals removed: one file comes back from a
-    machine that returns a few files only (the device's limit is 8), ``summary.txt`` beside it."""
+    """Every file under ``out`` into ``out/bundle.tar.gz``, the originals removed; ``summary.txt`` stays beside it."""
     import tarfile
 
     path = os.path.join(out, "bundle.tar.gz")
@@ -236,50 +221,6 @@ def bundle(out: str) -> None:
             archive.add(os.path.join(out, name), arcname=name)
     for name in names:
         os.remove(os.path.join(out, name))
-
-
-LEGACY = r"""
-set -u
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/legacy .legacy > /dev/null 2>&1 \
-  || { echo "LEGACY install failed"; exit 0; }
-# A probe loaded by every legacy process: counts the cuDNN handles created, and on which threads.
-mkdir -p /tmp/legacy_probe
-cat > /tmp/legacy_probe/sitecustomize.py <<'PY'
-import atexit, collections, threading, time
-def _install():
-    import cudnn
-    made, create = collections.Counter(), cudnn.create_handle
-    seconds = [0.0]
-    def counted(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return create(*args, **kwargs)
-        finally:
-            seconds[0] += time.perf_counter() - start
-            made[threading.current_thread().name] += 1
-    cudnn.create_handle = counted
-    atexit.register(lambda: print(f"LEGACY probe: {sum(made.values())} cuDNN handles created on "
-                                  f"{len(made)} threads in {seconds[0]:.3f} s: {dict(made)}", flush=True))
-try:
-    _install()
-except Exception as error:
-    print("LEGACY probe not installed:", error)
-PY
-run() {  # label, timeout, args...
-  label=$1; limit=$2; shift 2
-  start=$SECONDS
-  PYTHONPATH=/tmp/legacy_probe:/tmp/legacy:${PYTHONPATH:-} timeout -k 5 $limit python3 benchmarks/train_step.py \
-    --impl ours --gpus 2 --watchdog $((limit - 10)) "$@" > /tmp/legacy_$label.out 2>&1
-  rc=$?
-  echo "LEGACY $label: exit $rc after $((SECONDS - start)) s (3 = the watchdog fired: a hang; 124 = killed)"
-  grep -E "^\{" /tmp/legacy_$label.out | sed 's/^/LEGACY   /' | cut -c1-400
-  grep -m2 -E "LEGACY probe|Error|error:" /tmp/legacy_$label.out | sed 's/^/LEGACY   /' | cut -c1-300
-  grep -E "^Thread|^  File .*(cudnn_attn|_handle)" /tmp/legacy_$label.out | head -12 | sed 's/^/LEGACY   /'
-}
-run tiny_plain 70 --size tiny --steps 8 --cuda-graph off
-run small_cuda_graph 70 --size small --steps 3 --cuda-graph on
-run wide_plain 100 --size wide --steps 3 --cuda-graph off
-"""
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Translate a user ``score_mod`` into a pointwise :class:`~.score_mod_ir.Program` by tracing it with JAX.
+"""Translate the jaxpr of a user ``score_mod`` into a pointwise :class:`~cudnn_attn.core.score_mod_ir.Program`.
 
 The forward is ``jax.make_jaxpr(score_mod)(score, *args)`` on a float32 ``(B, N, T, S)`` score; the
 backward is the jaxpr of its VJP with respect to the score, ``(g, s, *args) -> g·∂score_mod/∂s``, as
@@ -22,7 +22,7 @@ JAX's own cuDNN flex attention derives it.  Each equation becomes nodes of the p
 
 Anything else (reductions, gathers, matrix products, other bit manipulations, ...) raises
 :class:`~cudnn_attn.core.errors.UnsupportedConfigurationError` naming the primitive and the function.
-Arguments must be scalars: cuDNN 9.19 receives them by value (see :mod:`.score_mod`).
+Arguments must be scalars: cuDNN 9.19 receives them by value (see :mod:`cudnn_attn.graphs.score_mod`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .errors import UnsupportedConfigurationError
-from .score_mod_ir import BOOL, F32, I32, Program, ProgramBuilder
+from cudnn_attn.core.errors import UnsupportedConfigurationError
+from cudnn_attn.core.score_mod_ir import BOOL, F32, I32, Program, ProgramBuilder
 
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
                     "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint"})
@@ -304,16 +304,6 @@ def _live(eqns: list[_Eqn], output: int) -> list[_Eqn]:
             live.append(eqn)
             needed.update(eqn.inputs)
     return live[::-1]
-
-
-def translate(fn: Callable[..., Any], inputs: Sequence[tuple[str, Any]], score_shape: tuple[int, ...],
-              name: str) -> Program:
-    """Trace ``fn(*inputs)`` and translate its jaxpr (:func:`translate_jaxpr`); ``inputs`` are
-    ``(leaf, aval)`` pairs: ``("score", ...)``, ``("cotangent", ...)`` or ``("arg", ...)``."""
-    import jax
-
-    closed = jax.make_jaxpr(fn)(*(aval for _, aval in inputs))
-    return translate_jaxpr(closed, [leaf for leaf, _ in inputs], score_shape, name)
 
 
 def translate_jaxpr(closed: Any, leaves: Sequence[str], score_shape: tuple[int, ...], name: str) -> Program:
