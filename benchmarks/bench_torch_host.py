@@ -1,6 +1,6 @@
 """Host time of one eager torch decode call, by stage: ``cudnn_attn.torch.sdpa`` against torch's SDPA (not a test).
 
-    python benchmarks/bench_torch_host.py [--out OUT_DIR] [--calls 2000] [--rounds 5]
+    python benchmarks/bench_torch_host.py [--out OUT_DIR] [--quick] [--calls 2000] [--rounds 5]
 
 The call: batch 4, 16 query / 4 key-value heads, head dim 64, bf16, one query against S keys in BNTH (a decode step
 as transformers makes it), without a mask and with a boolean keep-mask ``(B, 1, 1, S)`` (left padding).  Two cache
@@ -167,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="500 calls per round, 3 rounds")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.calls, args.rounds = 500, 3
     os.makedirs(args.out, exist_ok=True)
     rows = measure(args.calls, args.rounds)
     with open(os.path.join(args.out, "bench_torch_host.json"), "w") as f:
