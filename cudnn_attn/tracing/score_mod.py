@@ -1,13 +1,14 @@
-"""Tracing a user ``score_mod`` with JAX into its :class:`~cudnn_attn.core.config.ScoreModSpec`: the program is the identity.
+"""Tracing a user ``score_mod`` with JAX into its :class:`~cudnn_attn.core.config.ScoreModSpec`: the program is the
+identity.
 
-:func:`trace` (installed as :func:`cudnn_attn.core.score_mod_spec.score_mod_spec`'s tracer
-when this module is imported) traces ``score_mod(score, *score_mod_args)`` with JAX once, at the call's float32
+:func:`trace` (installed as :func:`cudnn_attn.core.score_mod_spec.score_mod_spec`'s tracer when this module is
+imported) traces ``score_mod(score, *score_mod_args)`` with JAX once, at the call's float32
 ``(B, N, T, S)`` score shape, and keeps what was traced, never the function:
 
 * the closed jaxpr (``spec.jaxpr``), which the NumPy reference evaluates (:func:`apply`, :func:`vjp`);
 * the translation of the forward and of its VJP into pointwise programs (``spec.program``, a
-  :class:`~cudnn_attn.core.score_mod_spec.ScoreModProgram`, :mod:`.jaxpr_program`), from which the graph builder emits cuDNN
-  operations - or, when cuDNN cannot express the function, the reasons (``spec.refusals``);
+  :class:`~cudnn_attn.core.score_mod_spec.ScoreModProgram`, :mod:`.jaxpr_program`), from which the graph builder
+  emits cuDNN operations - or, when cuDNN cannot express the function, the reasons (``spec.refusals``);
 * ``spec.digest``, the identity: a hash of the translated programs (operations, their order and
   constants), or of the jaxpr's structure and constants when there is no translation.  Two calls with
   equal functions - an inline lambda re-created in a loop, a ``functools.partial`` of the same function
