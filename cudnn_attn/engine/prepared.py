@@ -100,7 +100,7 @@ class PreparedCall:
         self.config, self.kind, self.device, self.autotune = config, kind, device, autotune
         self.spec = CallSpec.of(config, kind)
         self.padded = lifted_config(config)
-        self.dropout = config.has_dropout
+        self.dropout = config.has_dropout and not config.device_seed     # a static seed, bound on the host
         self.training = config.training
         self._plan: Any = None
         self._layout: tuple = ()
