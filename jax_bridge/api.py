@@ -75,7 +75,7 @@ from cudnn_attn.core.masks import MaskSpec
 from cudnn_attn.core.parameters import AuxRequest
 from cudnn_attn.core.support import check_everywhere
 from cudnn_attn.core.types import FP8_PARAM_KEYS, AttentionOutput, FP8Params, MaskType
-from cudnn_attn.core.validation import check_seed, validate_call
+from cudnn_attn.core.validation import bind_seed, check_seed, validate_call
 
 from . import context_parallel as sequence_split
 from . import dropout, lifting, primitives
@@ -234,6 +234,8 @@ def configured_attention(config: AttentionConfig, operands: AttentionOperands, o
     if config.score_max:                 # no gradient flows into either (the VJP reads dO alone)
         results["score_max"] = jax.lax.stop_gradient(results["score_max"])
         results["max_logit"] = masked_rows.max_logit(jnp, results["score_max"])
+        if options.context is not None and options.context.axes:     # local rows: the max across the ring
+            results["max_logit"] = jax.lax.pmax(results["max_logit"], options.context.axes)
     return AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
 
 
@@ -254,13 +256,10 @@ def forward_call(call: Any, names: Mapping[str, str] | None = None) -> Attention
     if sequence_parallel and context.axes:       # inside shard_map: the call describes the whole sequence
         config = sequence_split.whole_config(config, context)
         operands = operands.replace(key=call.key, value=call.value)
-    rng = getattr(call, "dropout_rng", None)
-    if rng is not None and config.has_dropout:     # the seed as operands read at launch, not a constant
-        seed, offset = dropout.seed_operands(rng)
-        config = config.replace(device_seed=True)
-        operands = operands.replace(dropout_seed=seed, dropout_offset=offset)
-    options = call_options(config, seed=0 if config.device_seed else call.seed, backend=call.backend,
-                           cuda_graph=call.cuda_graph, context_parallel=context if sequence_parallel else None)
+    rng = getattr(call, "dropout_rng", None)        # a key: the seed as operands read at launch, not a constant
+    config, operands, seed = bind_seed(config, operands, call.seed if rng is None else dropout.seed_operands(rng))
+    options = call_options(config, seed=seed, backend=call.backend, cuda_graph=call.cuda_graph,
+                           context_parallel=context if sequence_parallel else None)
     return configured_attention(config, operands, options, check_values=call.check_values, names=names)
 
 

@@ -291,9 +291,14 @@ def keyless_score_max(xp: Any, config: AttentionConfig, score_max: Any, q_seqlen
 
 
 def masked_score_max(xp: Any, config: AttentionConfig, operands: AttentionOperands, score_max: Any) -> Any:
-    """``score_max`` with ``-inf`` on the rows a boolean mask keeps no key of (their kernel maximum is the folded
-    mask's large negative value); unchanged without a boolean mask."""
-    if operands.keep_mask is None or score_max is None:
+    """``score_max`` of the call ``config`` (as the caller made it, before any lifting) with ``-inf`` on every row
+    without an admissible key: :func:`keyless_score_max`'s rows, and the rows a boolean mask keeps no key of
+    (whose kernel maximum is the folded mask's large negative value, as is that of a row a folded bottom-right
+    diagonal leaves without keys).  ``None`` stays ``None``."""
+    if score_max is None:
+        return None
+    score_max = keyless_score_max(xp, config, score_max, operands.q_seqlen, operands.kv_seqlen)
+    if operands.keep_mask is None:
         return score_max
     return xp.where(_rows(xp, config, operands), xp.asarray(-np.inf, dtype=score_max.dtype), score_max)
 

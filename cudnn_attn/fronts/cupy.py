@@ -54,7 +54,7 @@ from cudnn_attn.core.config import AttentionConfig, AttentionOperands, InputStri
 from cudnn_attn.core.masks import MaskSpec
 from cudnn_attn.core.parameters import AuxRequest
 from cudnn_attn.core.types import AttentionGrads, AttentionOutput, FP8Params, MaskType
-from cudnn_attn.core.validation import check_seed, validate_backward
+from cudnn_attn.core.validation import bind_seed, check_seed, seed_operands, validate_backward
 from cudnn_attn.engine import prepared, runtime
 from cudnn_attn.engine.call import BWD, FWD
 from cudnn_attn.engine.prepared import Known, PreparedCall, calls, prepared_call
@@ -201,7 +201,8 @@ def _forward(call: Any) -> tuple[AttentionConfig, AttentionOutput, Callable[[Any
     with parameters.native_names(call):
         config, operands = _validate_on_device(arrays, static, fp8_dtype)
     config = _with_strides(parameters.finish(call, config), operands)
-    result = prepared.forward(config, operands, seed=check_seed(call.seed), stream=call.stream,
+    config, operands, seed = bind_seed(config, operands, call.seed)
+    result = prepared.forward(config, operands, seed=seed, stream=call.stream,
                               autotune=call.autotune, check_values=call.check_values)
     return config, result, exporter
 
@@ -230,6 +231,7 @@ def attention(query: Any, key: Any, value: Any, *, mask: MaskSpec | None = None,
     mask = call.mask
     plain = (call.bias is None and call.sink is None and call.fp8_params is None and call.stream is None
              and call.out_type is None and (mask is None or type(mask) is MaskSpec and not mask.has_arrays)
+             and not getattr(call.return_aux, "max_logit", False) and seed_operands(call.seed) is None
              and _is_cupy(*qkv))
     if plain:               # the direct path, keyed by the mask's static fields (MaskSpec compares by identity)
         static = ("attention", None if mask is None else mask.static(padding=False), call.scale, call.dropout_rate,
@@ -290,7 +292,7 @@ def _plain(call: Any) -> bool:
     """A call of Q/K/V (and the backward's residuals) alone, on the current stream, results as CuPy arrays."""
     return (call.bias is None and call.mask is None and call.q_seqlen is None and call.kv_seqlen is None
             and call.q_offsets is None and call.kv_offsets is None and call.fp8_params is None and call.sink is None
-            and call.stream is None and call.out_type is None)
+            and call.stream is None and call.out_type is None and seed_operands(call.seed) is None)
 
 
 @parameters.front(parameters.PAGED, "stream", "autotune", "out_type", "check_values")
@@ -358,8 +360,8 @@ def dot_product_attention_bwd(query: Any, key: Any, value: Any, output: Any, gra
     output, grad_output, logsumexp = (arrays.pop(n) for n in ("output", "grad_output", "logsumexp"))
     config, operands = _validate_on_device(arrays, static_arguments, call.fp8_dtype if call.use_fp8 else None)
     validate_backward(config, output, grad_output, logsumexp)      # FP8 O and dO: uint8 bytes like Q/K/V
-    config = _with_strides(config, operands)
-    grads = prepared.backward(config, operands, output, grad_output, logsumexp, seed=check_seed(call.seed),
+    config, operands, seed = bind_seed(_with_strides(config, operands), operands, call.seed)
+    grads = prepared.backward(config, operands, output, grad_output, logsumexp, seed=seed,
                               stream=call.stream, autotune=call.autotune, check_values=call.check_values)
     if plain and not config.has_dbias and not config.sink:
         _remember_direct(BWD, residual_arrays, static, config, call.autotune,
