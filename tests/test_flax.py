@@ -352,3 +352,24 @@ def test_compute_dtype_runs_float32_models(rng):
 def test_importing_the_bridge_does_not_import_flax():
     code = "import sys, cudnn_attn.jax_bridge as jb; jb.flax_attention_fn(); assert 'flax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_the_benchmarks_dropout_decoder_draws_a_fresh_mask_at_every_jitted_step():
+    """``benchmarks/bench_frameworks.py``'s ``flax_dropout`` model on the CPU: with a learning rate of 0 the
+    parameters stay, so two steps' losses differ only by their dropout masks (equal without dropout)."""
+    import os
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench_frameworks as frameworks
+
+    shape = frameworks.DecoderShape(batch=2, length=16, d_model=32, heads=4, layers=1, vocab=64)
+    tokens, mask = frameworks.batch(shape)
+    step = frameworks.make_train_step(lr=0.0)
+    for rate in (0.1, 0.0):
+        model = frameworks.decoder(flax_attention_fn(), shape, dropout_rate=rate)
+        losses = [float(step(model, tokens, mask)) for _ in range(3)]
+        assert all(np.isfinite(losses)), losses
+        if rate:
+            assert len(set(losses)) == 3, losses
+        else:
+            assert len(set(losses)) == 1, losses

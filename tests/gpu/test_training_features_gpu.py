@@ -251,3 +251,29 @@ def test_jax_max_logit_under_jit_and_vmap_match_the_reference(rng):
         one = reference.attention(qs[i], k, v, mask=causal(), return_aux=aux)
         _assert_score_max_close(cp.asarray(np.asarray(batched[i])), one.max_logit)
     assert masked_rows.max_logit(np, np.asarray(got.score_max)).tolist() == np.asarray(got.max_logit).tolist()
+
+
+@needs_jax_gpu
+def test_flax_training_step_with_attention_dropout_draws_a_fresh_mask_per_step():
+    """``bench_frameworks``' ``flax_dropout`` decoder on cuDNN: with a learning rate of 0 two jitted steps differ
+    only by their masks (equal without dropout); with SGD the loss falls over 10 steps."""
+    import os
+    import sys
+
+    pytest.importorskip("flax")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    import bench_frameworks as frameworks
+
+    from cudnn_attn.jax_bridge import flax_attention_fn
+
+    shape = frameworks.DecoderShape(batch=4, length=256, d_model=256, heads=4, layers=2, vocab=1024)
+    tokens, mask = frameworks.batch(shape)
+    frozen = frameworks.make_train_step(lr=0.0)
+    for rate in (0.1, 0.0):
+        model = frameworks.decoder(flax_attention_fn(), shape, dropout_rate=rate)
+        losses = [float(frozen(model, tokens, mask)) for _ in range(3)]
+        assert all(np.isfinite(losses)) and len(set(losses)) == (3 if rate else 1), (rate, losses)
+    model = frameworks.decoder(flax_attention_fn(), shape, dropout_rate=0.1)
+    step = frameworks.make_train_step()
+    losses = [float(step(model, tokens, mask)) for _ in range(10)]
+    assert losses[-1] < losses[0], losses
