@@ -149,6 +149,15 @@ def make_train_step(lr: float = 0.05, with_grads: bool = False):
     return step
 
 
+def frozen_losses(attention_fn, shape: DecoderShape, dropout_rate: float, steps: int = 3) -> list[float]:
+    """The losses of ``steps`` jitted steps at learning rate 0 of a fresh decoder (the tests' check that the
+    dropout model draws a new mask at every step: the parameters stay, so only the masks can change a loss)."""
+    tokens, mask = batch(shape)
+    step = make_train_step(lr=0.0)
+    model = decoder(attention_fn, shape, dropout_rate=dropout_rate)
+    return [float(step(model, tokens, mask)) for _ in range(steps)]
+
+
 def _time_steps(step, model, tokens, mask, steps: int, rounds: int) -> tuple[float, float]:
     """Median ms per step over ``rounds`` chains of ``steps`` steps, and the last loss."""
     for _ in range(2):

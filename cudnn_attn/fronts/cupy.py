@@ -17,6 +17,10 @@ and add keyword-only extensions after them:
   framework (CuPy arrays for CuPy, torch tensors for torch, JAX arrays for JAX, zero-copy through
   DLPack), ``"cupy"`` always returns CuPy arrays.
 
+``seed`` (forward and backward) is the seed's int, or a CuPy int64 array ``[seed, offset]`` on the query's
+device: cuDNN then reads its dropout seed and offset from that memory at launch, so new values draw a new mask
+without a new graph (the backward must be given the same array values).  :func:`bind` takes an int.
+
 Inputs are CuPy arrays or any ``__dlpack__`` GPU array (torch tensors, JAX arrays), zero-copy; every
 array of a call lives on the query's device.  bfloat16 is CuPy's ``ml_dtypes.bfloat16``.  Rows cuDNN
 does not compute (padding, tokens outside packed segments) are returned as zeros.
@@ -221,9 +225,12 @@ def attention(query: Any, key: Any, value: Any, *, mask: MaskSpec | None = None,
     ``"BTNH"`` or ``"BNTH"``; ``fp8_params`` (FP8Params) runs FP8 (uint8 Q/K/V bytes of ``fp8_dtype``).
 
     Returns :class:`~cudnn_attn.core.types.AttentionOutput`: ``output``, ``logsumexp`` with
-    ``return_aux=AuxRequest(logsumexp=True)`` (else ``None``), ``amax_s``/``amax_o`` with FP8.  The
-    extensions (``stream``, ``autotune``, ``out_type``, ``check_values``) are :func:`dot_product_attention`'s,
-    and so is the direct path of repeated calls (CuPy Q/K/V and a mask without arrays).
+    ``return_aux=AuxRequest(logsumexp=True)`` (else ``None``), ``score_max`` and ``max_logit`` with
+    ``AuxRequest(max_logit=True)``, ``amax_s``/``amax_o`` with FP8.  ``seed`` is an int, or a CuPy int64
+    array ``[seed, offset]`` on the call's device that cuDNN reads at launch (this module's seed functions take
+    it too: :func:`cudnn_attn.core.validation.seed_operands`).  The extensions (``stream``, ``autotune``,
+    ``out_type``, ``check_values``) are :func:`dot_product_attention`'s, and so is the direct path of repeated
+    calls (CuPy Q/K/V and a mask without arrays, a static seed, no max logit).
     """
     call = attention.arguments(query, key, value, mask, bias, scale, dropout_rate, seed, layout, sink, fp8_params,
                                return_aux, fp8_dtype, stream, autotune, out_type, check_values)
