@@ -367,3 +367,24 @@ def test_dropout_through_the_jax_nn_drop_in():
 
 def test_masked_rows_max_logit_of_a_head_without_scores():
     assert masked_rows.max_logit(np, np.full((2, 3, 4), -np.inf, np.float32)).tolist() == [-np.inf] * 3
+
+
+def test_the_reference_takes_a_device_seed_array():
+    """The reference's seed functions take an int64 ``[seed, offset]`` array as the CuPy front does: the same
+    values draw the same mask in the forward and the backward, other values another."""
+    q, k, v = (np.asarray(x) for x in _inputs(6))
+    seed = np.array([3, 0], np.int64)
+    args = dict(scale=SCALE, dropout_rate=RATE)
+    out, lse = reference.dot_product_attention(q, k, v, seed=seed, return_residual=True, **args)
+    np.testing.assert_array_equal(out, reference.dot_product_attention(q, k, v, seed=seed.copy(), **args))
+    assert not np.array_equal(out, reference.dot_product_attention(q, k, v, seed=np.array([3, 1], np.int64), **args))
+    config = _config(dtype="float16", qk_dim=H, v_dim=H, dropout_rate=RATE, device_seed=True, training=False)
+    entropy = reference_masks.dropout_entropy(config, AttentionOperands(None, None, None, dropout_seed=seed[0:1],
+                                                                        dropout_offset=seed[1:2]), 0)
+    mask = reference_masks.dropout_keep(config, entropy, None)
+    np.testing.assert_array_equal(out, reference.dot_product_attention(q, k, v, dropout_mask=mask, **args))
+    grad_output = np.asarray(normal(np.random.default_rng(7), out.shape, "float16"))
+    by_seed = reference.dot_product_attention_bwd(q, k, v, out, grad_output, lse, seed=seed, **args)
+    by_mask = reference.dot_product_attention_bwd(q, k, v, out, grad_output, lse, dropout_mask=mask, **args)
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(getattr(by_seed, name), getattr(by_mask, name))

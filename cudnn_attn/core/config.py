@@ -218,11 +218,11 @@ class AttentionConfig:
     score_mod: ScoreModSpec | None = None
     sink: bool = False
     training: bool = False           # forward also produces the logsumexp needed by the backward
-    score_max: bool = False          # forward also writes each row's max scaled score (fp32 (B, N, T); no gradient)
-    device_seed: bool = False        # dropout seed and offset are int64 device operands read at launch, not host
-                                     # scalars bound into the launch (a traced key; DESIGN "Dropout from a key")
     deterministic: bool = False      # backward: deterministic dQ accumulation
     strides: InputStrides | None = None   # Q/K/V views with their own strides (CuPy/DLPack fronts); None: dense
+    score_max: bool = False          # forward also writes each row's max scaled score (fp32 (B, N, T); no gradient)
+    device_seed: bool = False        # dropout seed and offset are int64 device operands read at launch, not host
+                                     # scalars bound into the launch (a traced key; DESIGN "Dropout from a device seed")
 
     def __post_init__(self):
         """Invariants.  The fields describe a call that exists (``ValueError`` naming ``config.<field>``
