@@ -388,3 +388,17 @@ def test_the_reference_takes_a_device_seed_array():
     by_mask = reference.dot_product_attention_bwd(q, k, v, out, grad_output, lse, dropout_mask=mask, **args)
     for name in ("dq", "dk", "dv"):
         np.testing.assert_array_equal(getattr(by_seed, name), getattr(by_mask, name))
+
+
+def test_the_reference_with_a_given_mask_needs_no_seed_operands():
+    """The GPU tests run the reference on a device-seed configuration with cuDNN's own mask (``rng_dump``) and
+    host operands that hold no seed."""
+    q, k, v = (np.asarray(x) for x in _inputs(8))
+    config = _config(dtype="float16", qk_dim=H, v_dim=H, dropout_rate=RATE, device_seed=True, training=True)
+    operands = AttentionOperands(q, k, v)
+    mask = (np.random.default_rng(9).random((B, N, T, T)) >= RATE).astype(np.float32)
+    out = reference.forward(config, operands, dropout_mask=mask)
+    grads = reference.backward(config, operands, out.output, out.output, out.logsumexp, dropout_mask=mask)
+    plain = reference.forward(config.replace(device_seed=False), operands, dropout_mask=mask)
+    np.testing.assert_array_equal(out.output, plain.output)
+    assert np.isfinite(np.asarray(grads.dq, np.float32)).all()

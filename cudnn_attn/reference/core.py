@@ -43,7 +43,8 @@ from .tensors import as_float64, cast, io_dtype, to_physical
 def _dropout(config: AttentionConfig, operands: AttentionOperands, seed: int,
              dropout_mask: Any) -> np.ndarray | float:
     """The factor ``keep / (1 - p)`` applied to P (1.0 without dropout)."""
-    keep = masks.dropout_keep(config, masks.dropout_entropy(config, operands, seed), dropout_mask)
+    entropy = seed if dropout_mask is not None else masks.dropout_entropy(config, operands, seed)
+    keep = masks.dropout_keep(config, entropy, dropout_mask)
     return 1.0 if keep is None else keep / (1.0 - config.dropout_rate)
 
 
