@@ -116,7 +116,8 @@ def _kernel_dtype(name: str, dtype: Any) -> Any:
 
 
 def _seed(dropout_rng: Any, dropout_seed: int | None) -> int:
-    """The library's dropout seed: ``dropout_seed``, else one derived from a concrete ``dropout_rng``."""
+    """The static dropout seed of a call that takes one (``dropout_seed`` given, or the seed form of
+    softcap/score_mod): ``dropout_seed``, else one derived from a concrete ``dropout_rng``."""
     if dropout_seed is not None:
         return dropout_seed
     if dropout_rng is None:
@@ -126,10 +127,10 @@ def _seed(dropout_rng: Any, dropout_seed: int | None) -> int:
     try:
         words = np.asarray(data).astype(np.uint64).ravel()
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        raise ValueError("dropout_rng: traced (under jit), but this library's dropout seed is a Python int "
-                         "bound into the cuDNN graph when the call is traced; pass flax_attention_fn("
-                         "dropout_seed=N) to accept one fixed dropout mask per compiled program, or run "
-                         "with deterministic=True") from None
+        raise ValueError("dropout_rng: traced (under jit), but with softcap/score_mod the call takes the seed "
+                         "form, whose dropout seed is a Python int bound when the call is traced; pass "
+                         "flax_attention_fn(dropout_seed=N) to accept one fixed dropout mask per compiled program, "
+                         "or run with deterministic=True") from None
     seed = 0
     for word in words:
         seed = (seed * 0x100000001B3 + int(word) + 1) % _SEED_RANGE

@@ -160,7 +160,8 @@ def check_seed(seed: Any) -> int:
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"seed: the dropout seed must be a Python or NumPy int in [0, 2**63), got "
                          f"{type(seed).__name__} {seed!r} (cuDNN binds it by value: it is static under jit, and "
-                         "the forward and its backward must use the same one)")
+                         "the forward and its backward must use the same one; a seed read on the device is an "
+                         "int64 array [seed, offset], or on JAX's attention a dropout_rng key)")
     if not 0 <= int(seed) < 2 ** 63:
         raise ValueError(f"seed: the dropout seed must be an int in [0, 2**63), got {int(seed)}")
     return int(seed)
