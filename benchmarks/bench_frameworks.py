@@ -10,6 +10,12 @@ Sections (a family of their own, one per framework):
   ``[B, 1, T, T]``), next-token cross-entropy over the real tokens, plain SGD, one ``nnx.jit`` step.
   ``ours``: ``attention_fn=cudnn_attn.jax_bridge.flax_attention_fn()``; ``flax``: Flax's default
   ``nnx.dot_product_attention``.  Both models start from the same parameters and see the same batch.
+* ``flax_dropout`` - the same decoder and step with attention dropout (``dropout_rate=0.1``,
+  ``broadcast_dropout=False``: one independent mask per batch row and head, which is what cuDNN draws; Flax's
+  default attention then draws its mask with ``jax.random.bernoulli``).  The key comes from the model's
+  ``nnx.Rngs`` at every step, traced under ``nnx.jit``: ``ours`` passes it to cuDNN as device operands
+  (a fresh Philox mask per step, one compiled program).  The two models' masks differ, so their losses differ
+  by more than rounding.
 * ``torch`` - rows from ``benchmarks/bench_torch.py`` when that file provides
   ``rows(quick: bool) -> list[dict]`` with the keys of :class:`Row` (see :func:`torch_section`).
 
@@ -61,8 +67,9 @@ class Row:
 
 # -- the flax decoder (also used by tests/gpu/test_flax_gpu.py) -------------------------------------------
 
-def decoder(attention_fn, shape: DecoderShape, seed: int = 0):
-    """A ``flax.nnx`` decoder of ``shape`` whose attention is ``attention_fn`` (same ``seed``: same parameters)."""
+def decoder(attention_fn, shape: DecoderShape, seed: int = 0, dropout_rate: float = 0.0):
+    """A ``flax.nnx`` decoder of ``shape`` whose attention is ``attention_fn`` (same ``seed``: same parameters),
+    with attention dropout at ``dropout_rate`` (``broadcast_dropout=False``; the key from the model's ``Rngs``)."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -71,7 +78,9 @@ def decoder(attention_fn, shape: DecoderShape, seed: int = 0):
             d = shape.d_model
             self.norm1, self.norm2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
             self.attn = nnx.MultiHeadAttention(shape.heads, d, dtype=jnp.bfloat16, decode=False,
-                                               attention_fn=attention_fn, rngs=rngs)
+                                               attention_fn=attention_fn, dropout_rate=dropout_rate,
+                                               broadcast_dropout=False,
+                                               deterministic=False if dropout_rate else None, rngs=rngs)
             self.up = nnx.Linear(d, 4 * d, dtype=jnp.bfloat16, rngs=rngs)
             self.down = nnx.Linear(4 * d, d, dtype=jnp.bfloat16, rngs=rngs)
 
@@ -140,6 +149,15 @@ def make_train_step(lr: float = 0.05, with_grads: bool = False):
     return step
 
 
+def frozen_losses(attention_fn, shape: DecoderShape, dropout_rate: float, steps: int = 3) -> list[float]:
+    """The losses of ``steps`` jitted steps at learning rate 0 of a fresh decoder (the tests' check that the
+    dropout model draws a new mask at every step: the parameters stay, so only the masks can change a loss)."""
+    tokens, mask = batch(shape)
+    step = make_train_step(lr=0.0)
+    model = decoder(attention_fn, shape, dropout_rate=dropout_rate)
+    return [float(step(model, tokens, mask)) for _ in range(steps)]
+
+
 def _time_steps(step, model, tokens, mask, steps: int, rounds: int) -> tuple[float, float]:
     """Median ms per step over ``rounds`` chains of ``steps`` steps, and the last loss."""
     for _ in range(2):
@@ -155,32 +173,46 @@ def _time_steps(step, model, tokens, mask, steps: int, rounds: int) -> tuple[flo
     return statistics.median(times), float(value)
 
 
-def flax_section(args) -> list[Row]:
-    from flax import nnx
-
-    from cudnn_attn.jax_bridge import flax_attention_fn
-
+def _decoder_shape(args) -> DecoderShape:
     shape = DecoderShape(batch=4, length=1024) if args.quick else DecoderShape()
     if args.shape:
         b, t, d, heads, layers = (int(n) for n in args.shape.split(","))
         shape = DecoderShape(batch=b, length=t, d_model=d, heads=heads, layers=layers, vocab=shape.vocab)
-    case = f"{shape.layers}-layer d{shape.d_model} H{shape.heads} T{shape.length} B{shape.batch}, padding masks"
-    row = Row("flax", case)
+    return shape
+
+
+def _flax_rows(args, dropout_rate: float, framework: str, what: str) -> list[Row]:
+    from flax import nnx
+
+    from cudnn_attn.jax_bridge import flax_attention_fn
+
+    shape = _decoder_shape(args)
+    case = f"{shape.layers}-layer d{shape.d_model} H{shape.heads} T{shape.length} B{shape.batch}, {what}"
+    row = Row(framework, case)
     try:
         tokens, mask = batch(shape)
         step = make_train_step()
-        ours_ms, ours_loss = _time_steps(step, decoder(flax_attention_fn(), shape), tokens, mask, args.steps,
-                                         args.rounds)
-        theirs_ms, theirs_loss = _time_steps(step, decoder(nnx.dot_product_attention, shape), tokens, mask,
-                                             args.steps, args.rounds)
+        ours_ms, ours_loss = _time_steps(step, decoder(flax_attention_fn(), shape, dropout_rate=dropout_rate),
+                                         tokens, mask, args.steps, args.rounds)
+        theirs_ms, theirs_loss = _time_steps(step, decoder(nnx.dot_product_attention, shape,
+                                                           dropout_rate=dropout_rate),
+                                             tokens, mask, args.steps, args.rounds)
         row.ours_ms, row.theirs_ms, row.ratio = ours_ms, theirs_ms, ours_ms / theirs_ms
         row.notes = {"theirs": "flax.nnx.dot_product_attention", "last_loss_ours": ours_loss,
                      "last_loss_theirs": theirs_loss, "steps": args.steps, "rounds": args.rounds,
-                     "shape": asdict(shape)}
+                     "shape": asdict(shape), "dropout_rate": dropout_rate}
     except Exception as error:  # noqa: BLE001 -- a benchmark row reports its failure and the others go on
         row.error = f"{type(error).__name__}: {error}"
         traceback.print_exc()
     return [row]
+
+
+def flax_section(args) -> list[Row]:
+    return _flax_rows(args, 0.0, "flax", "padding masks")
+
+
+def flax_dropout_section(args) -> list[Row]:
+    return _flax_rows(args, 0.1, "flax", "padding masks, dropout 0.1")
 
 
 def torch_section(args) -> list[Row]:
@@ -195,7 +227,7 @@ def torch_section(args) -> list[Row]:
     return [Row(**r) for r in rows(quick=args.quick)] if rows else []
 
 
-SECTIONS = {"flax": flax_section, "torch": torch_section}
+SECTIONS = {"flax": flax_section, "flax_dropout": flax_dropout_section, "torch": torch_section}
 
 
 def _ms(x: float | None) -> str:

@@ -198,7 +198,12 @@ def _mask_options(config: AttentionConfig, t: _Declared) -> dict[str, Any]:
         options["paged_attention_k_table"] = t.input(TensorId.PAGE_TABLE_K, tt.page_table_tensor(config), _DT.INT32)
         options["paged_attention_v_table"] = t.input(TensorId.PAGE_TABLE_V, tt.page_table_tensor(config), _DT.INT32)
         options["paged_attention_max_seq_len_kv"] = config.kv_len
-    if config.has_dropout:
+    if config.device_seed:              # read from device memory at launch: a traced key, no new graph per seed
+        scalar = (tt.SCALAR_DIMS, tt.SCALAR_STRIDES)
+        seed = t.input(TensorId.DEVICE_SEED, scalar, _DT.INT64)
+        offset = t.input(TensorId.DEVICE_OFFSET, scalar, _DT.INT64)
+        options["dropout"] = (config.dropout_rate, seed, offset)
+    elif config.has_dropout:
         seed = t.host_scalar(TensorId.SEED, _DT.INT64)
         offset = t.host_scalar(TensorId.OFFSET, _DT.INT64)
         options["dropout"] = (config.dropout_rate, seed, offset)
@@ -251,6 +256,14 @@ def _forward(config: AttentionConfig, t: _Declared, io: Any, rng_dump: bool) -> 
         options["bias"] = t.input(TensorId.BIAS, tt.bias_tensor(config), io)
     if rng_dump:
         options["rng_dump"] = t.input(TensorId.RNG_DUMP, tt.rng_dump_tensor(config), _DT.FLOAT)
+    if config.score_max:
+        # Outputs cuDNN takes as keywords, like rng_dump.  Its softmax writes the row max with the row sum of
+        # exponentials, or the logsumexp, never both (CompositeSoftmaxNode): the logsumexp of a training call is
+        # then max + log(sum_exp), computed after the launch (engine.call.CallSpec.finish).
+        layout = tt.stats_tensor(config.segments, config.q_heads, config.q_len, ragged=False)
+        options["score_max"] = t.input(TensorId.SCORE_MAX, layout, _DT.FLOAT)
+        options["score_sum_exp"] = t.input(TensorId.SCORE_SUM_EXP, layout, _DT.FLOAT)
+        options["generate_stats"] = False
     if config.score_mod is not None:
         options["fn" if config.fp8 else "score_mod"] = _score_mod_callbacks(config, FWD, t, options)[0]
 
@@ -261,7 +274,7 @@ def _forward(config: AttentionConfig, t: _Declared, io: Any, rng_dump: bool) -> 
     else:
         o, stats = t.graph.sdpa(q=q, k=k, v=v, **options)
     t.output(TensorId.O, o, tt.o_tensor(config), io, ragged=ragged.o)
-    if config.training:
+    if config.training and not config.score_max:
         stats_layout = tt.stats_tensor(config.segments, config.q_heads, config.q_len, ragged=ragged.stats is not None)
         t.output(TensorId.STATS, stats, stats_layout, _DT.FLOAT, ragged=ragged.stats)
 

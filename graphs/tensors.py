@@ -58,9 +58,11 @@ class TensorId(enum.IntEnum):
     # Paged K/V.
     PAGE_TABLE_K = 30
     PAGE_TABLE_V = 31
-    # Dropout (pass-by-value host scalars).
+    # Dropout: pass-by-value host scalars (a static seed), or int64 (1, 1, 1, 1) device tensors (a traced key).
     SEED = 40
     OFFSET = 41
+    DEVICE_SEED = 42
+    DEVICE_OFFSET = 43
     # FP8 scaling factors (float32 (1, 1, 1, 1) device tensors) and amax outputs.
     DESCALE_Q = 50
     DESCALE_K = 51
@@ -90,6 +92,10 @@ class TensorId(enum.IntEnum):
     SCORE_MOD_ARG_5 = 85
     SCORE_MOD_ARG_6 = 86
     SCORE_MOD_ARG_7 = 87
+    # The softmax's row statistics as two outputs (cuDNN writes either these or STATS, never both): the max of
+    # each row's scaled scores and the sum of exp(score - max).
+    SCORE_MAX = 90
+    SCORE_SUM_EXP = 91
 
 
 SCORE_MOD_ARG_IDS = tuple(TensorId(TensorId.SCORE_MOD_ARG_0 + i) for i in range(8))

@@ -32,8 +32,10 @@ and the call takes its local Q/K/V (the bias: local rows, all columns; the lengt
 
 The dropout ``seed`` must be an int in ``[0, 2**63)`` (:func:`cudnn_attn.core.validation.check_seed`, as on
 every front): cuDNN binds it by value, so under ``jit`` it is a compile-time constant (a new seed
-compiles a new executable); the backward uses the forward's.  The CPU reference draws its dropout mask
-from NumPy, not from cuDNN's Philox stream.
+compiles a new executable); the backward uses the forward's.  :func:`attention`'s ``dropout_rng`` (a PRNG
+key, traced under ``jit``) makes the seed an operand that cuDNN reads at launch instead: a new key, a new
+mask, in one compiled program (:mod:`.dropout`: what holds under ``vmap`` and sharding).  The CPU reference
+draws its dropout mask from NumPy, not from cuDNN's Philox stream.
 
 Values cuDNN reads as positions (:mod:`cudnn_attn.core.values`) never reach it out of range.  Concrete
 arrays (eager calls, NumPy inputs) are checked before anything is bound: ``ValueError`` naming the
@@ -73,10 +75,10 @@ from cudnn_attn.core.masks import MaskSpec
 from cudnn_attn.core.parameters import AuxRequest
 from cudnn_attn.core.support import check_everywhere
 from cudnn_attn.core.types import FP8_PARAM_KEYS, AttentionOutput, FP8Params, MaskType
-from cudnn_attn.core.validation import check_seed, validate_call
+from cudnn_attn.core.validation import bind_seed, check_seed, validate_call
 
 from . import context_parallel as sequence_split
-from . import lifting, primitives
+from . import dropout, lifting, primitives
 from .call_site import Backend, CallOptions
 from .signature import BWD, COTANGENT_OF, FWD, RESIDUALS, named_operands, operand_names, result_names
 
@@ -152,7 +154,7 @@ def _attention_bwd(config: AttentionConfig, options: CallOptions, residuals: tup
     """One cotangent per input: the gradients and FP8 amax values of :data:`COTANGENT_OF`, ``None`` (zero)
     for the rest (sequence lengths, offsets, scale factors, a boolean mask's bias)."""
     inputs, output, logsumexp = residuals
-    training = config.replace(training=True)
+    training = config.replace(training=True, score_max=False)     # score_max has no gradient: zero
     if config.bias is not None and not (options.context is not None and options.context.axes):
         logsumexp = masked_rows.silent_rows_lse(jnp, config, cotangents["output"], logsumexp)
     grads = _run(BWD, training, options, _select(
@@ -228,6 +230,12 @@ def configured_attention(config: AttentionConfig, operands: AttentionOperands, o
     if options.context is None or not options.context.axes:
         results["output"], results["logsumexp"] = masked_rows.forward_output(
             jnp, config, operands, results["output"], results.get("logsumexp"))
+        results["score_max"] = masked_rows.masked_score_max(jnp, config, operands, results.get("score_max"))
+    if config.score_max:                 # no gradient flows into either (the VJP reads dO alone)
+        results["score_max"] = jax.lax.stop_gradient(results["score_max"])
+        results["max_logit"] = masked_rows.max_logit(jnp, results["score_max"])
+        if options.context is not None and options.context.axes:     # local rows: the max across the ring
+            results["max_logit"] = jax.lax.pmax(results["max_logit"], options.context.axes)
     return AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
 
 
@@ -248,17 +256,21 @@ def forward_call(call: Any, names: Mapping[str, str] | None = None) -> Attention
     if sequence_parallel and context.axes:       # inside shard_map: the call describes the whole sequence
         config = sequence_split.whole_config(config, context)
         operands = operands.replace(key=call.key, value=call.value)
-    options = call_options(config, seed=call.seed, backend=call.backend, cuda_graph=call.cuda_graph,
-                             context_parallel=context if sequence_parallel else None)
+    rng = getattr(call, "dropout_rng", None)        # a key: the seed as operands read at launch, not a constant
+    config, operands, seed = bind_seed(config, operands, call.seed if rng is None else dropout.seed_operands(rng))
+    options = call_options(config, seed=seed, backend=call.backend, cuda_graph=call.cuda_graph,
+                           context_parallel=context if sequence_parallel else None)
     return configured_attention(config, operands, options, check_values=call.check_values, names=names)
 
 
-@parameters.front(parameters.NATIVE, "deterministic", "cuda_graph", "backend", "context_parallel", "check_values")
+@parameters.front(parameters.NATIVE, "deterministic", "cuda_graph", "backend", "context_parallel", "check_values",
+                  "dropout_rng")
 def attention(query: Any, key: Any, value: Any, *, mask: MaskSpec | None = None, bias: Any = None,
               scale: float | None = None, dropout_rate: float = 0.0, seed: int = 42, layout: str = "BTNH",
               sink: Any = None, fp8_params: FP8Params | None = None, return_aux: AuxRequest | None = None,
               deterministic: bool = False, cuda_graph: bool | None = None, backend: str = "ffi",
-              context_parallel: Any = None, check_values: bool | None = None) -> AttentionOutput:
+              context_parallel: Any = None, check_values: bool | None = None,
+              dropout_rng: Any = None) -> AttentionOutput:
     """Scaled dot-product attention with named results (the native API; :func:`cudnn_attn.attention` on JAX
     arrays), differentiable, under ``jit``, ``vmap`` and sharding like :func:`dot_product_attention`.
 
@@ -266,10 +278,15 @@ def attention(query: Any, key: Any, value: Any, *, mask: MaskSpec | None = None,
     ``padding(q_lengths, kv_lengths)``, ``segments(...)``, ``alibi()``, ``keep(array)``, combined with ``&``);
     ``scale=None`` is ``1/sqrt(H)``; ``fp8_params`` runs FP8.  Returns
     :class:`~cudnn_attn.core.types.AttentionOutput`: ``output``, ``logsumexp`` with
-    ``return_aux=AuxRequest(logsumexp=True)`` (else ``None``), ``amax_s``/``amax_o`` with FP8.
+    ``return_aux=AuxRequest(logsumexp=True)`` (else ``None``), ``score_max`` and ``max_logit`` with
+    ``AuxRequest(max_logit=True)`` (no gradient), ``amax_s``/``amax_o`` with FP8.
+
+    ``dropout_rng`` (a JAX PRNG key, traced or not) replaces the static ``seed``: cuDNN reads the seed from the
+    device at launch, so a compiled step draws a new mask for every new key (:mod:`.dropout`).
     """
     call = attention.arguments(query, key, value, mask, bias, scale, dropout_rate, seed, layout, sink, fp8_params,
-                               return_aux, deterministic, cuda_graph, backend, context_parallel, check_values)
+                               return_aux, deterministic, cuda_graph, backend, context_parallel, check_values,
+                               dropout_rng)
     return forward_call(call)
 
 

@@ -40,7 +40,10 @@ from .signature import BWD, FP8_BWD_AMAX, FP8_FWD_AMAX, operand_names, result_na
 
 _BATCH_LEADING = ("query", "output", "grad_output", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets",
                   "page_table_k", "page_table_v")
-_PER_CALL = ("sink",)          # per head, shared by the batch: cannot take a vmapped axis
+# Per head or per call, shared by the batch: cannot take a vmapped axis.  A batched dropout seed (a vmap over
+# keys) runs one call per instance, each with its own seed; a shared one folds, and the folded call's one mask
+# differs between the instances' rows (jax_bridge.dropout).
+_PER_CALL = ("sink", "dropout_seed", "dropout_offset")
 
 
 def batch(primitive: Any, args: list[Any], dims: list[int | None], *, config: AttentionConfig,

@@ -514,7 +514,11 @@ class _Engine:
         o_shape = list(q.shape)
         o_shape[-1] = config.v_dim
         heads = config.q_heads
-        state = [jnp.zeros(o_shape, q.dtype), jnp.full((config.batch, heads, g.q_local), _NEG_INF, jnp.float32)]
+        rows = (config.batch, heads, g.q_local)
+        # O, the logsumexp and (with score_max) each row's max over every block: the max across the ring
+        state = [jnp.zeros(o_shape, q.dtype), jnp.full(rows, _NEG_INF, jnp.float32)]
+        if config.score_max:
+            state.append(jnp.full(rows, -jnp.inf, jnp.float32))
         qp = g.q_piece
         piece_o = list(o_shape)
         piece_o[self.seq] = qp
@@ -523,11 +527,13 @@ class _Engine:
             def run_calls(rows, key, value, key_base, starts):
                 found = (_full_like(q, piece_o, q.dtype, 0),
                          _full_like(q, (config.batch, heads, qp), jnp.float32, _NEG_INF))
+                if config.score_max:
+                    found += (_full_like(q, (config.batch, heads, qp), jnp.float32, -jnp.inf),)
                 for c, start in zip(calls, starts):
                     block, ops, has_keys, tokens = self._block(c, FWD, rows, key, value, key_base, start)
                     result = lifting.run(FWD, block, ops, call)
                     lse = result["logsumexp"] if tokens is None else tokens(result["logsumexp"])
-                    found = self._merge(found, c.q_start, result["output"], lse, has_keys)
+                    found = self._merge(found, c.q_start, result["output"], lse, has_keys, result.get("score_max"))
                 return found
             return run_calls
 
@@ -536,27 +542,36 @@ class _Engine:
                 found = self._run_piece(step, i, j, branch,
                                         (self._query_piece(i, FWD, self.last), key, value, key_base))
                 if found is not None:
-                    state[:] = self._merge(tuple(state), i * qp, *found, None)
+                    state[:] = self._merge(tuple(state), i * qp, found[0], found[1], None, *found[2:])
 
         self._sweep(visit, lambda: self.last)
-        o, lse = state
+        o, lse = state[:2]
         if config.sink:
             o, lse = self._with_sink(o, lse)
+        score_max = state[2] if config.score_max else None
         if self.segments is not None:
             lse = self.segments.lse_by_segment(lse, self._global_rows())
             o, lse = self._unaligned_as_nan(o, lse)
         elif self.padding:
             valid = self._global_rows()[None, :] < self.ops["q_seqlen"][:, None]      # (B, T_local)
             lse = jnp.where(valid[:, None, :], lse, 0.0)
-        return {"output": o, "logsumexp": lse}
+            if score_max is not None:
+                score_max = jnp.where(valid[:, None, :], score_max, -jnp.inf)
+        found = {"output": o, "logsumexp": lse}
+        if score_max is not None:
+            found["score_max"] = score_max
+        return found
 
-    def _merge(self, state: tuple, start: int, o: Any, lse: Any, has_keys: Any) -> tuple:
-        """``state`` (O, logsumexp) with the partial result ``o``, ``lse`` of the rows from ``start`` merged
-        in (O keeps its dtype; the merge itself is float32)."""
-        o_acc, lse_acc = state
+    def _merge(self, state: tuple, start: int, o: Any, lse: Any, has_keys: Any, score_max: Any = None) -> tuple:
+        """``state`` (O, logsumexp, and with ``score_max`` the rows' maxima) with the partial result ``o``,
+        ``lse`` (``score_max``) of the rows from ``start`` merged in (O keeps its dtype; the merge itself is
+        float32; the maxima merge by their max)."""
+        o_acc, lse_acc = state[:2]
         if has_keys is not None:
             lse = jnp.where(has_keys[:, None, :], lse, _NEG_INF)
             o = jnp.where(self._per_row(has_keys[:, None, :]), o, 0)
+            if score_max is not None:
+                score_max = jnp.where(has_keys[:, None, :], score_max, -jnp.inf)
         stop = start + lse.shape[-1]
         old_o = self._rows(o_acc, start, stop).astype(jnp.float32)
         old_lse = lse_acc[..., start:stop]
@@ -569,7 +584,11 @@ class _Engine:
         new_lse = top + jnp.log(total)
         o_acc = jax.lax.dynamic_update_slice_in_dim(o_acc, new_o.astype(o_acc.dtype), start, axis=self.seq)
         lse_acc = jax.lax.dynamic_update_slice_in_dim(lse_acc, new_lse, start, axis=2)
-        return o_acc, lse_acc
+        if len(state) == 2:
+            return o_acc, lse_acc
+        max_acc = state[2]
+        new_max = jnp.maximum(max_acc[..., start:stop], score_max)
+        return o_acc, lse_acc, jax.lax.dynamic_update_slice_in_dim(max_acc, new_max, start, axis=2)
 
     # -- backward -------------------------------------------------------------------------------------
     def backward(self, call: Call) -> dict[str, Any]:

@@ -35,12 +35,13 @@ broadcastable to                         ``make_attention_mask``, ``make_causal_
 Dropout.  Flax's default ``broadcast_dropout=True`` shares one mask over the batch and the heads; cuDNN
 draws an independent one for every batch row and head, which is Flax's ``broadcast_dropout=False``: active
 dropout with ``broadcast_dropout=True`` raises a ``ValueError`` (set ``broadcast_dropout=False`` on the
-module).  The library's dropout seed is a Python int bound into the cuDNN graph, a compile-time constant
-under ``jit``.  Eager calls derive it from ``dropout_rng``'s key data; under ``jit`` ``dropout_rng`` is traced
-and no seed can be derived from it, so a traced ``dropout_rng`` raises a ``ValueError`` unless the factory
-was given ``dropout_seed=N``: then every execution of the compiled program draws the same dropout mask
-(the mask changes only with a new seed, which compiles a new program).  On the CPU the NumPy reference
-draws its mask from the seed with NumPy, not cuDNN's Philox stream.
+module).  ``dropout_rng`` (traced under ``jit`` or not) goes to :func:`cudnn_attn.jax_bridge.attention`'s
+``dropout_rng``: cuDNN reads the seed from the device at launch, so a compiled training step draws a fresh
+mask from every new key (:mod:`cudnn_attn.jax_bridge.dropout`).  With ``dropout_seed=N`` the factory binds
+that static seed instead (one mask per compiled program, as JAX's own cuDNN attention); with
+``softcap``/``score_mod`` (the seed form, which takes a static seed only) the seed is derived from a concrete
+``dropout_rng``, and a traced one raises a ``ValueError`` unless ``dropout_seed`` is given.  On the CPU the
+NumPy reference draws its mask from the seed with NumPy, not cuDNN's Philox stream.
 
 The factory's options are what Flax's default attention lacks (all keyword-only, checked when the
 factory is called): ``is_causal`` (ORed with the per-call ``is_causal``), ``diagonal_alignment``
@@ -116,7 +117,8 @@ def _kernel_dtype(name: str, dtype: Any) -> Any:
 
 
 def _seed(dropout_rng: Any, dropout_seed: int | None) -> int:
-    """The library's dropout seed: ``dropout_seed``, else one derived from a concrete ``dropout_rng``."""
+    """The static dropout seed of a call that takes one (``dropout_seed`` given, or the seed form of
+    softcap/score_mod): ``dropout_seed``, else one derived from a concrete ``dropout_rng``."""
     if dropout_seed is not None:
         return dropout_seed
     if dropout_rng is None:
@@ -126,10 +128,10 @@ def _seed(dropout_rng: Any, dropout_seed: int | None) -> int:
     try:
         words = np.asarray(data).astype(np.uint64).ravel()
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        raise ValueError("dropout_rng: traced (under jit), but this library's dropout seed is a Python int "
-                         "bound into the cuDNN graph when the call is traced; pass flax_attention_fn("
-                         "dropout_seed=N) to accept one fixed dropout mask per compiled program, or run "
-                         "with deterministic=True") from None
+        raise ValueError("dropout_rng: traced (under jit), but with softcap/score_mod the call takes the seed "
+                         "form, whose dropout seed is a Python int bound when the call is traced; pass "
+                         "flax_attention_fn(dropout_seed=N) to accept one fixed dropout mask per compiled program, "
+                         "or run with deterministic=True") from None
     seed = 0
     for word in words:
         seed = (seed * 0x100000001B3 + int(word) + 1) % _SEED_RANGE
@@ -269,17 +271,20 @@ def flax_attention_fn(*arrays: Any, is_causal: bool = False, diagonal_alignment:
         rate = 0.0 if deterministic else dropout_rate
         if not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
             raise ValueError(f"dropout_rate: must be in [0, 1), got {dropout_rate!r}")
-        seed = 42
+        seed, rng = 42, None
         if rate > 0.0:
             if broadcast_dropout:
                 raise ValueError("broadcast_dropout: cuDNN draws an independent dropout mask for every batch row "
                                  "and head (Flax's broadcast_dropout=False), not one shared mask; set "
                                  "broadcast_dropout=False on the module, or dropout_rate=0")
-            seed = _seed(dropout_rng, dropout_seed)
+            if dropout_seed is None and dropout_rng is not None and score_mod is None:
+                rng = dropout_rng                  # read on the device at launch: a fresh mask per key
+            else:
+                seed = _seed(dropout_rng, dropout_seed)
         options = dict(scale=scale, dropout_rate=float(rate), seed=seed,
                        sink=sink() if callable(sink) else sink, **bridge)
         if score_mod is None:
-            out = attention(q, k, v, mask=spec, bias=bias, **options).output
+            out = attention(q, k, v, mask=spec, bias=bias, dropout_rng=rng, **options).output
         else:
             options["scale"] = q.shape[-1] ** -0.5 if scale is None else scale
             out = _seed_form(q, k, v, spec, bias, score_mod, options)

@@ -18,6 +18,8 @@ semantics, translated onto the library's configuration:
 ``key_value_seq_lengths`` ``(B,)``     past a query length are 0, as in ``jax.nn``
 ``local_window_size=(l, r)`` or ``w``  :func:`~cudnn_attn.core.masks.window` ``(l, r)``: keys ``i - l <= j <= i + r``
                                        (``w`` means ``(w, w)``); with ``is_causal`` the right side is 0
+(extensions) ``dropout_rate``,         attention dropout from a PRNG key, traced or not (:mod:`.dropout`)
+``dropout_rng``
 =====================================  =====================================================================
 
 Every array argument may be anything ``jnp.asarray`` takes (NumPy arrays, lists, tuples, Python scalars),
@@ -147,12 +149,17 @@ def _window(local_window_size: Any, is_causal: bool) -> tuple[int, int] | None:
 def dot_product_attention_nn(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *,
                              scale: float | None = None, is_causal: bool = False, query_seq_lengths: Any = None,
                              key_value_seq_lengths: Any = None, local_window_size: Any = None,
-                             cuda_graph: bool | None = None, backend: str = "ffi",
-                             check_values: bool | None = None) -> Any:
+                             dropout_rate: float = 0.0, dropout_rng: Any = None, cuda_graph: bool | None = None,
+                             backend: str = "ffi", check_values: bool | None = None) -> Any:
     """``jax.nn.dot_product_attention`` on this library's kernels (module doc for the mapping).
 
-    ``cuda_graph``, ``backend`` and ``check_values`` are this library's options (see :mod:`.api`).
+    ``dropout_rate`` with ``dropout_rng`` (a PRNG key, traced or not; required with a rate > 0) is attention
+    dropout, which ``jax.nn`` lacks: cuDNN's Philox mask from the key, a new one for every key
+    (:mod:`.dropout`).  ``cuda_graph``, ``backend`` and ``check_values`` are this library's options (see
+    :mod:`.api`).
     """
+    if dropout_rng is None and isinstance(dropout_rate, numbers.Real) and dropout_rate > 0:
+        raise ValueError("dropout_rng: required with dropout_rate > 0 (a JAX PRNG key; jax.random.key(n))")
     query, key, value, shape = _check_arrays(query, key, value)
     if not isinstance(is_causal, (bool, np.bool_)):
         raise ValueError(f"is_causal: must be True or False, got {is_causal!r}")
@@ -174,7 +181,8 @@ def dot_product_attention_nn(query: Any, key: Any, value: Any, bias: Any = None,
             jnp.full((batch,), key.shape[1], jnp.int32) if key_value_seq_lengths is None else key_value_seq_lengths)
     if mask is not None:
         spec = spec & masks.keep(mask)
-    call = attention.arguments(query, key, value, mask=spec, bias=bias, scale=scale, cuda_graph=cuda_graph,
-                               backend=backend, check_values=check_values)
+    call = attention.arguments(query, key, value, mask=spec, bias=bias, scale=scale, dropout_rate=dropout_rate,
+                               cuda_graph=cuda_graph, backend=backend, check_values=check_values,
+                               dropout_rng=dropout_rng)
     output = forward_call(call, names=NAMES).output
     return output.reshape(shape) if tuple(output.shape) != shape else output

@@ -20,7 +20,12 @@ Per shard (:func:`partition`) the kernel runs with the local configuration; afte
   and over the head axes when it broadcast over the heads (every shard holds a partial sum);
 * the sink gradient (a sum over the batch and the query rows) is summed over the batch axes, and over the
   sequence axes when the sequence is split;
-* FP8 amax values are maxima over every shard (``pmax``), the statistic of the whole batch.
+* FP8 amax values are maxima over every shard (``pmax``), the statistic of the whole batch;
+* a dropout seed read from the device (a traced key) is made distinct per batch and head shard
+  (:func:`~.dropout.for_part` of the shard's index), so shards draw independent masks, not copies of one.
+
+The per-row ``score_max`` is sharded like the logsumexp; the per-head ``max_logit`` is its maximum, taken by
+the caller's program outside the primitive, so XLA reduces it across the shards.
 
 Packed segments with batch sharding: every shard runs its ``B / pb`` rows, and its logsumexp block of
 ``B / pb * M`` rows numbers *that shard's* present segments, left-aligned from the block's first row
@@ -45,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from cudnn_attn.core.config import AttentionConfig, BiasSpec
 
-from . import context_parallel
+from . import context_parallel, dropout
 from .call_site import CallOptions
 from .signature import (
     ATTENTION_TENSORS,
@@ -249,6 +254,9 @@ def partition(primitive: Any, config: AttentionConfig, options: CallOptions, mes
 
     def shard(*arrays: Any) -> list[Any]:
         operands = dict(zip(names, arrays))
+        parts = plan.batch_axes + plan.head_axes
+        if plan.local.device_seed and parts:        # every shard its own Philox stream (jax_bridge.dropout)
+            operands["dropout_seed"] = dropout.for_part(operands["dropout_seed"], jax.lax.axis_index(parts))
         if plan.split is None:
             found = primitive.call_inner(plan.local, options, operands)
         else:

@@ -70,6 +70,8 @@ def dimension_roles(config: AttentionConfig, name: str, ndim: int) -> tuple[str 
         return (first, length, heads, dim) if btnh else (first, heads, length, dim)
     if name == "logsumexp":
         return ("bm" if config.packing is not None else "b", "n", "t")
+    if name == "score_max":
+        return ("b", "n", "t")
     if name in ("bias", "dbias"):
         b, n = config.bias.shape[:2]
         return ("b" if b == config.batch and b > 1 else None, "n" if n == config.q_heads and n > 1 else None,
@@ -89,7 +91,7 @@ GRADIENT_OF = {"query": "dq", "key": "dk", "value": "dv", "bias": "dbias", "sink
 # backward's amax of the same name (JAX's convention).
 COTANGENT_OF = {**GRADIENT_OF, **{name: name for name in FP8_BWD_AMAX}}
 # Which operand a result takes its shard_map axes and sharding from.
-RESULT_FOLLOWS = {"output": "query", "logsumexp": "query", **{grad: x for x, grad in GRADIENT_OF.items()}}
+RESULT_FOLLOWS = {"output": "query", "logsumexp": "query", "score_max": "query", **{grad: x for x, grad in GRADIENT_OF.items()}}
 
 
 # -- between AttentionOperands and named arrays ------------------------------------------------------

@@ -253,16 +253,63 @@ def test_dropout_seed_from_a_concrete_key(rng):
     np.testing.assert_array_equal(np.asarray(off, np.float32), np.asarray(plain, np.float32))
 
 
-def test_dropout_under_jit_needs_dropout_seed(rng):
+def test_dropout_under_jit_draws_a_mask_per_key(rng):
     q, k, v = _qkv(rng)
     kw = dict(dropout_rate=0.3, broadcast_dropout=False, deterministic=False)
-    with pytest.raises(ValueError, match="dropout_rng: traced"):
-        jax.jit(lambda key: flax_attention_fn()(q, k, v, dropout_rng=key, **kw))(jax.random.key(0))
+    traced = jax.jit(lambda key: flax_attention_fn()(q, k, v, dropout_rng=key, **kw))
+    a, b, again = traced(jax.random.key(0)), traced(jax.random.key(1)), traced(jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(again, np.float32))
+    assert relative_error(a, b) > 0.1
     fixed = jax.jit(lambda key: flax_attention_fn(dropout_seed=7)(q, k, v, dropout_rng=key, **kw))
     out = fixed(jax.random.key(0))
     direct = cudnn_attn.jax_bridge.attention(q, k, v, dropout_rate=0.3, seed=7).output
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(direct, np.float32))
     np.testing.assert_array_equal(np.asarray(fixed(jax.random.key(5)), np.float32), np.asarray(out, np.float32))
+    with pytest.raises(ValueError, match="dropout_rng: traced"):       # the seed form takes a static seed only
+        jax.jit(lambda key: flax_attention_fn(softcap=5.0)(q, k, v, dropout_rng=key, **kw))(jax.random.key(0))
+
+
+# A layer whose dropout mask can be read off its output: with q = k = 0 every probability is 1/S, and with V the
+# identity (S keys, S features) output[t, j] = keep[t, j] / (S (1 - p)), so the kept entries are the non-zero ones.
+S_MASK, RATE = 64, 0.1
+
+
+class _MaskProbe(nnx.Module):
+    def __init__(self, rngs):
+        self.rngs = rngs
+        self.scale = nnx.Param(jnp.ones((), jnp.float32))         # one parameter, so that the step trains
+
+    def __call__(self, attention_fn):
+        zeros = jnp.zeros((2, S_MASK, N, S_MASK), jnp.bfloat16)
+        eye = jnp.broadcast_to(jnp.eye(S_MASK, dtype=jnp.bfloat16)[None, :, None, :], (2, S_MASK, N, S_MASK))
+        out = attention_fn(zeros, zeros, eye * self.scale[...].astype(jnp.bfloat16), dropout_rate=RATE,
+                           broadcast_dropout=False, deterministic=False, dropout_rng=self.rngs.dropout())
+        return out.astype(jnp.float32)
+
+
+def test_nnx_training_step_with_dropout_draws_a_fresh_mask_each_step():
+    model = _MaskProbe(nnx.Rngs(dropout=3))
+    fn = flax_attention_fn()
+
+    @nnx.jit
+    def step(model):
+        def loss(model):
+            out = model(fn)
+            return jnp.mean((out - 1.0) ** 2), out
+        (value, out), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+        nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(model, nnx.Param), grads))
+        return value, out != 0
+
+    masks, losses = [], []
+    for _ in range(3):
+        value, kept = step(model)
+        masks.append(np.asarray(kept))
+        losses.append(float(value))
+    for kept in masks:            # 2 * 4 * 64 * 64 = 32768 draws: the keep rate within 5 standard deviations
+        rate = kept.mean()
+        assert abs(rate - (1 - RATE)) < 5 * np.sqrt(RATE * (1 - RATE) / kept.size), rate
+    assert (masks[0] != masks[1]).mean() > 0.1 and (masks[1] != masks[2]).mean() > 0.1
+    assert losses[2] < losses[0], losses
 
 
 # -- errors ---------------------------------------------------------------------------------------------------
@@ -305,3 +352,17 @@ def test_compute_dtype_runs_float32_models(rng):
 def test_importing_the_bridge_does_not_import_flax():
     code = "import sys, cudnn_attn.jax_bridge as jb; jb.flax_attention_fn(); assert 'flax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_the_benchmarks_dropout_decoder_draws_a_fresh_mask_at_every_jitted_step():
+    """``benchmarks/bench_frameworks.py``'s ``flax_dropout`` model on the CPU: with a learning rate of 0 the
+    parameters stay, so two steps' losses differ only by their dropout masks (equal without dropout)."""
+    import os
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bench_frameworks as frameworks
+
+    shape = frameworks.DecoderShape(batch=2, length=16, d_model=32, heads=4, layers=1, vocab=64)
+    for rate, distinct in ((0.1, 3), (0.0, 1)):
+        losses = frameworks.frozen_losses(flax_attention_fn(), shape, rate)
+        assert all(np.isfinite(losses)) and len(set(losses)) == distinct, (rate, losses)

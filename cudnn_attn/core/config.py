@@ -220,12 +220,16 @@ class AttentionConfig:
     training: bool = False           # forward also produces the logsumexp needed by the backward
     deterministic: bool = False      # backward: deterministic dQ accumulation
     strides: InputStrides | None = None   # Q/K/V views with their own strides (CuPy/DLPack fronts); None: dense
+    score_max: bool = False          # forward also writes each row's max scaled score (fp32 (B, N, T); no gradient)
+    device_seed: bool = False        # dropout seed and offset are int64 device operands read at launch, not host
+                                     # scalars bound into the launch (a traced key; DESIGN "Dropout from a device seed")
 
     def __post_init__(self):
         """Invariants.  The fields describe a call that exists (``ValueError`` naming ``config.<field>``
         otherwise: a configuration made by hand must not reach the support table, a cache or cuDNN as if it
         were one).  Packed segments and paged K/V carry per-sequence lengths, so they imply the padding
-        mask - ``mask.padding`` is then set, and is the one place every layer reads it from."""
+        mask - ``mask.padding`` is then set, and is the one place every layer reads it from; ``device_seed``
+        without dropout is cleared (one configuration, one cache entry)."""
         for name in _SIZES:
             value = getattr(self, name)
             if not (type(value) is int or isinstance(value, numbers.Integral) and not isinstance(value, bool)) \
@@ -243,6 +247,8 @@ class AttentionConfig:
                 rule.check(getattr(self, name))
             except ValueError as exc:
                 raise ValueError(f"config.{name}: {exc}") from None
+        if self.device_seed and not self.has_dropout:     # no dropout: nothing reads a seed
+            object.__setattr__(self, "device_seed", False)
         if (self.packing is not None or self.paging is not None) and not self.mask.padding:
             object.__setattr__(self, "mask", dataclasses.replace(self.mask, padding=True))
 
@@ -349,6 +355,10 @@ class AttentionConfig:
             parts.append("sink")
         if self.deterministic:
             parts.append("deterministic")
+        if self.score_max:
+            parts.append("score_max")
+        if self.device_seed:
+            parts.append("device_seed")
         if self.strides is not None:
             parts.append(self.strides.describe())
         parts.append("train" if self.training else "infer")
@@ -380,6 +390,8 @@ class AttentionOperands:
     score_mod_args: tuple = ()
     fp8_scales: dict | None = None
     keep_mask: Any = None
+    dropout_seed: Any = None       # with config.device_seed: the Philox seed and offset on the device
+    dropout_offset: Any = None     # (engine.call.DROPOUT_OPERANDS says their types)
 
     def replace(self, **changes: Any) -> "AttentionOperands":
         return dataclasses.replace(self, **changes)

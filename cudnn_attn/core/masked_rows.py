@@ -273,3 +273,37 @@ def silent_rows_lse(xp: Any, config: AttentionConfig, grad_output: Any, logsumex
     if config.layout is AttentionLayout.BTNH:
         silent = xp.swapaxes(silent, 1, 2)
     return xp.where(silent, xp.full((), NO_PROBABILITY_LSE, dtype=logsumexp.dtype), logsumexp)
+
+
+def keyless_score_max(xp: Any, config: AttentionConfig, score_max: Any, q_seqlen: Any = None,
+                      kv_seqlen: Any = None) -> Any:
+    """The ``(B, N, T)`` row maxima of the scaled scores with ``-inf`` on the rows of padded queries (which cuDNN
+    leaves unwritten) and on the rows of :func:`rows_without_keys`."""
+    rows = None
+    if config.mask.padding:
+        rows = ~(xp.arange(config.q_len, dtype=xp.int32)[None, None, :] < q_seqlen.reshape(-1, 1, 1))
+    if may_leave_rows_without_keys(config):
+        keyless = rows_without_keys(xp, config, q_seqlen, kv_seqlen)
+        rows = keyless if rows is None else rows | keyless
+    if rows is None:
+        return score_max
+    return xp.where(rows, xp.full((), -np.inf, dtype=score_max.dtype), score_max)
+
+
+def masked_score_max(xp: Any, config: AttentionConfig, operands: AttentionOperands, score_max: Any) -> Any:
+    """``score_max`` of the call ``config`` (as the caller made it, before any lifting) with ``-inf`` on every row
+    without an admissible key: :func:`keyless_score_max`'s rows, and the rows a boolean mask keeps no key of
+    (whose kernel maximum is the folded mask's large negative value, as is that of a row a folded bottom-right
+    diagonal leaves without keys).  ``None`` stays ``None``."""
+    if score_max is None:
+        return None
+    score_max = keyless_score_max(xp, config, score_max, operands.q_seqlen, operands.kv_seqlen)
+    if operands.keep_mask is None:
+        return score_max
+    return xp.where(_rows(xp, config, operands), xp.full((), -np.inf, dtype=score_max.dtype), score_max)
+
+
+def max_logit(xp: Any, score_max: Any) -> Any:
+    """The maximum scaled logit of each query head, float32 ``(N,)``, from the ``(B, N, T)`` row maxima (``-inf``
+    for a head without any admissible score)."""
+    return xp.max(score_max, axis=(0, 2))

@@ -146,7 +146,7 @@ class Lifted:
 
         if isinstance(result, AttentionOutput):
             return result._replace(output=self._swap(cut(result.output, t, axis)),
-                                   logsumexp=cut(result.logsumexp, t, 2))
+                                   logsumexp=cut(result.logsumexp, t, 2), score_max=cut(result.score_max, t, 2))
         return result._replace(dq=self._swap(cut(result.dq, t, axis)), dk=self._swap(cut(result.dk, s, axis)),
                                dv=self._swap(cut(result.dv, s, axis)), dbias=cut(result.dbias, t, 2, 3))
 

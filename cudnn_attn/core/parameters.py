@@ -53,6 +53,7 @@ PARAMETERS: dict[str, tuple[Any, str]] = {
     "dropout_mask": (None, "Any"),
     # JAX
     "cuda_graph": (None, "bool | None"), "backend": ("ffi", "str"), "context_parallel": (None, "Any"),
+    "dropout_rng": (None, "Any"),
 }
 
 _SEED_ARRAYS = ("bias", "mask", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "fp8_params", "score_mod_args")
@@ -186,9 +187,14 @@ def _native_arguments(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
 
 
 def finish(call: NamedTuple, config: Any) -> Any:
-    """The prepared configuration of ``call`` with the native mask's static fields (``config`` unchanged for
-    the seed forms, whose ``mask_type``/``sliding_window_length`` validation has already translated)."""
-    if not is_native(call) or call.mask is None:
+    """The prepared configuration of ``call`` with the native mask's static fields and ``score_max`` from
+    ``AuxRequest(max_logit=True)`` (``config`` unchanged for the seed forms, whose
+    ``mask_type``/``sliding_window_length`` validation has already translated)."""
+    if not is_native(call):
+        return config
+    if wants_max_logit(call.return_aux):
+        config = config.replace(score_max=True)
+    if call.mask is None:
         return config
     mask = call.mask
     static = mask.static(padding=config.mask.padding)
@@ -227,17 +233,37 @@ def renamed_arguments(names: dict[str, str]) -> Iterator[None]:
 
 class AuxRequest(NamedTuple):
     """Which auxiliary results the native :func:`~cudnn_attn.attention` returns besides the output (as PyTorch
-    flex attention's ``AuxRequest``): ``logsumexp`` - the natural-log float32 ``(B, N, T)`` softmax
-    normaliser (``(B*M, N, T)`` with packed segments).  FP8 amax values come back whenever FP8 runs."""
+    flex attention's ``AuxRequest``):
+
+    * ``logsumexp`` - the natural-log float32 ``(B, N, T)`` softmax normaliser (``(B*M, N, T)`` with packed
+      segments);
+    * ``max_logit`` - the maximum scaled logit of each query head over the batch and the query rows, float32
+      ``(N,)``, and beside it ``score_max``, each row's maximum, float32 ``(B, N, T)``: the max over the keys the
+      masks admit of ``scale * q.k`` plus the bias (and ALiBi), before dropout.  A row without any admissible key
+      (a padded query, a causal row before its first key, a row a boolean mask keeps no key of) is ``-inf``.
+      Neither is differentiable: a gradient through them is zero.
+
+    FP8 amax values come back whenever FP8 runs."""
 
     logsumexp: bool = False
+    max_logit: bool = False
+
+
+def _aux_request(return_aux: Any) -> AuxRequest:
+    if return_aux is None:
+        return AuxRequest()
+    if not isinstance(return_aux, AuxRequest):
+        raise ValueError(f"return_aux: expected None or AuxRequest(logsumexp=..., max_logit=...), got "
+                         f"{type(return_aux).__name__}")
+    for name, value in return_aux._asdict().items():
+        if not isinstance(value, bool):
+            raise ValueError(f"return_aux: AuxRequest.{name} must be True or False, got {value!r}")
+    return return_aux
 
 
 def wants_logsumexp(return_aux: Any) -> bool:
-    if return_aux is None:
-        return False
-    if not isinstance(return_aux, AuxRequest):
-        raise ValueError(f"return_aux: expected None or AuxRequest(logsumexp=...), got {type(return_aux).__name__}")
-    if not isinstance(return_aux.logsumexp, bool):
-        raise ValueError(f"return_aux: AuxRequest.logsumexp must be True or False, got {return_aux.logsumexp!r}")
-    return return_aux.logsumexp
+    return _aux_request(return_aux).logsumexp
+
+
+def wants_max_logit(return_aux: Any) -> bool:
+    return _aux_request(return_aux).max_logit

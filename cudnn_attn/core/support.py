@@ -107,6 +107,9 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement("score_mod", lambda c: c.score_mod is not None, 91300, (9, 0), enforced_by=LIBRARY),
     # sink_token arrived with frontend 1.14.1, "for cuDNN 9.13.0+".
     Requirement("attention sink", lambda c: c.sink, 91300),
+    # cuDNN's score_max/score_sum_exp outputs: built deviceless for sm90 with cuDNN 9.19
+    # (tests/deviceless/test_training_features_builds.py); not offered on what was not built.
+    Requirement("max logit (cuDNN's score_max)", lambda c: c.score_max, 91900, (9, 0), enforced_by=LIBRARY),
 )
 
 
@@ -296,6 +299,15 @@ def _fp8_extras(c: AttentionConfig, env: Environment) -> str | None:
     return f"no {found} (the seed's FP8 path has neither)" if c.fp8 and found else None
 
 
+def _score_max_sink(c: AttentionConfig, env: Environment) -> str | None:
+    return "not with an attention sink (cuDNN 9.19 builds no sm90 plan for both)" if c.score_max and c.sink else None
+
+
+def _score_max_extras(c: AttentionConfig, env: Environment) -> str | None:
+    found = _present(("packed segments", c.packing is not None), ("FP8", c.fp8))
+    return f"not with {found} (no path for their row statistics here)" if c.score_max and found else None
+
+
 def _paged_forward_only(c: AttentionConfig, env: Environment) -> str | None:
     return "no backward (cuDNN's sdpa_backward takes no page tables)" if c.paging else None
 
@@ -376,6 +388,7 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     Restriction("FP8 attention", _fp8_sink, CUDNN),
     Restriction("FP8 attention", _fp8_head_dim, CUDNN),
     Restriction("FP8 attention", _fp8_backward_hopper, CUDNN),
+    Restriction("max logit", _score_max_sink, CUDNN, kinds=(Kind.FORWARD,)),
     Restriction("paged K/V cache", _paged_forward_only, CUDNN, kinds=(Kind.BACKWARD,), fronts=EVERY_FRONT,
                 structural=(Kind.BACKWARD,)),
     # This library's policy (the seed's rules) or a path it does not have; cuDNN may build these.
@@ -385,6 +398,7 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     Restriction("FP8 attention", _fp8_extras, LIBRARY, fronts=EVERY_FRONT, structural=(Kind.BACKWARD,)),
     Restriction("FP8 attention", _fp8_training_head_dim, LIBRARY),
     Restriction("FP8 attention", _fp8_training_lengths, LIBRARY),
+    Restriction("max logit", _score_max_extras, LIBRARY, kinds=(Kind.FORWARD,), fronts=EVERY_FRONT),
     # The builder cannot declare it; every call that has it runs transposed (padded_call): no call meets it.
     Restriction("packed segments", _packed_layout, LIBRARY, kinds=(), structural=KINDS),
     Restriction("packed segments", _packed_bias, LIBRARY, structural=KINDS),

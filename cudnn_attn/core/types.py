@@ -101,13 +101,17 @@ class AttentionOutput(NamedTuple):
 
     ``output`` has the query's layout and ``v``'s head dim.  ``logsumexp`` (natural log, float32) has
     shape ``(B, N, T)`` (``(B*M, N, T)`` for packed inputs with ``M`` segments per row).  ``amax_s`` and
-    ``amax_o`` are FP8 statistics of shape ``(1, 1, 1, 1)``.
+    ``amax_o`` are FP8 statistics of shape ``(1, 1, 1, 1)``.  ``score_max`` (float32 ``(B, N, T)``, each row's
+    maximum scaled logit) and ``max_logit`` (float32 ``(N,)``, its maximum per head) come with
+    ``AuxRequest(max_logit=True)``; ``-inf`` where no key is admissible.
     """
 
     output: Any
     logsumexp: Any = None
     amax_s: Any = None
     amax_o: Any = None
+    score_max: Any = None
+    max_logit: Any = None
 
     def seed_form(self, use_fp8: bool, return_residual: bool) -> Any:
         """The seed's return form: ``output``, ``(output, logsumexp)`` or ``(output, amax_s, amax_o)``."""

@@ -159,10 +159,51 @@ def check_seed(seed: Any) -> int:
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"seed: the dropout seed must be a Python or NumPy int in [0, 2**63), got "
                          f"{type(seed).__name__} {seed!r} (cuDNN binds it by value: it is static under jit, and "
-                         "the forward and its backward must use the same one)")
+                         "the forward and its backward must use the same one; a seed read on the device is an "
+                         "int64 array [seed, offset], or on JAX's attention a dropout_rng key)")
     if not 0 <= int(seed) < 2 ** 63:
         raise ValueError(f"seed: the dropout seed must be an int in [0, 2**63), got {int(seed)}")
     return int(seed)
+
+
+_SEED_WORDS = {"int64": 1, "uint64": 1, "uint32": 2}     # 8 bytes of a Philox seed or offset
+
+
+def seed_operands(seed: Any) -> tuple[Any, Any] | None:
+    """The device seed and offset of cuDNN's dropout when ``seed`` holds them, else ``None`` (a static seed:
+    :func:`check_seed`).  ``seed`` may be an int64 array of two elements ``[seed, offset]`` (CuPy, torch; C-contiguous:
+    its two one-element views are returned), or a pair ``(seed, offset)`` of arrays of 8 bytes each (an int64 of one
+    element, or a uint32 of two: the int64's words, low first, as JAX makes them from a key).
+
+    Raises:
+        ValueError: an array or pair of another dtype or size (naming ``seed``).
+    """
+    if isinstance(seed, tuple) and len(seed) == 2 and all(is_array(x) for x in seed):
+        for part, x in zip(("seed", "offset"), seed):
+            if _SEED_WORDS.get(dtype_name(x)) != math.prod(_shape(x)):
+                raise ValueError(f"seed: the dropout {part} must be an int64 array of one element or a uint32 array "
+                                 f"of two (8 bytes), got {_describe(x)}")
+        return seed
+    if not is_array(seed) or isinstance(seed, (np.generic,)) or _shape(seed) == ():
+        return None
+    if dtype_name(seed) != "int64" or math.prod(_shape(seed)) != 2:
+        raise ValueError(f"seed: a device dropout seed must be an int64 array of two elements [seed, offset], got "
+                         f"{_describe(seed)}")
+    flat = seed.reshape(2)
+    return flat[0:1], flat[1:2]
+
+
+def bind_seed(config: AttentionConfig, operands: AttentionOperands,
+              seed: Any) -> tuple[AttentionConfig, AttentionOperands, int]:
+    """``(config, operands, static_seed)`` of a call given ``seed``: a static int seed stays a host scalar (checked
+    by :func:`check_seed`); a device seed (:func:`seed_operands`) with dropout sets ``config.device_seed`` and the
+    operands' ``dropout_seed``/``dropout_offset`` (the static seed is then 0, unused)."""
+    pair = seed_operands(seed)
+    if pair is None:
+        return config, operands, check_seed(seed)
+    if not config.has_dropout:
+        return config, operands, 0
+    return (config.replace(device_seed=True), operands.replace(dropout_seed=pair[0], dropout_offset=pair[1]), 0)
 
 
 # -- argument groups --------------------------------------------------------------------------------

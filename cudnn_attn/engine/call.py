@@ -28,6 +28,10 @@ back as zeros):
   set to 0 after the launch (:func:`zero_rows`).
 * ``SEGMENTS`` - the packed statistics are token-major; the conversion to the API's ``(B*M, N, T)``
   logsumexp (:func:`cudnn_attn.graphs.packing.lse_from_tokens`) zeroes everything outside a segment.
+
+With ``config.score_max`` the forward graph writes each row's max and sum of exponentials instead of the
+logsumexp (cuDNN writes one or the other); :meth:`CallSpec.finish` makes the logsumexp ``max + log(sum_exp)``
+and sets ``score_max`` to ``-inf`` on the rows without keys (:func:`~cudnn_attn.core.masked_rows.keyless_score_max`).
 """
 
 from __future__ import annotations
@@ -99,7 +103,12 @@ def score_mod_arg_name(index: int) -> str:
 OPERAND_IDS = {"query": TensorId.Q, "key": TensorId.K, "value": TensorId.V, "bias": TensorId.BIAS,
                "sink": TensorId.SINK, "page_table_k": TensorId.PAGE_TABLE_K, "page_table_v": TensorId.PAGE_TABLE_V,
                "q_seqlen": TensorId.SEQ_LEN_Q, "kv_seqlen": TensorId.SEQ_LEN_KV,
-               "output": TensorId.O, "grad_output": TensorId.DO, "logsumexp": TensorId.STATS, **FP8_SCALE_IDS}
+               "output": TensorId.O, "grad_output": TensorId.DO, "logsumexp": TensorId.STATS,
+               "dropout_seed": TensorId.DEVICE_SEED, "dropout_offset": TensorId.DEVICE_OFFSET, **FP8_SCALE_IDS}
+DROPOUT_OPERANDS = ("dropout_seed", "dropout_offset")
+"""The operands of a dropout seed read from device memory (``config.device_seed``): 8 bytes each, the int64 seed
+and offset of cuDNN's Philox generator (int64 ``(1,)`` CuPy/torch arrays; uint32 ``(2,)`` JAX arrays, the int64's
+two words, low first)."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +169,13 @@ class CallSpec:
         """The results by name from the graph's buffers by name, with the after-launch part of the fill policy, and
         the logsumexp of a row without any admissible key set to ``-inf`` (:mod:`cudnn_attn.core.masked_rows`)."""
         results = dict(buffers)
+        if self.config.score_max:            # cuDNN wrote the row max and sum of exponentials instead of Stats
+            score_max, sum_exp = results.pop("score_max"), results.pop("score_sum_exp")
+            if self.config.training:
+                results["logsumexp"] = zero_rows(xp, score_max + xp.log(sum_exp), named["q_seqlen"]) \
+                    if self.config.mask.padding else score_max + xp.log(sum_exp)
+            results["score_max"] = masked_rows.keyless_score_max(xp, self.config, score_max, named.get("q_seqlen"),
+                                                                 named.get("kv_seqlen"))
         for spec in self.graph_results:
             if spec.fill is Fill.ROWS_AFTER:
                 results[spec.name] = zero_rows(xp, buffers[spec.name], named["q_seqlen"])
@@ -171,9 +187,9 @@ class CallSpec:
         return results
 
     def host_scalars(self, seed: int, score_mod_args: Sequence[float] = ()) -> tuple:
-        """The pass-by-value host scalars of a launch, in tensor-id order: the dropout seed and offset (0), then
-        the ``score_mod`` arguments."""
-        values: tuple = (int(seed), 0) if self.config.has_dropout else ()
+        """The pass-by-value host scalars of a launch, in tensor-id order: the dropout seed and offset (0) of a
+        static seed (a device seed is an operand: :data:`DROPOUT_OPERANDS`), then the ``score_mod`` arguments."""
+        values: tuple = (int(seed), 0) if self.config.has_dropout and not self.config.device_seed else ()
         return values + tuple(float(a) for a in score_mod_args)
 
 
@@ -193,6 +209,8 @@ def _operand_names(config: AttentionConfig, kind: Kind) -> tuple[str, ...]:
         names += [score_mod_arg_name(i) for i in range(len(config.score_mod.arg_shapes))]
     if config.fp8:
         names += FP8_FWD_KEYS if kind == FWD else FP8_BWD_KEYS
+    if config.device_seed:
+        names += DROPOUT_OPERANDS
     if kind == BWD:
         names += RESIDUALS
     return tuple(names)
@@ -206,6 +224,8 @@ def _results(config: AttentionConfig, kind: Kind) -> tuple[Result, ...]:
             found.append(Result("logsumexp", config.lse_shape, _F32))
         if config.fp8:
             found += [Result(name, AMAX_SHAPE, _F32) for name in FP8_FWD_AMAX]
+        if config.score_max:
+            found.append(Result("score_max", config.lse_shape, _F32))
         return tuple(found)
     found = [Result("dq", config.q_shape, io), Result("dk", config.k_shape, io), Result("dv", config.v_shape, io)]
     if config.has_dbias:
@@ -225,7 +245,10 @@ def result_specs(config: AttentionConfig, kind: str, *, rng_dump: bool = False) 
     specs = []
     if kind == FWD:
         specs.append(ResultSpec("output", TensorId.O, config.o_shape, io, zero_if_padded))
-        if config.training:
+        if config.score_max:                 # the row statistics as max and sum of exponentials (graphs.builder)
+            specs += [ResultSpec("score_max", TensorId.SCORE_MAX, config.lse_shape, _F32, Fill.NONE),
+                      ResultSpec("score_sum_exp", TensorId.SCORE_SUM_EXP, config.lse_shape, _F32, Fill.NONE)]
+        elif config.training:
             if config.packing is not None:
                 specs.append(ResultSpec("logsumexp", TensorId.STATS, (config.batch * config.q_len, config.q_heads),
                                         _F32, Fill.SEGMENTS))

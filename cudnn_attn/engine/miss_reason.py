@@ -18,7 +18,8 @@ CONFIG_NAMES = {
     "batch": "B", "q_len": "T", "kv_len": "S", "q_heads": "N", "kv_heads": "K", "qk_dim": "H", "v_dim": "Hv",
     "dtype": "dtype", "layout": "layout", "scale": "scale", "mask": "mask", "bias": "bias",
     "dropout_rate": "dropout", "packing": "packing", "paging": "paging", "score_mod": "score_mod", "sink": "sink",
-    "training": "training", "deterministic": "deterministic",
+    "training": "training", "deterministic": "deterministic", "score_max": "score_max",
+    "device_seed": "device_seed",
 }
 """:class:`AttentionConfig` field -> the name the listing and the miss reasons use (the config module's naming)."""
 

@@ -46,7 +46,7 @@ from .autotune import tuned_plan
 from .cache import PlanChoice, graph_cache
 from cudnn_attn.graphs.tensors import TensorId
 
-from .call import BWD, FWD, OPERAND_IDS, CallSpec, Fill
+from .call import BWD, DROPOUT_OPERANDS, FWD, OPERAND_IDS, CallSpec, Fill
 from .result_blocks import result_blocks
 
 _ALIGNMENT = 256                        # bytes between the results of one allocation (cuDNN asks for 16)
@@ -100,7 +100,7 @@ class PreparedCall:
         self.config, self.kind, self.device, self.autotune = config, kind, device, autotune
         self.spec = CallSpec.of(config, kind)
         self.padded = lifted_config(config)
-        self.dropout = config.has_dropout
+        self.dropout = config.has_dropout and not config.device_seed     # a static seed, bound on the host
         self.training = config.training
         self._plan: Any = None
         self._layout: tuple = ()
@@ -159,7 +159,7 @@ class PreparedCall:
         """The call at even lengths (:mod:`cudnn_attn.core.padded_call`), sliced back."""
         lifted = lift(self.config, _operands(named), cupy)
         padded = CallSpec.of(lifted.config, self.kind)
-        arrays = {name: getattr(lifted.operands, name) for name in OPERAND_FIELDS}
+        arrays = {name: getattr(lifted.operands, name) for name in OPERAND_FIELDS + DROPOUT_OPERANDS}
         if self.kind == BWD:
             arrays.update(zip(("output", "grad_output", "logsumexp"),
                               lifted.residuals(named["output"], named["grad_output"], named["logsumexp"])))
@@ -191,13 +191,18 @@ class PreparedCall:
         plan.launch(pointers, stream_ptr, scalars=scalars)
         results = spec.finish(cupy, buffers, named, segments)
         for r in plan.results:
-            if results[r.name] is buffers[r.name]:
+            if r.name not in results or results[r.name] is buffers[r.name]:
                 continue
             target = buffers[r.name] if r.fill is not Fill.SEGMENTS else given.get(r.name)
             if target is not None:                           # into the caller's (or the launch's) buffer
                 _check_given(r.name, target, results[r.name].shape, results[r.name].dtype)
                 target[...] = results[r.name]
                 results[r.name] = target
+        for name, target in given.items():                   # computed after the launch (a score_max call's
+            if target is not None and name in results and name not in buffers:      # logsumexp)
+                _check_given(name, target, results[name].shape, results[name].dtype)
+                target[...] = results[name]
+                results[name] = target
         return results
 
     # -- the direct launch of Q/K/V calls --------------------------------------------------------------------
@@ -395,12 +400,14 @@ def named_arrays(config: AttentionConfig, kind: str, operands: AttentionOperands
     if config.fp8:
         named.update({name: operands.fp8_scales[name] for name in (FP8_FWD_KEYS if kind == FWD else FP8_BWD_KEYS)})
     named.update({f"score_mod_arg_{i}": a for i, a in enumerate(operands.score_mod_args)})
+    if config.device_seed:
+        named.update({name: getattr(operands, name) for name in DROPOUT_OPERANDS})
     named.update(residuals)
     return named
 
 
 def _operands(named: Mapping[str, Any]) -> AttentionOperands:
-    return AttentionOperands(**{name: named.get(name) for name in OPERAND_FIELDS},
+    return AttentionOperands(**{name: named.get(name) for name in OPERAND_FIELDS + DROPOUT_OPERANDS},
                              score_mod_args=tuple(x for n, x in named.items() if n.startswith("score_mod_arg_")))
 
 
@@ -422,9 +429,14 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
         named_arrays(config, FWD, operands), seed=seed, stream=stream, given=dict(output=output, logsumexp=logsumexp),
         check_values=check_values, rng_dump=rng_dump)
     result = AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
-    if operands.keep_mask is not None:               # rows the boolean mask keeps no key of (core.masked_rows)
+    if operands.keep_mask is not None or config.score_max:     # rows without keys (core.masked_rows)
         with runtime.on_device(device), runtime.stream_scope(stream, device):
-            masked_rows.set_forward(runtime.cupy(), config, operands, result.output, result.logsumexp)
+            cupy = runtime.cupy()
+            if operands.keep_mask is not None:
+                masked_rows.set_forward(cupy, config, operands, result.output, result.logsumexp)
+            if config.score_max:
+                score_max = masked_rows.masked_score_max(cupy, config, operands, result.score_max)
+                result = result._replace(score_max=score_max, max_logit=masked_rows.max_logit(cupy, score_max))
     return result
 
 

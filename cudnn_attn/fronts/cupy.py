@@ -17,6 +17,10 @@ and add keyword-only extensions after them:
   framework (CuPy arrays for CuPy, torch tensors for torch, JAX arrays for JAX, zero-copy through
   DLPack), ``"cupy"`` always returns CuPy arrays.
 
+``seed`` (forward and backward) is the seed's int, or a CuPy int64 array ``[seed, offset]`` on the query's
+device: cuDNN then reads its dropout seed and offset from that memory at launch, so new values draw a new mask
+without a new graph (the backward must be given the same array values).  :func:`bind` takes an int.
+
 Inputs are CuPy arrays or any ``__dlpack__`` GPU array (torch tensors, JAX arrays), zero-copy; every
 array of a call lives on the query's device.  bfloat16 is CuPy's ``ml_dtypes.bfloat16``.  Rows cuDNN
 does not compute (padding, tokens outside packed segments) are returned as zeros.
@@ -54,7 +58,7 @@ from cudnn_attn.core.config import AttentionConfig, AttentionOperands, InputStri
 from cudnn_attn.core.masks import MaskSpec
 from cudnn_attn.core.parameters import AuxRequest
 from cudnn_attn.core.types import AttentionGrads, AttentionOutput, FP8Params, MaskType
-from cudnn_attn.core.validation import check_seed, validate_backward
+from cudnn_attn.core.validation import bind_seed, check_seed, seed_operands, validate_backward
 from cudnn_attn.engine import prepared, runtime
 from cudnn_attn.engine.call import BWD, FWD
 from cudnn_attn.engine.prepared import Known, PreparedCall, calls, prepared_call
@@ -211,7 +215,8 @@ def run_forward(call: Any, *, output: Any = None, logsumexp: Any = None) -> tupl
     with parameters.native_names(call):
         config, operands = _validate_on_device(arrays, static, fp8_dtype)
     config = _with_strides(parameters.finish(call, config), operands)
-    result = prepared.forward(config, operands, seed=check_seed(call.seed), stream=call.stream,
+    config, operands, seed = bind_seed(config, operands, call.seed)
+    result = prepared.forward(config, operands, seed=seed, stream=call.stream,
                               autotune=call.autotune, check_values=call.check_values, output=output,
                               logsumexp=logsumexp)
     return config, result
@@ -231,9 +236,12 @@ def attention(query: Any, key: Any, value: Any, *, mask: MaskSpec | None = None,
     ``"BTNH"`` or ``"BNTH"``; ``fp8_params`` (FP8Params) runs FP8 (uint8 Q/K/V bytes of ``fp8_dtype``).
 
     Returns :class:`~cudnn_attn.core.types.AttentionOutput`: ``output``, ``logsumexp`` with
-    ``return_aux=AuxRequest(logsumexp=True)`` (else ``None``), ``amax_s``/``amax_o`` with FP8.  The
-    extensions (``stream``, ``autotune``, ``out_type``, ``check_values``) are :func:`dot_product_attention`'s,
-    and so is the direct path of repeated calls (CuPy Q/K/V and a mask without arrays).
+    ``return_aux=AuxRequest(logsumexp=True)`` (else ``None``), ``score_max`` and ``max_logit`` with
+    ``AuxRequest(max_logit=True)``, ``amax_s``/``amax_o`` with FP8.  ``seed`` is an int, or a CuPy int64
+    array ``[seed, offset]`` on the call's device that cuDNN reads at launch (this module's seed functions take
+    it too: :func:`cudnn_attn.core.validation.seed_operands`).  The extensions (``stream``, ``autotune``,
+    ``out_type``, ``check_values``) are :func:`dot_product_attention`'s, and so is the direct path of repeated
+    calls (CuPy Q/K/V and a mask without arrays, a static seed, no max logit).
     """
     call = attention.arguments(query, key, value, mask, bias, scale, dropout_rate, seed, layout, sink, fp8_params,
                                return_aux, fp8_dtype, stream, autotune, out_type, check_values)
@@ -241,6 +249,7 @@ def attention(query: Any, key: Any, value: Any, *, mask: MaskSpec | None = None,
     mask = call.mask
     plain = (call.bias is None and call.sink is None and call.fp8_params is None and call.stream is None
              and call.out_type is None and (mask is None or type(mask) is MaskSpec and not mask.has_arrays)
+             and not getattr(call.return_aux, "max_logit", False) and seed_operands(call.seed) is None
              and _is_cupy(*qkv))
     if plain:               # the direct path, keyed by the mask's static fields (MaskSpec compares by identity)
         static = ("attention", None if mask is None else mask.static(padding=False), call.scale, call.dropout_rate,
@@ -301,7 +310,7 @@ def _plain(call: Any) -> bool:
     """A call of Q/K/V (and the backward's residuals) alone, on the current stream, results as CuPy arrays."""
     return (call.bias is None and call.mask is None and call.q_seqlen is None and call.kv_seqlen is None
             and call.q_offsets is None and call.kv_offsets is None and call.fp8_params is None and call.sink is None
-            and call.stream is None and call.out_type is None)
+            and call.stream is None and call.out_type is None and seed_operands(call.seed) is None)
 
 
 @parameters.front(parameters.PAGED, "stream", "autotune", "out_type", "check_values")
@@ -380,8 +389,8 @@ def run_backward(call: Any, *, dq: Any = None, dk: Any = None,
     output, grad_output, logsumexp = (arrays.pop(n) for n in ("output", "grad_output", "logsumexp"))
     config, operands = _validate_on_device(arrays, static_arguments, call.fp8_dtype if call.use_fp8 else None)
     validate_backward(config, output, grad_output, logsumexp)      # FP8 O and dO: uint8 bytes like Q/K/V
-    config = _with_strides(config, operands)
-    grads = prepared.backward(config, operands, output, grad_output, logsumexp, seed=check_seed(call.seed),
+    config, operands, seed = bind_seed(_with_strides(config, operands), operands, call.seed)
+    grads = prepared.backward(config, operands, output, grad_output, logsumexp, seed=seed,
                               stream=call.stream, autotune=call.autotune, check_values=call.check_values,
                               dq=dq, dk=dk, dv=dv)
     return config, grads

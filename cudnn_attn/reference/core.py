@@ -40,9 +40,11 @@ from .problem import Problem, load, probabilities, scores, sink_probabilities, s
 from .tensors import as_float64, cast, io_dtype, to_physical
 
 
-def _dropout(config: AttentionConfig, seed: int, dropout_mask: Any) -> np.ndarray | float:
+def _dropout(config: AttentionConfig, operands: AttentionOperands, seed: int,
+             dropout_mask: Any) -> np.ndarray | float:
     """The factor ``keep / (1 - p)`` applied to P (1.0 without dropout)."""
-    keep = masks.dropout_keep(config, seed, dropout_mask)
+    entropy = seed if dropout_mask is not None else masks.dropout_entropy(config, operands, seed)
+    keep = masks.dropout_keep(config, entropy, dropout_mask)
     return 1.0 if keep is None else keep / (1.0 - config.dropout_rate)
 
 
@@ -57,7 +59,8 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
 
     Returns:
         :class:`AttentionOutput`: ``output`` in the query's layout and io dtype; ``logsumexp`` float32
-        ``config.lse_shape`` when ``config.training``; ``amax_s``/``amax_o`` for FP8.
+        ``config.lse_shape`` when ``config.training``; ``score_max``/``max_logit`` when ``config.score_max``;
+        ``amax_s``/``amax_o`` for FP8.
 
     Raises:
         ValueError: a bad ``seed``, or sequence lengths, offsets or page-table entries that do not describe
@@ -71,11 +74,16 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
     problem = load(config, operands)
     s, _ = scores(problem, config.scale)
     p, lse = softmax(s, problem.sink)
-    o = np.einsum("bnts,bnsd->bntd", p * _dropout(config, seed, dropout_mask), problem.v)
+    o = np.einsum("bnts,bnsd->bntd", p * _dropout(config, operands, seed, dropout_mask), problem.v)
     output = to_physical(problem.zero_invalid_q(o), config.layout, np.float64)
     logsumexp = problem.api_logsumexp(lse) if config.training else None
     output, logsumexp = masked_rows.forward_output(np, config, operands, output, logsumexp, np.float64)
-    return AttentionOutput(output=cast(output, io_dtype(config)), logsumexp=logsumexp)
+    score_max = max_logit = None
+    if config.score_max:                 # the row maxima of the admissible scores (-inf where there are none)
+        score_max = masked_rows.masked_score_max(np, config, operands, np.max(s, axis=-1).astype(np.float32))
+        max_logit = masked_rows.max_logit(np, score_max)
+    return AttentionOutput(output=cast(output, io_dtype(config)), logsumexp=logsumexp, score_max=score_max,
+                           max_logit=max_logit)
 
 
 def _score_mod_vjp(problem: Problem, score_input: np.ndarray, ds: np.ndarray) -> np.ndarray:
@@ -118,7 +126,7 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
 
     s, score_input = scores(problem, config.scale)
     p = probabilities(s, lse)
-    drop = _dropout(config, seed, dropout_mask)
+    drop = _dropout(config, operands, seed, dropout_mask)
     dp = np.einsum("bntd,bnsd->bnts", do, problem.v) * drop
     delta = np.einsum("bntd,bntd->bnt", do, o)
     ds = p * (dp - delta[..., None])

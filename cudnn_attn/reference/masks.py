@@ -58,7 +58,18 @@ def alibi_bias(config: AttentionConfig, segments: Segments) -> np.ndarray:
     return alibi_slopes(config.q_heads)[None, :, None, None] * relative[:, None]
 
 
-def dropout_keep(config: AttentionConfig, seed: int, dropout_mask: np.ndarray | None) -> np.ndarray | None:
+def dropout_entropy(config: AttentionConfig, operands: Any, seed: int) -> int | list[int]:
+    """What seeds the NumPy dropout mask: the static ``seed``, or with ``config.device_seed`` the int64 seed
+    and offset in ``operands.dropout_seed``/``dropout_offset`` (8 bytes each, read as unsigned): the same
+    operands draw the same mask, others another."""
+    if not config.device_seed:
+        return seed
+    return [int(np.frombuffer(np.ascontiguousarray(np.asarray(x)).tobytes()[:8], np.uint64)[0])
+            for x in (operands.dropout_seed, operands.dropout_offset)]
+
+
+def dropout_keep(config: AttentionConfig, seed: int | list[int],
+                 dropout_mask: np.ndarray | None) -> np.ndarray | None:
     """The ``(B, N, T, S)`` float64 keep-mask of dropout (1 keeps), or ``None`` without dropout.
 
     ``dropout_mask`` (nonzero keeps; e.g. cuDNN's ``rng_dump``) is used when given; otherwise the mask

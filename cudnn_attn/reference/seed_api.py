@@ -19,7 +19,7 @@ from cudnn_attn.core import cpu_target, parameters
 from cudnn_attn.core.masks import MaskSpec
 from cudnn_attn.core.parameters import AuxRequest
 from cudnn_attn.core.types import AttentionGrads, AttentionOutput, FP8Params, Front, Kind, MaskType
-from cudnn_attn.core.validation import validate_backward, validate_call
+from cudnn_attn.core.validation import bind_seed, validate_backward, validate_call
 
 from .core import backward, forward
 
@@ -28,9 +28,9 @@ def _forward(call: NamedTuple) -> AttentionOutput:
     arrays, static = parameters.arguments(call)
     with parameters.native_names(call):
         config, operands = validate_call(**arrays, **static, xp=np)
-    config = parameters.finish(call, config)
+    config, operands, seed = bind_seed(parameters.finish(call, config), operands, call.seed)
     cpu_target.check(config, kind=Kind.FORWARD, front=Front.CUPY)
-    return forward(config, operands, seed=call.seed, dropout_mask=call.dropout_mask)
+    return forward(config, operands, seed=seed, dropout_mask=call.dropout_mask)
 
 
 @parameters.front(parameters.NATIVE, "deterministic", "dropout_mask")
@@ -39,7 +39,9 @@ def attention(query: Any, key: Any, value: Any, *, mask: MaskSpec | None = None,
               sink: Any = None, fp8_params: FP8Params | None = None, return_aux: AuxRequest | None = None,
               deterministic: bool = False, dropout_mask: Any = None) -> AttentionOutput:
     """Reference of the native :func:`cudnn_attn.attention`: an :class:`AttentionOutput` (``logsumexp`` with
-    ``return_aux=AuxRequest(logsumexp=True)``, ``amax_s``/``amax_o`` with FP8)."""
+    ``return_aux=AuxRequest(logsumexp=True)``, ``score_max``/``max_logit`` with ``AuxRequest(max_logit=True)``,
+    ``amax_s``/``amax_o`` with FP8).  ``seed`` may be an int64 ``[seed, offset]`` array, as on the CuPy front
+    (the mask is NumPy's, drawn from those values: :func:`cudnn_attn.reference.masks.dropout_entropy`)."""
     call = attention.arguments(query, key, value, mask, bias, scale, dropout_rate, seed, layout, sink, fp8_params,
                                return_aux, deterministic, dropout_mask)
     return _forward(call)
@@ -103,6 +105,7 @@ def dot_product_attention_bwd(query: Any, key: Any, value: Any, output: Any, gra
     arrays, static = parameters.arguments(call, backward=True)
     config, operands = validate_call(**arrays, **static, xp=np)
     validate_backward(config, call.output, call.grad_output, call.logsumexp)
+    config, operands, seed = bind_seed(config, operands, call.seed)
     cpu_target.check(config, kind=Kind.BACKWARD, front=Front.CUPY)
-    return backward(config, operands, call.output, call.grad_output, call.logsumexp, seed=call.seed,
+    return backward(config, operands, call.output, call.grad_output, call.logsumexp, seed=seed,
                     dropout_mask=call.dropout_mask)
