@@ -379,3 +379,27 @@ def test_llama_static_cache_generate_compiles_the_operator():
     assert torch.equal(got, want)
     targets = {node.target for gm in graphs for node in gm.graph.nodes}
     assert graphs and (torch.ops.cudnn_attn.attention.default in targets or torch.ops.cudnn_attn.attention in targets)
+
+
+def test_a_device_seed_tensor_draws_its_own_mask_and_bad_ones_are_named(rng):
+    """``seed`` as an int64 tensor ``[seed, offset]`` (the reference's masks on CPU): equal values draw equal masks,
+    other values others, and the gradient flows; a tensor of another size or dtype is a ValueError naming ``seed``."""
+    q, k, v = _qkv(rng, torch.bfloat16, B=2, T=16, S=16, N=4, K=4, H=32)
+    seed = torch.tensor([5, 0])
+    first = ct.sdpa(q, k, v, dropout_rate=0.3, seed=seed)[0]
+    assert torch.equal(first, ct.sdpa(q, k, v, dropout_rate=0.3, seed=seed.clone())[0])
+    assert not torch.equal(first, ct.sdpa(q, k, v, dropout_rate=0.3, seed=torch.tensor([6, 0]))[0])
+    first.float().sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+    for bad in (torch.tensor([1, 2, 3]), torch.tensor([1.0, 2.0])):
+        with pytest.raises(ValueError, match="seed: a device dropout seed"):
+            ct.sdpa(q, k, v, dropout_rate=0.3, seed=bad)
+
+
+def test_the_max_logit_is_refused_with_its_reason(rng):
+    from cudnn_attn import AuxRequest
+    from cudnn_attn.core.errors import UnsupportedConfigurationError
+
+    q, k, v = _qkv(rng, torch.float16, B=1, T=4, S=4, N=2, K=2, H=16)
+    with pytest.raises(UnsupportedConfigurationError, match="no max logit"):
+        ct.attention(q, k, v, return_aux=AuxRequest(max_logit=True))

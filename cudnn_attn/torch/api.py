@@ -19,7 +19,8 @@ from torch.utils import _python_dispatch
 
 from cudnn_attn.core.config import DROPOUT_RULE, SCALE_RULE, DiagonalAlignment
 from cudnn_attn.core.masks import as_mask
-from cudnn_attn.core.parameters import renamed_arguments, wants_logsumexp
+from cudnn_attn.core.errors import UnsupportedConfigurationError
+from cudnn_attn.core.parameters import renamed_arguments, wants_logsumexp, wants_max_logit
 from cudnn_attn.core.types import AttentionLayout, AttentionOutput
 from cudnn_attn.core.validation import check_seed, checked, default_scale, flag, window_length
 
@@ -86,7 +87,8 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
          training: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(output, logsumexp)`` of cuDNN attention (the operator's arguments, :mod:`cudnn_attn.torch.ops`), the
     output in ``layout``.  ``scale=None`` is ``1/sqrt(H)``; ``training=None`` keeps the logsumexp exactly when
-    autograd will need it (grad enabled and an input requiring grad); otherwise the logsumexp is empty.
+    autograd will need it (grad enabled and an input requiring grad); otherwise the logsumexp is empty.  ``seed``:
+    an int, or an int64 tensor ``[seed, offset]`` on the query's device (a device seed: :func:`attention`).
 
     What a call decides - its checked static arguments, the layout it runs in, and for a forward that nothing of
     torch records its direct launch - is remembered by the call's signature (:func:`_signature`), so a repeated
@@ -96,18 +98,19 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     decision = _decisions.get(signature) if signature is not None else None
     if decision is None:
         decision = _decide(tensors, scale, causal, bottom_right, window, dropout_rate, seed, layout, training)
-    static = decision.static + (check_seed(seed),)
+    seed_offset = seed if isinstance(seed, torch.Tensor) else None       # a device seed (the operators' doc)
+    static = decision.static + (0 if seed_offset is not None else check_seed(seed),)
     q, k, v = (x.transpose(1, 2) if decision.transposed else x for x in (query, key, value))
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if decision.direct is not None and _untraced():
+    if decision.direct is not None and seed_offset is None and _untraced():
         output, logsumexp = decision.direct.launch((q, k, v), static[5], keep)[0], _shared_empty_lse(q)
     else:
         operator = attention_op
         if not decision.training and unrecorded(q, k, v, q_lengths, kv_lengths, keep):
             operator = attention_unrecorded
         output, logsumexp = operator(q, k, v, q_lengths, kv_lengths, keep, *static, decision.running,
-                                     decision.training)
+                                     decision.training, seed_offset)
         if signature is not None and operator is attention_unrecorded and q.is_cuda:
             known = calls.get(call_key(FWD, (q, k, v, q_lengths, kv_lengths, keep), static + (decision.running,),
                                        decision.training))
@@ -192,7 +195,9 @@ def _decide(tensors: tuple, scale: Any, causal: Any, bottom_right: Any, window: 
         # The operator validates its own call (the fake implementation when traced).  Where that call differs
         # from this one - another layout, copies of the tensors - this one is validated first, so that a bad call
         # fails in the caller's terms before any GPU work.
-        config_of(query, key, value, q_lengths, kv_lengths, keep, static + (check_seed(seed), asked), bool(training))
+        config_of(query, key, value, q_lengths, kv_lengths, keep, static + (seed if isinstance(seed, torch.Tensor)
+                                                                             else check_seed(seed), asked),
+                  bool(training))
     return _Decision(static, running, transposed, bool(training))
 
 
@@ -204,8 +209,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     ``mask``: ``None`` or a :class:`~cudnn_attn.core.masks.MaskSpec` of ``causal(alignment)``, ``window(left, 0)``,
     ``padding(q_lengths, kv_lengths)`` (int32 ``(B,)`` tensors) and ``keep(bool_tensor)``, combined with ``&``.
     Returns :class:`~cudnn_attn.core.types.AttentionOutput`: ``output`` (``layout``, the value's head dim) and,
-    with ``return_aux=AuxRequest(logsumexp=True)``, the float32 ``(B, N, T)`` logsumexp (not differentiable).
-    CUDA tensors run cuDNN, CPU tensors the NumPy reference.
+    with ``return_aux=AuxRequest(logsumexp=True)``, the float32 ``(B, N, T)`` logsumexp (not differentiable);
+    ``AuxRequest(max_logit=True)`` is refused (:class:`~cudnn_attn.core.errors.UnsupportedConfigurationError`).
+    ``seed``: an int, or an int64 tensor ``[seed, offset]`` on the query's device that cuDNN reads at launch (a
+    CUDA graph's replays then draw the masks of the values it holds).  CUDA tensors run cuDNN, CPU tensors the
+    NumPy reference.
     """
     spec = as_mask(mask)
     if spec.alibi or spec.q_offsets is not None:
@@ -215,6 +223,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
         raise ValueError(f"mask: the torch front's diagonals are causal() and window(left, 0) (right bound 0); "
                          f"got {spec.describe()}")
     want_lse = wants_logsumexp(return_aux)
+    if wants_max_logit(return_aux):
+        raise UnsupportedConfigurationError(
+            ["return_aux: the torch front returns no max logit (AuxRequest(max_logit=True)); the CuPy front "
+             "(cudnn_attn.attention, which takes torch tensors and returns torch tensors) and the JAX bridge do"])
     output, logsumexp = sdpa(query, key, value, causal=spec.causal,
                              bottom_right=spec.alignment is DiagonalAlignment.BOTTOM_RIGHT,
                              window=spec.left_bound or 0, q_lengths=spec.q_lengths, kv_lengths=spec.kv_lengths,

@@ -55,7 +55,7 @@ import torch
 from cudnn_attn.core.parameters import renamed_arguments
 from cudnn_attn.core.types import MaskType
 from cudnn_attn.core import masked_rows
-from cudnn_attn.core.validation import LARGE_NEGATIVE, check_seed, validate_backward, validate_call
+from cudnn_attn.core.validation import LARGE_NEGATIVE, check_seed, seed_operands, validate_backward, validate_call
 from cudnn_attn.engine import runtime
 from cudnn_attn.engine.call import BWD, FWD
 from cudnn_attn.engine.prepared import Calls, PreparedCall, prepared_call
@@ -109,7 +109,7 @@ def _validated(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_le
     :func:`~cudnn_attn.core.validation.validate_call`).  Validation folds a keep-mask into a bias: one host array
     of ``(B|1, N|1, T, S)`` elements of the io dtype, made and dropped here."""
     with renamed_arguments(NAMES):
-        check_seed(seed)
+        _check_seed(seed)
         return _validate_stand_ins(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right,
                                    window, dropout_rate, seed, layout, training)
 
@@ -125,6 +125,19 @@ def _validate_stand_ins(query, key, value, q_lengths, kv_lengths, keep, scale, c
     return config
 
 
+def _check_seed(seed: Any, device: torch.device | None = None) -> Any:
+    """A static int seed (:func:`~cudnn_attn.core.validation.check_seed`), or a device seed: an int64 tensor
+    ``[seed, offset]`` that cuDNN reads at launch (:func:`~cudnn_attn.core.validation.seed_operands`'s rule), on
+    ``device`` when given."""
+    if isinstance(seed, torch.Tensor):
+        seed_operands(_stand_in("seed", seed))
+        if device is not None and seed.device != device:
+            raise ValueError(f"seed: a device dropout seed must live on the query's device {device}, got a tensor "
+                             f"on {seed.device}")
+        return seed
+    return check_seed(seed)
+
+
 _validated_configs: dict[tuple, Any] = {}
 """The validation memo of :func:`config_of`: a call signature's configuration."""
 _VALIDATED_MAX = 256
@@ -134,7 +147,7 @@ def config_of(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_len
               keep: Any, static: tuple, training: bool) -> Any:
     """:func:`_validated` once per call signature (shapes, dtypes, the static arguments but the seed, which is
     checked on every call): the configuration of a call, found before it touches the tensors."""
-    check_seed(static[5])
+    _check_seed(static[5])
     signature = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in
                       (query, key, value, q_lengths, kv_lengths, keep)) + static[:5] + (static[6], training)
     config = _validated_configs.get(signature)
@@ -221,9 +234,10 @@ _BWD_NAMES = _FWD_NAMES + ("output", "grad_output", "logsumexp")
 
 def call_key(kind: str, tensors: tuple, static: tuple, training: bool) -> tuple:
     """The identity of a CUDA call: the shape, strides, dtype and device of each tensor (``None`` where absent), the
-    static arguments but the seed (a new dropout seed per call launches the same plan) and ``training``."""
+    static arguments but the seed (a new dropout seed per call launches the same plan; only whether it is a device
+    tensor counts) and ``training``."""
     return (kind, *[None if x is None else (x.shape, x.stride(), x.dtype, x.get_device()) for x in tensors],
-            static[:5], static[6], training)
+            static[:5], static[6], training, type(static[5]) is torch.Tensor)
 
 
 def _first_call(kind: str, tensors: tuple, static: tuple, training: bool) -> _Direct | _General:
@@ -242,8 +256,9 @@ def _first_call(kind: str, tensors: tuple, static: tuple, training: bool) -> _Di
     if kind == BWD:
         with renamed_arguments(NAMES):
             validate_backward(config, *(_stand_in(name, x) for name, x in zip(_BWD_NAMES[3:], tensors[3:6])))
+    device_seed = static[5] if type(static[5]) is torch.Tensor and static[4] > 0 else None
     if q_lengths is not None or kv_lengths is not None or not all(x.is_contiguous() for x in dense) \
-            or len({x.get_device() for x in tensors if x is not None}) > 1:
+            or device_seed is not None or len({x.get_device() for x in (*tensors, device_seed) if x is not None}) > 1:
         return _General(config)                # the general path copies, or names the tensor on another device
     if keep is not None and (kind != FWD or keep.dtype != torch.bool or not masked_rows.kernel_gives_the_mean(config)):
         return _General(config)
@@ -260,6 +275,9 @@ def _first_call(kind: str, tensors: tuple, static: tuple, training: bool) -> _Di
 def _run(kind: str, tensors: tuple, static: tuple, training: bool) -> list[torch.Tensor]:
     """A CUDA call: the results in the plan's order (forward: output, then the logsumexp when ``training``;
     backward: dq, dk, dv)."""
+    if type(static[5]) is torch.Tensor:                 # its values are read at launch: checked on every call
+        with renamed_arguments(NAMES):
+            _check_seed(static[5], tensors[0].device)
     key = call_key(kind, tensors, static, training)
     known = calls.get(key)
     first = known is None
@@ -288,7 +306,10 @@ def _general(kind: str, config: Any, tensors: tuple, static: tuple, training: bo
     arrays = _detached(*tensors)
     q_lengths, kv_lengths, keep = arrays[-3:]
     with runtime.memory_from(_torch_memory(device), device.index), _on_torch_stream(query):
-        arguments = _seed_arguments(q_lengths, kv_lengths, _cupy_keep(keep), *static)
+        seed = static[5]
+        if isinstance(seed, torch.Tensor):
+            seed = _cupy_view(seed.contiguous()) if static[4] > 0 else 0
+        arguments = _seed_arguments(q_lengths, kv_lengths, _cupy_keep(keep), *static[:5], seed, static[6])
         views = [_cupy_view(x) for x in results]
         if kind == FWD:
             call = cupy_front.dot_product_attention.arguments(*arrays[:3], **arguments, return_residual=training,
@@ -310,7 +331,7 @@ def _torch_memory(device: torch.device) -> Callable[[int], tuple[int, torch.Tens
 
 
 _CUPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
-                torch.float32: np.dtype(np.float32)}
+                torch.float32: np.dtype(np.float32), torch.int64: np.dtype(np.int64)}
 
 
 def _cupy_view(x: torch.Tensor) -> Any:
@@ -390,22 +411,30 @@ _empty_lses: dict[torch.device, torch.Tensor] = {}
 def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Optional[torch.Tensor],
                  kv_lengths: Optional[torch.Tensor], keep: Optional[torch.Tensor], scale: float, causal: bool,
                  bottom_right: bool, window: int, dropout_rate: float, seed: int, layout: str,
-                 training: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """cuDNN attention (module doc): ``(output, logsumexp)``, the logsumexp empty unless ``training``."""
-    return attention_unrecorded(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right,
-                                window, dropout_rate, seed, layout, training)
+                 training: bool, seed_offset: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN attention (module doc): ``(output, logsumexp)``, the logsumexp empty unless ``training``.
+    ``seed_offset``: a device dropout seed, an int64 tensor ``[seed, offset]`` that cuDNN reads at launch (``seed``
+    is then unused), so that new values - drawn on the device, inside a CUDA graph too - draw a new mask."""
+    return _forward(query, key, value, q_lengths, kv_lengths, keep,
+                    (scale, causal, bottom_right, window, dropout_rate, _seed(seed, seed_offset), layout), training)
 
 
 def attention_unrecorded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any,
                          kv_lengths: Any, keep: Any, scale: float, causal: bool, bottom_right: bool, window: int,
-                         dropout_rate: float, seed: int, layout: str,
-                         training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                         dropout_rate: float, seed: int, layout: str, training: bool,
+                         seed_offset: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_op`'s implementation, for a call that nothing of torch would record
     (:func:`cudnn_attn.torch.api.unrecorded`): the same call without torch's dispatcher, which costs a custom
     operator's call 49-61 us of host time (H200 machines' hosts, a decode step of ``benchmarks/decode_growing.py``:
     104.7-118.6 us per call through the operator, 55.4-57.4 for this function)."""
     return _forward(query, key, value, q_lengths, kv_lengths, keep,
-                    (scale, causal, bottom_right, window, dropout_rate, seed, layout), training, _shared_empty_lse)
+                    (scale, causal, bottom_right, window, dropout_rate, _seed(seed, seed_offset), layout), training,
+                    _shared_empty_lse)
+
+
+def _seed(seed: int, seed_offset: torch.Tensor | None) -> Any:
+    """The seed a call runs with: the device tensor when given, else the int (the static tuple's slot 5)."""
+    return seed if seed_offset is None else seed_offset
 
 
 def _detached(*tensors: Any) -> tuple:
@@ -423,7 +452,7 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_leng
     if query.device.type != "cpu":
         raise ValueError(f"query: the torch front runs on CUDA (cuDNN) and CPU (the NumPy reference) tensors, "
                          f"got a tensor on {query.device}")
-    arguments = _seed_arguments(_to_numpy(q_lengths), _to_numpy(kv_lengths), _to_numpy(keep), *static)
+    arguments = _seed_arguments(_to_numpy(q_lengths), _to_numpy(kv_lengths), _to_numpy(keep), *_numpy_seed(static))
     with renamed_arguments(NAMES):
         result = reference_forward(_to_numpy(query), _to_numpy(key), _to_numpy(value), **arguments,
                                    return_residual=training)
@@ -432,14 +461,20 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_leng
     return _from_numpy(result), _empty_lse(query)
 
 
+def _numpy_seed(static: tuple) -> tuple:
+    """``static`` with a device seed tensor as a NumPy array (the reference's form of it)."""
+    seed = static[5]
+    return static if not isinstance(seed, torch.Tensor) else static[:5] + (_to_numpy(seed), static[6])
+
+
 @attention_op.register_fake
 def _attention_fake(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window,
-                    dropout_rate, seed, layout, training):
+                    dropout_rate, seed, layout, training, seed_offset=None):
     if _symbolic(query, key, value, q_lengths, kv_lengths, keep):
         o_shape, lse_shape = _shapes(query, value, layout)
     else:
         config = _validated(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window,
-                            dropout_rate, seed, layout, training)
+                            dropout_rate, _seed(seed, seed_offset), layout, training)
         o_shape, lse_shape = config.o_shape, config.lse_shape
     output = query.new_empty(o_shape)
     return output, (query.new_empty(lse_shape, dtype=torch.float32) if training else _empty_lse(query))
@@ -464,12 +499,14 @@ def attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           grad_output: torch.Tensor, logsumexp: torch.Tensor, q_lengths: Optional[torch.Tensor],
                           kv_lengths: Optional[torch.Tensor], keep: Optional[torch.Tensor], scale: float,
                           causal: bool, bottom_right: bool, window: int, dropout_rate: float, seed: int,
-                          layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients ``(dq, dk, dv)`` of :func:`attention_op` (called with the same arguments and ``training``)
-    given its ``output``, ``logsumexp`` and the output's gradient."""
+                          layout: str, seed_offset: Optional[torch.Tensor] = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients ``(dq, dk, dv)`` of :func:`attention_op` (called with the same arguments and ``training``;
+    ``seed_offset`` holding the forward's values) given its ``output``, ``logsumexp`` and the output's gradient."""
     with renamed_arguments(NAMES):
         return _backward_grads(query, key, value, output, grad_output.contiguous(), logsumexp, q_lengths, kv_lengths,
-                               keep, (scale, causal, bottom_right, window, dropout_rate, seed, layout))
+                               keep, (scale, causal, bottom_right, window, dropout_rate, _seed(seed, seed_offset),
+                                      layout))
 
 
 def _backward_grads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
@@ -479,7 +516,7 @@ def _backward_grads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         grads = _run(BWD, _detached(query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep),
                      static, True)
         return grads[0], grads[1], grads[2]
-    arguments = _seed_arguments(_to_numpy(q_lengths), _to_numpy(kv_lengths), _to_numpy(keep), *static)
+    arguments = _seed_arguments(_to_numpy(q_lengths), _to_numpy(kv_lengths), _to_numpy(keep), *_numpy_seed(static))
     grads = reference_backward(*(_to_numpy(x) for x in (query, key, value, output, grad_output,
                                                                           logsumexp)), **arguments)
     return _from_numpy(grads.dq), _from_numpy(grads.dk), _from_numpy(grads.dv)
@@ -487,10 +524,10 @@ def _backward_grads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep, scale,
-                             causal, bottom_right, window, dropout_rate, seed, layout):
+                             causal, bottom_right, window, dropout_rate, seed, layout, seed_offset=None):
     if not _symbolic(query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep):
         config = _validated(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window,
-                            dropout_rate, seed, layout, True)
+                            dropout_rate, _seed(seed, seed_offset), layout, True)
         with renamed_arguments(NAMES):
             validate_backward(config, _stand_in("output", output), _stand_in("grad_output", grad_output),
                               _stand_in("logsumexp", logsumexp))
@@ -501,9 +538,9 @@ def _attention_backward_fake(query, key, value, output, grad_output, logsumexp, 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window, dropout_rate, seed, \
-        layout, training = inputs
+        layout, training, seed_offset = inputs
     out, logsumexp = output
-    ctx.save_for_backward(query, key, value, out, logsumexp, q_lengths, kv_lengths, keep)
+    ctx.save_for_backward(query, key, value, out, logsumexp, q_lengths, kv_lengths, keep, seed_offset)
     ctx.static = (scale, causal, bottom_right, window, dropout_rate, seed, layout)
     ctx.training = training
     ctx.mark_non_differentiable(logsumexp)
@@ -514,10 +551,10 @@ def _backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any) -> tuple
         raise RuntimeError("cudnn_attn::attention: the forward ran with training=False (no logsumexp kept); "
                            "call it with training=True to differentiate it (cudnn_attn.torch.attention decides "
                            "from torch.is_grad_enabled() and requires_grad)")
-    query, key, value, out, logsumexp, q_lengths, kv_lengths, keep = ctx.saved_tensors
+    query, key, value, out, logsumexp, q_lengths, kv_lengths, keep, seed_offset = ctx.saved_tensors
     dq, dk, dv = attention_backward_op(query, key, value, out, grad_output, logsumexp, q_lengths, kv_lengths, keep,
-                                       *ctx.static)
-    return (dq, dk, dv) + (None,) * 11
+                                       *ctx.static, seed_offset)
+    return (dq, dk, dv) + (None,) * 12
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)

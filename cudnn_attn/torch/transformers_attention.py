@@ -49,8 +49,9 @@ def transformers_attention(module: torch.nn.Module, query: torch.Tensor, key: to
     if causal and kv_length > q_length:
         key, value = key[:, :, :q_length], value[:, :, :q_length]
     seed = 0
-    if dropout > 0:
-        seed = int(torch.randint(0, 2 ** 62, (), device="cpu"))       # a new dropout mask per call
+    if dropout > 0:             # a new dropout mask per call, drawn on the device: inside a CUDA graph too
+        seed = torch.randint(0, 2 ** 62, (2,), device=query.device) if query.is_cuda else \
+            int(torch.randint(0, 2 ** 62, (), device="cpu"))
     output, _ = sdpa(query, key, value, causal=causal, keep=attention_mask, scale=scaling, dropout_rate=dropout,
                      seed=seed, layout="BNTH")
     return output.transpose(1, 2), None

@@ -298,3 +298,35 @@ def test_the_raw_current_stream_query_agrees_with_the_public_one():
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         assert ops._current_stream(device) == side.cuda_stream != 0
+
+
+def test_a_device_seed_draws_a_new_mask_at_every_replay(rng):
+    """``seed`` as an int64 CUDA tensor ``[seed, offset]``: equal values draw equal masks (forward and backward),
+    new values a new mask; drawn by torch's RNG inside a captured graph, every replay draws a new one, and each
+    replay equals an eager call with that replay's seed values."""
+    q, k, v = (_random(rng, (2, 8, 128, 64), torch.bfloat16) for _ in range(3))
+    seed = torch.tensor([11, 0], dtype=torch.int64, device="cuda")
+    first = ct.sdpa(q, k, v, dropout_rate=0.2, seed=seed, layout="BNTH", training=False)[0]
+    again = ct.sdpa(q, k, v, dropout_rate=0.2, seed=seed.clone(), layout="BNTH", training=False)[0]
+    other = ct.sdpa(q, k, v, dropout_rate=0.2, seed=seed + 1, layout="BNTH", training=False)[0]
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    grads = []
+    for _ in range(2):
+        x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = ct.sdpa(*x, dropout_rate=0.2, seed=seed, layout="BNTH")[0]
+        grads.append(torch.autograd.grad(out.float().square().sum(), x))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+    def step():
+        seed.copy_(torch.randint(0, 2 ** 62, (2,), device="cuda"))
+        return ct.sdpa(q, k, v, dropout_rate=0.2, seed=seed, layout="BNTH", training=False)[0]
+
+    graph, out = _capture(step)
+    seen = []
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = ct.sdpa(q, k, v, dropout_rate=0.2, seed=seed.clone(), layout="BNTH", training=False)[0]
+        assert torch.equal(out, eager)
+        seen.append(out.clone())
+    assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
