@@ -210,12 +210,11 @@ def _folded(keep: torch.Tensor, config: Any) -> torch.Tensor:
     """The bias cuDNN reads for a boolean ``keep`` mask, validation's fold (``validate_call``): 0 where kept,
     :data:`~cudnn_attn.core.validation.LARGE_NEGATIVE` elsewhere, in the io dtype, dense in the shape of
     ``config.bias`` (batch and heads as the mask broadcasts them)."""
-    where = (keep.device, config.dtype)
-    values = _fold_values.get(where)
-    if values is None:                                        # 0-d tensors on keep's device: one kernel
-        dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[config.dtype]
-        values = _fold_values[where] = (torch.zeros((), dtype=dtype, device=keep.device),
-                                        torch.full((), LARGE_NEGATIVE[config.dtype], dtype=dtype, device=keep.device))
+    values = _fold_values.get(config.dtype)
+    if values is None:        # 0-d host tensors: kernel arguments, and no device memory that a CUDA graph's pool
+        dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[config.dtype]     # would have to track
+        values = _fold_values[config.dtype] = (torch.zeros((), dtype=dtype),
+                                               torch.full((), LARGE_NEGATIVE[config.dtype], dtype=dtype))
     bias = torch.where(keep, *values)
     shape = config.bias.shape
     if tuple(bias.shape) != shape:
@@ -223,7 +222,7 @@ def _folded(keep: torch.Tensor, config: Any) -> torch.Tensor:
     return bias
 
 
-_fold_values: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_fold_values: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 calls = Calls()
 """The torch front's calls seen on CUDA (:class:`_Direct` or :class:`_General` entries), by :func:`call_key`."""
