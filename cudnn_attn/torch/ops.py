@@ -210,19 +210,15 @@ def _folded(keep: torch.Tensor, config: Any) -> torch.Tensor:
     """The bias cuDNN reads for a boolean ``keep`` mask, validation's fold (``validate_call``): 0 where kept,
     :data:`~cudnn_attn.core.validation.LARGE_NEGATIVE` elsewhere, in the io dtype, dense in the shape of
     ``config.bias`` (batch and heads as the mask broadcasts them)."""
-    values = _fold_values.get(config.dtype)
-    if values is None:        # 0-d host tensors: kernel arguments, and no device memory that a CUDA graph's pool
-        dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[config.dtype]     # would have to track
-        values = _fold_values[config.dtype] = (torch.zeros((), dtype=dtype),
-                                               torch.full((), LARGE_NEGATIVE[config.dtype], dtype=dtype))
-    bias = torch.where(keep, *values)
+    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[config.dtype]
+    # Two kernels with host scalars as arguments: no cached device constant (made while torch records a CUDA
+    # graph, it would stay in the graph's pool untracked) and no host tensor (a copy, refused during capture).
+    bias = torch.full(keep.shape, LARGE_NEGATIVE[config.dtype], dtype=dtype, device=keep.device).masked_fill_(keep, 0.0)
     shape = config.bias.shape
     if tuple(bias.shape) != shape:
         bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).expand(shape).contiguous()
     return bias
 
-
-_fold_values: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 calls = Calls()
 """The torch front's calls seen on CUDA (:class:`_Direct` or :class:`_General` entries), by :func:`call_key`."""
