@@ -59,6 +59,7 @@ lowered for it, with the support table's reasons - still before anything runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, Mapping, Sequence
@@ -67,7 +68,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cudnn_attn.core import masked_rows, parameters, values
+from cudnn_attn.core import diagonal_warning, masked_rows, parameters, values
 from cudnn_attn.core.config import AttentionConfig, AttentionOperands
 from cudnn_attn.core.masks import MaskSpec
 from cudnn_attn.core.parameters import AuxRequest
@@ -242,11 +243,15 @@ def forward_call(call: Any, names: Mapping[str, str] | None = None) -> Attention
     if sequence_parallel:
         arrays["key"], arrays["value"] = sequence_split.whole_sequence(context, call.key, call.value,
                                                                        static["qkv_layout"])
-    with parameters.native_names(call, names):
+    inside = sequence_parallel and bool(context.axes)   # inside shard_map: the call describes the whole sequence
+    # There the local queries are validated against the whole sequence's keys: the diagonal's warning waits for
+    # the whole call.
+    with parameters.native_names(call, names), diagonal_warning.deferred() if inside else contextlib.nullcontext():
         config, operands = validate_call(**arrays, **static, xp=jnp)
-    config = parameters.finish(call, config)
-    if sequence_parallel and context.axes:       # inside shard_map: the call describes the whole sequence
+        config = parameters.finish(call, config)
+    if inside:
         config = sequence_split.whole_config(config, context)
+        diagonal_warning.warn_top_left(config)
         operands = operands.replace(key=call.key, value=call.value)
     options = call_options(config, seed=call.seed, backend=call.backend, cuda_graph=call.cuda_graph,
                              context_parallel=context if sequence_parallel else None)

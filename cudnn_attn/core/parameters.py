@@ -234,6 +234,11 @@ class AuxRequest(NamedTuple):
 
 
 def wants_logsumexp(return_aux: Any) -> bool:
+    """Whether the native call's ``return_aux`` (``None`` or an :class:`AuxRequest`) asks for the logsumexp.
+
+    Raises:
+        ValueError: ``return_aux`` is neither (naming ``return_aux``).
+    """
     if return_aux is None:
         return False
     if not isinstance(return_aux, AuxRequest):
