@@ -246,8 +246,9 @@ def forward_call(call: Any, names: Mapping[str, str] | None = None) -> Attention
     inside = sequence_parallel and bool(context.axes)   # inside shard_map: the call describes the whole sequence
     # There the local queries are validated against the whole sequence's keys: the diagonal's warning waits for
     # the whole call.
-    with parameters.native_names(call, names), diagonal_warning.deferred() if inside else contextlib.nullcontext():
-        config, operands = validate_call(**arrays, **static, xp=jnp)
+    with diagonal_warning.deferred() if inside else contextlib.nullcontext():
+        with parameters.native_names(call, names):
+            config, operands = validate_call(**arrays, **static, xp=jnp)
         config = parameters.finish(call, config)
     if inside:
         config = sequence_split.whole_config(config, context)
