@@ -61,6 +61,7 @@ lowered for it, with the support table's reasons - still before anything runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, Mapping, Sequence
@@ -69,7 +70,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cudnn_attn.core import masked_rows, parameters, values
+from cudnn_attn.core import diagonal_warning, masked_rows, parameters, values
 from cudnn_attn.core.config import AttentionConfig, AttentionOperands
 from cudnn_attn.core.masks import MaskSpec
 from cudnn_attn.core.parameters import AuxRequest
@@ -250,11 +251,16 @@ def forward_call(call: Any, names: Mapping[str, str] | None = None) -> Attention
     if sequence_parallel:
         arrays["key"], arrays["value"] = sequence_split.whole_sequence(context, call.key, call.value,
                                                                        static["qkv_layout"])
-    with parameters.native_names(call, names):
-        config, operands = validate_call(**arrays, **static, xp=jnp)
-    config = parameters.finish(call, config)
-    if sequence_parallel and context.axes:       # inside shard_map: the call describes the whole sequence
+    inside = sequence_parallel and bool(context.axes)   # inside shard_map: the call describes the whole sequence
+    # There the local queries are validated against the whole sequence's keys: the diagonal's warning waits for
+    # the whole call.
+    with diagonal_warning.deferred() if inside else contextlib.nullcontext():
+        with parameters.native_names(call, names):
+            config, operands = validate_call(**arrays, **static, xp=jnp)
+        config = parameters.finish(call, config)
+    if inside:
         config = sequence_split.whole_config(config, context)
+        diagonal_warning.warn_top_left(config)
         operands = operands.replace(key=call.key, value=call.value)
     rng = getattr(call, "dropout_rng", None)        # a key: the seed as operands read at launch, not a constant
     config, operands, seed = bind_seed(config, operands, call.seed if rng is None else dropout.seed_operands(rng))

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The test command.  ./scripts/test.sh [PYTEST ARGS]: set up .venv (Python 3.12, jax pinned as on the GPU machine)
 # and run the whole CPU suite there, including the deviceless cuDNN tier, on the machine's cores (pytest-xdist,
-# -n auto; each test file runs whole on one worker, --dist loadfile; CUDNN_ATTN_TEST_WORKERS=N sets the workers).
+# -n auto; --dist worksteal: tests go to the workers one by one and an idle worker takes over another's queue, since
+# a few tests take 40-50 s - whole files per worker, --dist loadfile, took 10 min 53 s on 2 cores, --dist load
+# 7 min 47 s and 9 min 42 s; CUDNN_ATTN_TEST_WORKERS=N sets the workers).
 # ./scripts/test.sh --all [PYTEST ARGS]: the CI matrix (.ci/run): that run, then 2) the tests that touch JAX or
 # score_mod, and the fuzz test of the front doors, against the newest JAX release in .venv-jax-latest, set up the
 # same way, and 3) the whole suite again on Python 3.11 (the oldest the package supports) in .venv-py311: jax
@@ -29,7 +31,7 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
       >/dev/null 2>&1 || echo "note: apt could not install chromium: tests/test_cache_browser.py will skip"
   fi
 fi
-parallel=(-n "${CUDNN_ATTN_TEST_WORKERS:-auto}" --dist loadfile)
+parallel=(-n "${CUDNN_ATTN_TEST_WORKERS:-auto}" --dist worksteal)
 status=0
 timed() {   # timed NAME COMMAND...: run it, print its wall time, remember a failure
   local start=$SECONDS

@@ -10,12 +10,14 @@ TopLeftCausalWarning)`` silences it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
+from typing import Iterator
 
 from .config import AttentionConfig, DiagonalAlignment
 
-__all__ = ["TopLeftCausalWarning", "warn_top_left"]
+__all__ = ["TopLeftCausalWarning", "deferred", "warn_top_left"]
 
 
 class TopLeftCausalWarning(UserWarning):
@@ -24,11 +26,25 @@ class TopLeftCausalWarning(UserWarning):
 
 _warned: set[AttentionConfig] = set()
 _lock = threading.Lock()
+_this_thread = threading.local()
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Within it, :func:`warn_top_left` warns nothing on this thread: for a caller that validates a part of a
+    call (``shard_map``'s local queries against the whole sequence's keys) and warns on the whole call itself."""
+    _this_thread.deferred = getattr(_this_thread, "deferred", 0) + 1
+    try:
+        yield
+    finally:
+        _this_thread.deferred -= 1
 
 
 def warn_top_left(config: AttentionConfig) -> None:
     """Warn once per ``config`` when its causal diagonal is top-left and ``T < S`` (module doc)."""
     mask = config.mask
+    if getattr(_this_thread, "deferred", 0):
+        return
     if mask.right_bound is None or mask.alignment is not DiagonalAlignment.TOP_LEFT \
             or config.q_len >= config.kv_len:
         return

@@ -556,6 +556,7 @@ def _plan_label(entry: CacheEntry) -> str:
 
 
 graph_cache = GraphCache()
+"""The process's :class:`GraphCache` (128 graphs): what every public call builds into and looks up."""
 
 
 runtime.on_release(graph_cache.clear)
