@@ -262,8 +262,15 @@ def _aux_request(return_aux: Any) -> AuxRequest:
 
 
 def wants_logsumexp(return_aux: Any) -> bool:
+    """Whether the native call's ``return_aux`` (``None`` or an :class:`AuxRequest`) asks for the logsumexp.
+
+    Raises:
+        ValueError: ``return_aux`` is neither, or a field is not a bool (naming ``return_aux``).
+    """
     return _aux_request(return_aux).logsumexp
 
 
 def wants_max_logit(return_aux: Any) -> bool:
+    """Whether ``return_aux`` asks for the max logit (``score_max`` and ``max_logit``); raises as
+    :func:`wants_logsumexp`."""
     return _aux_request(return_aux).max_logit
