@@ -34,7 +34,8 @@ Both kinds are remembered in one table, :data:`calls`, by :func:`call_key`.  The
 validates, builds (or finds) its cuDNN graph and compiles the CuPy kernels it uses; none of that may happen while
 a stream is being captured, so a first call met during capture raises :class:`CaptureWarmupError`: run the call
 once before capturing, as torch's own CUDA graph recipes (and ``torch.compile``'s warm-up run) do.  A replayed
-graph repeats the dropout mask of its capture: the seed is a host scalar bound when the call is captured.
+graph repeats the dropout mask of its capture when the seed is an int (a host scalar bound at capture); a device
+seed (``seed_offset``, an int64 tensor ``[seed, offset]``) is read at every launch.
 
 CPU tensors run the NumPy reference
 (:mod:`cudnn_attn.reference`, float64 inside): the same validation and results, for tests and machines
@@ -213,7 +214,8 @@ def _folded(keep: torch.Tensor, config: Any) -> torch.Tensor:
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[config.dtype]
     # Two kernels with host scalars as arguments: no cached device constant (made while torch records a CUDA
     # graph, it would stay in the graph's pool untracked) and no host tensor (a copy, refused during capture).
-    bias = torch.full(keep.shape, LARGE_NEGATIVE[config.dtype], dtype=dtype, device=keep.device).masked_fill_(keep, 0.0)
+    bias = torch.full(keep.shape, LARGE_NEGATIVE[config.dtype], dtype=dtype, device=keep.device)
+    bias.masked_fill_(keep, 0.0)
     shape = config.bias.shape
     if tuple(bias.shape) != shape:
         bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).expand(shape).contiguous()
@@ -245,8 +247,8 @@ def _first_call(kind: str, tensors: tuple, static: tuple, training: bool) -> _Di
             f"cudnn_attn: the first call of a signature ({kind}, query {tuple(tensors[0].shape)} "
             f"{tensors[0].dtype}) was made while a CUDA graph is being captured; call it once before capturing "
             f"(a warm-up run) so that its cuDNN graph is built and its kernels are loaded")
-    dense, rest = tensors[:3] if kind == FWD else tensors[:6], tensors[-3:]
-    q_lengths, kv_lengths, keep = rest
+    dense = tensors[:3] if kind == FWD else tensors[:6]
+    q_lengths, kv_lengths, keep = tensors[-3:]
     config = config_of(*tensors[:3], q_lengths, kv_lengths, keep, static, training)
     if kind == BWD:
         with renamed_arguments(NAMES):

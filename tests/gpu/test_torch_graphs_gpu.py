@@ -14,7 +14,6 @@ from __future__ import annotations
 import faulthandler
 import threading
 
-import numpy as np
 import pytest
 
 from ._checks import assert_close
