@@ -82,10 +82,12 @@ def guard_values(config: AttentionConfig, operands: AttentionOperands, xp: Any, 
     Raises:
         ValueError: a value breaks the rules, or ``check_values`` is not a bool or ``None``.
     """
-    checked = values.checking(check_values)
     found = values.present(operands)
-    if not found:
+    if not found:                                  # the environment is read only for a call with values
+        if check_values is not None:
+            values.checking(check_values)          # a bad value fails here, named
         return operands
+    checked = values.checking(check_values)
     if check_later is None:
         if not checked:
             return values.sanitize(config, operands, xp)
