@@ -70,18 +70,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cudnn_attn.core import diagonal_warning, masked_rows, parameters, values
+from cudnn_attn.core import diagonal_warning, masked_rows, parameters
 from cudnn_attn.core.config import AttentionConfig, AttentionOperands
 from cudnn_attn.core.masks import MaskSpec
 from cudnn_attn.core.parameters import AuxRequest
 from cudnn_attn.core.support import check_everywhere
 from cudnn_attn.core.types import FP8_PARAM_KEYS, AttentionOutput, FP8Params, MaskType
 from cudnn_attn.core.validation import bind_seed, check_seed, validate_call
+from cudnn_attn.engine import call_steps
 
 from . import context_parallel as sequence_split
-from . import dropout, lifting, primitives
+from . import dropout, primitives
 from .call_site import Backend, CallOptions
-from .signature import BWD, COTANGENT_OF, FWD, RESIDUALS, named_operands, operand_names, result_names
+from .signature import BWD, COTANGENT_OF, FWD, RESIDUALS, operand_names, result_names
 
 __all__ = ["attention", "configured_attention", "dot_product_attention", "call_options", "paged_attention"]
 
@@ -100,12 +101,13 @@ def call_options(config: AttentionConfig, *, seed: Any = 42, backend: str | Back
 
 
 def _run(kind: str, config: AttentionConfig, options: CallOptions, operands: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``kind`` call on ``operands``, padded to even lengths where the kernel needs it (:mod:`.lifting`;
-    inside ``shard_map`` with a sequence axis the operands are local: the engine lifts its block calls)."""
+    """The ``kind`` call on ``operands``, padded to even lengths where the kernel needs it
+    (:func:`cudnn_attn.engine.call_steps.run_padded`; inside ``shard_map`` with a sequence axis the operands are
+    local: the engine lifts its block calls)."""
     run_kernel = functools.partial(_run_kernel, kind, options=options)
     if options.context is not None and options.context.axes:
         return run_kernel(config, operands)
-    return lifting.run(kind, config, operands, run_kernel)
+    return call_steps.run_padded(kind, config, operands, jnp, run_kernel)
 
 
 def _run_kernel(kind: str, config: AttentionConfig, operands: Mapping[str, Any], *,
@@ -126,7 +128,7 @@ def _run_kernel(kind: str, config: AttentionConfig, operands: Mapping[str, Any],
 
 def _inputs(config: AttentionConfig, operands: AttentionOperands) -> dict[str, Any]:
     """Every array the forward or the backward reads, by name (all FP8Params entries with FP8)."""
-    inputs = named_operands(config, FWD, operands)
+    inputs = call_steps.named_operands(config, FWD, operands)
     if config.fp8:
         inputs.update({key: operands.fp8_scales[key] for key in FP8_PARAM_KEYS})
     return inputs
@@ -190,34 +192,17 @@ def _align_manual_axes(inputs: dict[str, Any]) -> dict[str, Any]:
             for name, x in inputs.items()}
 
 
-def guard_values(config: AttentionConfig, operands: AttentionOperands, check_values: bool | None = None,
-                 names: Mapping[str, str] | None = None) -> AttentionOperands:
-    """``operands`` whose lengths, offsets and page ids cannot take cuDNN outside the buffers (module doc):
-    checked now when concrete; else clamped, and in the checked mode also checked on the host at run time.
-    ``names`` renames arguments in the messages (the ``jax.nn`` drop-in's).
-
-    Raises:
-        ValueError: a concrete value breaks the rules, or ``check_values`` is not a bool or ``None``.
-    """
-    checked = values.checking(check_values)
-    found = values.present(operands)
-    if not found or values.check_concrete(config, operands, names):
-        return operands
-    if checked:
-        order = tuple(found)
-
-        def check_on_host(*arrays: Any) -> None:
-            values.check_arrays(config, {n: np.asarray(a).astype(np.int64) for n, a in zip(order, arrays)}, names)
-
-        jax.debug.callback(check_on_host, *found.values())
-    return values.sanitize(config, operands, jnp)
+def _check_at_run_time(check: Callable[..., None], arrays: tuple) -> None:
+    """The checked mode's host check of traced values (module doc): a ``jax.debug.callback``."""
+    jax.debug.callback(check, *arrays)
 
 
 def configured_attention(config: AttentionConfig, operands: AttentionOperands, options: CallOptions, *,
                          check_values: bool | None = None, names: Mapping[str, str] | None = None) -> AttentionOutput:
     """Attention on a validated call (:func:`cudnn_attn.core.validation.validate_call` with ``xp=jax.numpy``):
     :class:`~cudnn_attn.core.types.AttentionOutput` out, differentiable with respect to the operands.
-    The value operands pass :func:`guard_values` first (``check_values``, ``names``: see there).
+    The value operands pass :func:`cudnn_attn.engine.call_steps.guard_values` first (``check_values``, ``names``:
+    see there): concrete values are checked now, traced ones clamped (and checked at run time in the checked mode).
 
     Rows that a boolean mask keeps no key of are set outside the differentiable kernel call
     (:func:`cudnn_attn.core.masked_rows.forward_output`): JAX differentiates the mean of V, and the kernel's
@@ -226,7 +211,7 @@ def configured_attention(config: AttentionConfig, operands: AttentionOperands, o
 
     Raises :class:`~cudnn_attn.core.errors.UnsupportedConfigurationError` at once for what no backend runs."""
     check_everywhere(config, kind=FWD)
-    operands = guard_values(config, operands, check_values, names)
+    operands = call_steps.guard_values(config, operands, jnp, check_values, names, check_later=_check_at_run_time)
     results = dict(_attention(config, options, _align_manual_axes(_inputs(config, operands))))
     if options.context is None or not options.context.axes:
         results["output"], results["logsumexp"] = masked_rows.forward_output(

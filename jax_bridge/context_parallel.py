@@ -83,8 +83,8 @@ from cudnn_attn.core import support
 from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec
 from cudnn_attn.core.errors import UnsupportedConfigurationError
 from cudnn_attn.core.types import AttentionLayout
+from cudnn_attn.engine import call_steps
 
-from . import lifting
 from .sequence_plan import (
     Band,
     BlockCall,
@@ -531,7 +531,7 @@ class _Engine:
                     found += (_full_like(q, (config.batch, heads, qp), jnp.float32, -jnp.inf),)
                 for c, start in zip(calls, starts):
                     block, ops, has_keys, tokens = self._block(c, FWD, rows, key, value, key_base, start)
-                    result = lifting.run(FWD, block, ops, call)
+                    result = call_steps.run_padded(FWD, block, ops, jnp, call)
                     lse = result["logsumexp"] if tokens is None else tokens(result["logsumexp"])
                     found = self._merge(found, c.q_start, result["output"], lse, has_keys, result.get("score_max"))
                 return found
@@ -621,7 +621,7 @@ class _Engine:
                 db = _full_like(query, bias.shape[:2] + (qp, kp), jnp.float32, 0) if config.has_dbias else None
                 for c, start in zip(calls, starts):
                     block, ops, has_keys, _ = self._block(c, BWD, rows, key, value, key_base, start)
-                    found = lifting.run(BWD, block, ops, call)
+                    found = call_steps.run_padded(BWD, block, ops, jnp, call)
                     grad = found["dq"]
                     if has_keys is not None:
                         grad = jnp.where(self._per_row(has_keys[:, None, :]), grad, 0)

@@ -25,16 +25,18 @@ import numpy as np
 from cudnn_attn import reference
 from cudnn_attn.core import cpu_target
 from cudnn_attn.core.types import Front
+from cudnn_attn.engine import call_steps
 
 from . import ffi
 from .call_site import TARGET, AttentionCall, registry
-from .signature import FWD, attention_operands, result_shapes
+from .signature import FWD, operand_names, result_shapes
 
 
 def reference_results(site: AttentionCall, arrays: Sequence[Any]) -> dict[str, np.ndarray]:
     """Run the reference for call site ``site`` on the bound arrays; ``result name -> array``."""
     config = site.config
-    operands, residuals = attention_operands(config, site.kind, arrays)
+    operands, residuals = call_steps.attention_operands(config, site.kind,
+                                                        dict(zip(operand_names(config, site.kind), arrays)))
     if site.kind == FWD:
         result = reference.forward(config, operands, seed=site.seed)
     else:

@@ -4,7 +4,8 @@ A primitive binds a flat list of arrays; which arrays, in which order, follows f
 :class:`~cudnn_attn.core.config.AttentionConfig` and the kind (``"fwd"``/``"bwd"``) alone: the call's
 :class:`~cudnn_attn.engine.call.CallSpec`, the one derivation every front reads.  This module adds what the
 JAX rules need on top: the role of every dimension (batching, partitioning), which result is which operand's
-gradient, and the conversion between :class:`~cudnn_attn.core.config.AttentionOperands` and named arrays.
+gradient.  The conversion between :class:`~cudnn_attn.core.config.AttentionOperands` and named arrays is
+:mod:`cudnn_attn.engine.call_steps`' (one for every front).
 
 Names are the fields of :class:`~cudnn_attn.core.config.AttentionOperands` (``query``, ``bias``, ``q_seqlen``, ...), the FP8Params
 keys (``descale_q``, ...), ``score_mod_arg_<i>``, and for the backward the residuals ``output``,
@@ -14,12 +15,10 @@ keys (``descale_q``, ...), ``score_mod_arg_<i>``, and for the backward the resid
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
-
 import numpy as np
 
-from cudnn_attn.core.config import AttentionConfig, AttentionOperands
-from cudnn_attn.core.types import FP8_BWD_AMAX, FP8_BWD_KEYS, FP8_FWD_KEYS
+from cudnn_attn.core.config import AttentionConfig
+from cudnn_attn.core.types import FP8_BWD_AMAX
 from cudnn_attn.engine.call import (  # noqa: F401 (names the bridge's modules import from here)
     AMAX_SHAPE,
     BWD,
@@ -92,33 +91,3 @@ GRADIENT_OF = {"query": "dq", "key": "dk", "value": "dv", "bias": "dbias", "sink
 COTANGENT_OF = {**GRADIENT_OF, **{name: name for name in FP8_BWD_AMAX}}
 # Which operand a result takes its shard_map axes and sharding from.
 RESULT_FOLLOWS = {"output": "query", "logsumexp": "query", "score_max": "query", **{grad: x for x, grad in GRADIENT_OF.items()}}
-
-
-# -- between AttentionOperands and named arrays ------------------------------------------------------
-
-def named_operands(config: AttentionConfig, kind: str, operands: AttentionOperands,
-                   residuals: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """``operands`` (plus the backward's residuals) as ``name -> array``, in binding order."""
-    found = {}
-    for name in operand_names(config, kind):
-        if name.startswith("score_mod_arg_"):
-            found[name] = operands.score_mod_args[int(name.rsplit("_", 1)[1])]
-        elif name in RESIDUALS:
-            found[name] = residuals[name]
-        elif config.fp8 and name in operands.fp8_scales:
-            found[name] = operands.fp8_scales[name]
-        else:
-            found[name] = getattr(operands, name)
-    return found
-
-
-def attention_operands(config: AttentionConfig, kind: str, arrays: Sequence[Any]) -> tuple[AttentionOperands, dict]:
-    """The inverse of :func:`named_operands`: ``(AttentionOperands, residuals)`` from the bound arrays."""
-    named = dict(zip(operand_names(config, kind), arrays))
-    fields = {name: named[name] for name in AttentionOperands.__dataclass_fields__ if name in named}
-    score_mod_args = tuple(named[score_mod_arg_name(i)]
-                           for i in range(len(config.score_mod.arg_shapes) if config.score_mod else 0))
-    fp8_keys = (FP8_FWD_KEYS if kind == FWD else FP8_BWD_KEYS) if config.fp8 else ()
-    operands = AttentionOperands(**fields, score_mod_args=score_mod_args,
-                                 fp8_scales={k: named[k] for k in fp8_keys} if config.fp8 else None)
-    return operands, {name: named[name] for name in RESIDUALS if name in named}

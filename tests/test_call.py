@@ -14,7 +14,7 @@ from cudnn_attn.core import masked_rows
 from cudnn_attn.core.types import FP8_BWD_KEYS, FP8_FWD_KEYS, MaskType
 from cudnn_attn.core.validation import validate_call
 from cudnn_attn.engine.call import BWD, FWD, RESIDUALS, CallSpec, Fill, result_specs, zero_rows
-from cudnn_attn.engine.prepared import named_arrays
+from cudnn_attn.engine.call_steps import named_operands
 from cudnn_attn.graphs.tensors import TensorId
 
 B, T, S, N, H = 2, 8, 8, 2, 16
@@ -93,7 +93,7 @@ def test_bind_gives_the_graph_exactly_the_tensors_its_plan_checks(case, kind):
                             kv_offsets=np.array([[0, 3, -1], [0, -1, -1]], np.int32), mask_type=MaskType.PADDING)}[case]
     config, operands = _call(training=True, **extra)
     spec = CallSpec.of(config, kind)
-    named = named_arrays(config, kind, operands, **(_residuals(config) if kind == BWD else {}))
+    named = named_operands(config, kind, operands, _residuals(config) if kind == BWD else None)
     bound, segments = spec.bind(np, {**named, "score_mod_arg_0": 1.5})      # a host scalar: not a graph tensor
     assert tuple(sorted(bound)) == spec.graph_operands
     assert (segments is not None) == (case == "packed")
@@ -107,7 +107,7 @@ def test_the_backward_reads_a_row_without_keys_as_one_with_no_probability():
                              training=True)
     residuals = _residuals(config)
     residuals["logsumexp"][1] = -np.inf                           # the forward's logsumexp of keyless rows
-    bound, _ = CallSpec.of(config, BWD).bind(np, named_arrays(config, BWD, operands, **residuals))
+    bound, _ = CallSpec.of(config, BWD).bind(np, named_operands(config, BWD, operands, residuals))
     stats = bound[TensorId.STATS]
     assert np.all(stats[1] == masked_rows.NO_PROBABILITY_LSE)
     np.testing.assert_array_equal(stats[0], residuals["logsumexp"][0])
@@ -119,7 +119,7 @@ def test_finish_zeroes_padded_logsumexp_rows_and_marks_rows_without_keys():
     q_lengths, kv_lengths = np.array([6, 3], np.int32), np.array([S, 0], np.int32)
     config, operands = _call(q_seqlen=q_lengths, kv_seqlen=kv_lengths, mask_type=MaskType.PADDING, training=True)
     spec = CallSpec.of(config, FWD)
-    named = named_arrays(config, FWD, operands)
+    named = named_operands(config, FWD, operands)
     lse = np.random.default_rng(3).standard_normal(config.lse_shape).astype(np.float32)
     lse[:, :, 6:] = np.inf
     output = np.full(config.o_shape, 0.25, np.float16)

@@ -17,7 +17,7 @@ import pytest
 from cudnn_attn.core import settings
 from cudnn_attn.core.types import MaskType
 from cudnn_attn.core.validation import validate_call
-from cudnn_attn.engine import cache, prepared, runtime
+from cudnn_attn.engine import cache, call_steps, prepared, runtime
 from cudnn_attn.engine import plan as call_plan
 from cudnn_attn.engine.call import FWD
 from cudnn_attn.graphs.tensors import TensorId
@@ -82,7 +82,7 @@ def _call(seed=0, t=T, **extra):
     q = array(rng.standard_normal((B, t, N, H)), np.float16)
     k, v = (array(rng.standard_normal((B, t, N, H)), np.float16) for _ in range(2))
     config, operands = validate_call(q, k, v, **extra, xp=np)
-    return config, operands, prepared.named_arrays(config, FWD, operands)
+    return config, operands, call_steps.named_operands(config, FWD, operands)
 
 
 def test_run_launches_the_callers_arrays_and_returns_the_results(gpu):

@@ -8,9 +8,9 @@ same :class:`~cudnn_attn.engine.plan.CallPlan` sequence.  It owns, once:
 
 * the operands and results of the call (:class:`~cudnn_attn.engine.call.CallSpec`: names, shapes, dtypes, the
   zero-fill policy) and their binding to graph tensors, packed segments included;
-* internal padding for odd lengths (:mod:`cudnn_attn.core.padded_call`): the call runs padded and is sliced back;
-* value guards (:mod:`cudnn_attn.core.values`): lengths, offsets and page ids clamped on the device, or checked
-  on the host in the checked mode;
+* the steps every front shares (:mod:`cudnn_attn.engine.call_steps`): value guards (lengths, offsets and page
+  ids clamped on the device, or checked on the host in the checked mode) and internal padding for odd lengths
+  (the call runs padded and is sliced back);
 * zero-fill before and after the launch, and the single locked launch and replay sequence
   (:meth:`~cudnn_attn.engine.plan.CallPlan.sequence`);
 * the plan, found in (or built into) the graph cache and held weakly, so that evicting it frees it;
@@ -37,16 +37,16 @@ import numpy as np
 
 from cudnn_attn.core import masked_rows, settings, values
 from cudnn_attn.core.config import AttentionConfig, AttentionOperands
-from cudnn_attn.core.padded_call import lift, lifted_config
-from cudnn_attn.core.types import FP8_BWD_KEYS, FP8_FWD_KEYS, FP8_PARAM_KEYS, AttentionGrads, AttentionOutput
+from cudnn_attn.core.padded_call import lifted_config
+from cudnn_attn.core.types import FP8_PARAM_KEYS, AttentionGrads, AttentionOutput
 from cudnn_attn.core.validation import validate_call
 
-from . import runtime
+from . import call_steps, runtime
 from .autotune import tuned_plan
 from .cache import PlanChoice, graph_cache
 from cudnn_attn.graphs.tensors import TensorId
 
-from .call import BWD, DROPOUT_OPERANDS, FWD, OPERAND_IDS, CallSpec, Fill
+from .call import BWD, FWD, OPERAND_IDS, CallSpec, Fill
 from .result_blocks import result_blocks
 
 _ALIGNMENT = 256                        # bytes between the results of one allocation (cuDNN asks for 16)
@@ -136,38 +136,20 @@ class PreparedCall:
         cupy = runtime.cupy()
         given = given or {}
         with runtime.on_device(self.device), runtime.stream_scope(stream, self.device) as stream_ptr:
-            named = self._guarded(cupy, named, check_values)
+            operands, _ = call_steps.attention_operands(self.config, self.kind, named)
+            guarded = call_steps.guard_values(self.config, operands, cupy, check_values)
+            if guarded is not operands:                    # clamped lengths, offsets, page ids
+                named = {**named, **values.present(guarded)}
             if self.padded is not None:
                 if rng_dump is not None:
                     raise ValueError("rng_dump: a call that runs padded (odd lengths with a bias, or T = S = 1 "
                                      "in the backward) has no keep-mask of its own lengths")
-                results = self._run_padded(cupy, named, seed, stream_ptr)
+                def launch(config: AttentionConfig, arrays: Mapping[str, Any]) -> dict[str, Any]:
+                    return self._launch(cupy, CallSpec.of(config, self.kind), arrays, seed, stream_ptr, {}, None)
+
+                results = call_steps.run_padded(self.kind, self.config, named, cupy, launch)
                 return _into(cupy, results, given)
             return self._launch(cupy, CallSpec.of(self.config, self.kind), named, seed, stream_ptr, given, rng_dump)
-
-    def _guarded(self, cupy: Any, named: Mapping[str, Any], check_values: bool | None) -> Mapping[str, Any]:
-        operands = _operands(named)
-        if not values.present(operands):
-            return named
-        if values.checking(check_values):
-            values.check(self.config, operands)
-            return named
-        clamped = values.sanitize(self.config, operands, cupy)
-        return {**named, **{name: getattr(clamped, name) for name in values.present(operands)}}
-
-    def _run_padded(self, cupy: Any, named: Mapping[str, Any], seed: int, stream_ptr: int) -> dict[str, Any]:
-        """The call at even lengths (:mod:`cudnn_attn.core.padded_call`), sliced back."""
-        lifted = lift(self.config, _operands(named), cupy)
-        padded = CallSpec.of(lifted.config, self.kind)
-        arrays = {name: getattr(lifted.operands, name) for name in OPERAND_FIELDS + DROPOUT_OPERANDS}
-        if self.kind == BWD:
-            arrays.update(zip(("output", "grad_output", "logsumexp"),
-                              lifted.residuals(named["output"], named["grad_output"], named["logsumexp"])))
-        arrays.update({name: x for name, x in named.items() if name.startswith("score_mod_arg_")})
-        results = self._launch(cupy, padded, arrays, seed, stream_ptr, {}, None)
-        container = AttentionOutput if self.kind == FWD else AttentionGrads
-        unpadded = lifted.unpad(container(**{name: results.get(name) for name in container._fields}))
-        return {name: getattr(unpadded, name) for name in results}
 
     def _launch(self, cupy: Any, spec: CallSpec, named: Mapping[str, Any], seed: int, stream_ptr: int,
                 given: Mapping[str, Any], rng_dump: Any) -> dict[str, Any]:
@@ -394,23 +376,6 @@ OPERAND_FIELDS = ("query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_o
                   "page_table_k", "page_table_v", "sink")
 
 
-def named_arrays(config: AttentionConfig, kind: str, operands: AttentionOperands, **residuals: Any) -> dict:
-    """The arrays of a call by operand name (:attr:`CallSpec.operands`)."""
-    named = {name: getattr(operands, name) for name in OPERAND_FIELDS}
-    if config.fp8:
-        named.update({name: operands.fp8_scales[name] for name in (FP8_FWD_KEYS if kind == FWD else FP8_BWD_KEYS)})
-    named.update({f"score_mod_arg_{i}": a for i, a in enumerate(operands.score_mod_args)})
-    if config.device_seed:
-        named.update({name: getattr(operands, name) for name in DROPOUT_OPERANDS})
-    named.update(residuals)
-    return named
-
-
-def _operands(named: Mapping[str, Any]) -> AttentionOperands:
-    return AttentionOperands(**{name: named.get(name) for name in OPERAND_FIELDS + DROPOUT_OPERANDS},
-                             score_mod_args=tuple(x for n, x in named.items() if n.startswith("score_mod_arg_")))
-
-
 def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int = 42, stream: Any = None,
             autotune: bool | None = None, output: Any = None, logsumexp: Any = None,
             rng_dump: Any = None, check_values: bool | None = None) -> AttentionOutput:
@@ -426,8 +391,8 @@ def forward(config: AttentionConfig, operands: AttentionOperands, *, seed: int =
         raise ValueError("logsumexp: only produced when training (return_residual=True)")
     device = operands.query.device.id
     results = prepared_call(config, FWD, device, autotune).run(
-        named_arrays(config, FWD, operands), seed=seed, stream=stream, given=dict(output=output, logsumexp=logsumexp),
-        check_values=check_values, rng_dump=rng_dump)
+        call_steps.named_operands(config, FWD, operands), seed=seed, stream=stream,
+        given=dict(output=output, logsumexp=logsumexp), check_values=check_values, rng_dump=rng_dump)
     result = AttentionOutput(**{name: results.get(name) for name in AttentionOutput._fields})
     if operands.keep_mask is not None or config.score_max:     # rows without keys (core.masked_rows)
         with runtime.on_device(device), runtime.stream_scope(stream, device):
@@ -457,7 +422,8 @@ def backward(config: AttentionConfig, operands: AttentionOperands, output: Any, 
         with runtime.on_device(device), runtime.stream_scope(stream, device):
             grad_output, logsumexp = masked_rows.backward_residuals(runtime.cupy(), config, operands, grad_output,
                                                                     logsumexp)
-    named = named_arrays(config, BWD, operands, output=output, grad_output=grad_output, logsumexp=logsumexp)
+    named = call_steps.named_operands(config, BWD, operands,
+                                      dict(output=output, grad_output=grad_output, logsumexp=logsumexp))
     results = prepared_call(config, BWD, device, autotune).run(
         named, seed=seed, stream=stream, given=dict(dq=dq, dk=dk, dv=dv, dbias=dbias, dsink=dsink),
         check_values=check_values, rng_dump=rng_dump)

@@ -86,7 +86,7 @@ def assert_lse_close(got, want) -> None:
 def raw_launch(config, kind: str, named: dict) -> list:
     """One launch of the cached plan of ``config``'s ``kind`` on GPU 0 with no fill policy, into NaN-poisoned
     results (in the plan's result order): what cuDNN itself writes.  ``named``: the call's arrays by operand name
-    (``prepared.named_arrays``)."""
+    (``call_steps.named_operands``)."""
     import cupy as cp
 
     from cudnn_attn.engine.cache import graph_cache

@@ -9,7 +9,7 @@ import pytest
 import cudnn_attn
 from cudnn_attn import MaskType, UnsupportedConfigurationError, reference
 from cudnn_attn.core.validation import validate_call
-from cudnn_attn.engine import launch, prepared
+from cudnn_attn.engine import call_steps, launch, prepared
 from cudnn_attn.engine.cache import PlanChoice, graph_cache
 from cudnn_attn.reference.inputs import random_operands
 
@@ -224,7 +224,7 @@ def test_fill_policy_matches_what_cudnn_writes(case):
     output, lse = forward.output, forward.logsumexp
     grad_output = cp.asarray(rng.standard_normal(config.o_shape).astype(np.float16))
     for kind, residuals in (("fwd", {}), ("bwd", dict(output=output, grad_output=grad_output, logsumexp=lse))):
-        for spec, result in raw_launch(config, kind, prepared.named_arrays(config, kind, gpu, **residuals)):
+        for spec, result in raw_launch(config, kind, call_steps.named_operands(config, kind, gpu, residuals or None)):
             if spec.fill is not Fill.ZERO_BEFORE or spec.name not in ("output", "dq", "dk", "dv"):
                 continue
             host = cp.asnumpy(result).astype(np.float32)                          # BTNH: (B, L, heads, dim)
@@ -363,7 +363,7 @@ def test_a_launch_from_a_thread_with_no_cuda_context():
     gpu = to_gpu(random_operands(config, rng, poison=False))
     expected = prepared.forward(config, gpu).output
     plan = graph_cache.plan(config, "fwd", 0)
-    inputs, _ = CallSpec.of(config, "fwd").bind(cp, prepared.named_arrays(config, "fwd", gpu))
+    inputs, _ = CallSpec.of(config, "fwd").bind(cp, call_steps.named_operands(config, "fwd", gpu))
     inputs = {t: cp.ascontiguousarray(x) for t, x in inputs.items()}
     results = [poisoned(spec.shape, spec.dtype) for spec in plan.results]
     workspace = cp.empty(max(plan.workspace_size, 1), cp.uint8)

@@ -18,7 +18,7 @@ import cudnn_attn
 from cudnn_attn import MaskType, reference
 from cudnn_attn.core import masked_rows
 from cudnn_attn.core.validation import validate_call
-from cudnn_attn.engine import prepared
+from cudnn_attn.engine import call_steps, prepared
 from cudnn_attn.graphs import packing
 
 from ._checks import assert_close, assert_lse_close, io_dtype, poisoned, raw_launch
@@ -178,7 +178,7 @@ def test_cudnn_output_and_logsumexp_of_rows_without_keys(case):
     _, arrays, host, config, rows = _keyless_call(case)
     gpu = validate_call(*(cp.asarray(x) for x in arrays), training=True,
                         **{n: cp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in host.items()})[1]
-    launched = raw_launch(config, "fwd", prepared.named_arrays(config, "fwd", gpu))
+    launched = raw_launch(config, "fwd", call_steps.named_operands(config, "fwd", gpu))
     found = {spec.name: cp.asnumpy(r).astype(np.float32) for spec, r in launched}
     lse_rows = np.broadcast_to(rows, found["logsumexp"].shape)
     written = np.unique(found["logsumexp"][lse_rows])
