@@ -25,7 +25,9 @@ and ``ours segments`` does not run (the CuPy front is not traceable).  Per cache
 each in a rotating order (``run_group``): ms per generated token (the median of wall / tokens,
 prefill included), attention calls and the host time inside the attention function per call, graph-cache hits
 and misses of the warm run, and the share of generated tokens equal to sdpa's (random weights: near-ties may
-flip a greedy choice).  Target: ours' ms per token <= sdpa's.
+flip a greedy choice).  Each ``static+compile`` row also profiles one more warm run (``kernel_profile``): GPU
+time per token of attention kernels and of the rest, kernels and CUDA graph launches per token, and inductor's
+CUDA graph skips.  Target: ours' ms per token <= sdpa's.
 
 Writes ``bench_generate.json`` into OUT_DIR and prints the table last.
 """
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -255,6 +258,11 @@ def run_group(rows: list[Row], model, timed: dict, tokens: int, rounds: int) -> 
             row.same_tokens = float((outputs[row.impl] == outputs["sdpa"]).float().mean())
         if row.impl != "sdpa" and cache != COMPILED:
             profile(row, model, timed, ids, mask, tokens)
+        if cache == COMPILED:
+            set_implementation(model, name(row))
+            row.notes["kernels"] = kernel_profile(lambda: generate(model, ids, mask, tokens, cache), tokens)
+            print(f"  kernels {cache} {'padded' if row.padded else 'plain'} {row.impl}: {row.notes['kernels']}",
+                  flush=True)
 
 
 def fail(row: Row, exc: Exception) -> None:
@@ -285,6 +293,45 @@ def profile(row: Row, model, timed: dict, ids, mask, tokens: int) -> None:
           + "; ".join(row.notes["profile_library_own_us_per_call"][:10]), flush=True)
 
 
+_ATTENTION = re.compile(r"(?i)sdpa|fmha|flash|attn|attention|cudnn")
+
+
+def kernel_profile(run, tokens: int) -> dict:
+    """One more warm ``run()`` under ``torch.profiler``, per generated token: the GPU us of attention kernels
+    (names matching :data:`_ATTENTION`) and of the rest, kernels and CUDA graph launches, the five longest kernels
+    of each kind, and inductor's count of CUDA graph skips (a step torch could not hold in one graph)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    skips_before = _cudagraph_skips()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    found = {"attention_us": 0.0, "other_us": 0.0, "kernels": 0.0, "graph_launches": 0.0,
+             "attention_top": [], "other_top": []}
+    for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total):
+        if e.key == "cudaGraphLaunch":
+            found["graph_launches"] += e.count / tokens
+        if e.self_device_time_total <= 0 or e.key.startswith("cuda"):
+            continue
+        kind = "attention" if _ATTENTION.search(e.key) else "other"
+        us = e.self_device_time_total / tokens
+        found[f"{kind}_us"] += us
+        found["kernels"] += e.count / tokens
+        if len(found[f"{kind}_top"]) < 5:
+            found[f"{kind}_top"].append(f"{e.key[:80]} x{e.count / tokens:.1f}: {us:.1f} us")
+    found["cudagraph_skips"] = _cudagraph_skips() - skips_before
+    return {k: round(v, 1) if isinstance(v, float) else v for k, v in found.items()}
+
+
+def _cudagraph_skips() -> int:
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
 def _f(x, digits=2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -308,6 +355,13 @@ def table(rows: list[Row], tokens: int, rounds: int, source: str) -> str:
         lines.append("attention host us per call by kind: " + "; ".join(
             f"{r.cache} {'padded' if r.padded else 'plain'} {r.impl}: " + ", ".join(
                 f"{kind} {v['calls']} x {v['host_us']}" for kind, v in r.notes["by_kind"].items()) for r in kinds))
+    for r in rows:
+        k = r.notes.get("kernels")
+        if k:
+            lines.append(f"{r.cache} {'padded' if r.padded else 'plain'} {r.impl}, per token: attention "
+                         f"{k['attention_us']} us, other {k['other_us']} us GPU; {k['kernels']} kernels, "
+                         f"{k['graph_launches']} graph launches, {k['cudagraph_skips']} cudagraph skips; "
+                         f"attention: {'; '.join(k['attention_top'][:3])}")
     lines.append("x sdpa: the median of each round's ratio to sdpa's run in the same round; attn us: host time inside "
                  "the attention function per call; target: x sdpa <= 1.00 (OK/MISS)")
     return "\n".join(lines)

@@ -212,6 +212,7 @@ def configured_attention(config: AttentionConfig, operands: AttentionOperands, o
     Raises :class:`~cudnn_attn.core.errors.UnsupportedConfigurationError` at once for what no backend runs."""
     check_everywhere(config, kind=FWD)
     operands = call_steps.guard_values(config, operands, jnp, check_values, names, check_later=_check_at_run_time)
+    operands = call_steps.dense_bias(operands, jnp)
     results = dict(_attention(config, options, _align_manual_axes(_inputs(config, operands))))
     if options.context is None or not options.context.axes:
         results["output"], results["logsumexp"] = masked_rows.forward_output(

@@ -195,3 +195,18 @@ def test_a_jitted_jax_call_and_a_prepared_call_walk_the_same_steps(monkeypatch, 
     named = {name: array(x, x.dtype) for name, x in call_steps.named_operands(config, FWD, operands).items()}
     prepared.PreparedCall(config, FWD, 0).run(named)
     assert jax_steps == set(walked) == {"guard_values", "run_padded", "named_operands"}
+
+
+def test_the_bias_reaches_the_kernel_dense_in_the_io_dtype_on_numpy_and_jax():
+    config, operands, _ = _call("odd bias")
+    assert call_steps.dense_bias(operands, np) is operands              # already dense, float16: unchanged
+    wide = np.asfortranarray(np.random.default_rng(3).standard_normal(operands.bias.shape).astype(np.float32))
+    for xp, bias in ((np, wide), (np, wide.astype(np.float16, order="F")), (jnp, jnp.asarray(wide))):
+        ops = operands.replace(bias=bias) if xp is np else _on_jax(operands).replace(bias=bias)
+        dense = call_steps.dense_bias(ops, xp).bias
+        assert dense.dtype == np.float16 and dense.shape == operands.bias.shape, xp.__name__
+        if xp is np:
+            assert dense.flags.c_contiguous
+        np.testing.assert_array_equal(np.asarray(dense), wide.astype(np.float16))
+    on_jax = _on_jax(operands)
+    assert call_steps.dense_bias(on_jax, jnp) is on_jax

@@ -219,3 +219,25 @@ def test_a_repeated_signature_reuses_its_validation(monkeypatch):
     for _ in range(2):                                   # a folded mask makes new operands: validated every time
         prepared.validated(arrays(mask=mask), static, xp=np, table=table)
     assert validations[2:] == [True, True]
+
+
+def test_the_validation_memo_is_its_own_table_apart_from_the_calls():
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((B, T, N, H)).astype(np.float16) for _ in range(3))
+    calls_before, memo_before = len(prepared.calls), len(prepared.validations)
+    prepared.validated(dict(query=q, key=k, value=v), dict(scale=0.125, mask_type=MaskType.CAUSAL), xp=np)
+    assert len(prepared.calls) == calls_before and len(prepared.validations) == memo_before + 1
+
+
+def test_one_call_key_for_every_front_keeps_their_entries_apart():
+    """The CuPy front's key reads :func:`prepared.descriptor`; another front passes its own, whose array type
+    keeps its entries apart in the one table; an absent array is ``None``."""
+    rng = np.random.default_rng(7)
+    x = array(rng.standard_normal((B, T, N, H)).astype(np.float16), np.float16)
+    key = prepared.call_key("fwd", (x, None), ("static",))
+    assert key == ("fwd", prepared.descriptor(x), None, ("static",))
+    assert prepared.call_key("fwd", (x, None), ("static",)) == key and hash(key) == hash(prepared.call_key(
+        "fwd", (x, None), ("static",)))
+    other = prepared.call_key("fwd", (x, None), ("static",), describe=lambda a: ("another front", a.shape))
+    assert other != key and other[1] == ("another front", x.shape)
+    assert prepared.call_key("bwd", (x, None), ("static",)) != key

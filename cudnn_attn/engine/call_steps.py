@@ -8,6 +8,7 @@ these functions, and only the launch differs (a cuDNN plan on CuPy buffers; a JA
   name, in the binding order of :attr:`CallSpec.operands <cudnn_attn.engine.call.CallSpec.operands>`;
 * :func:`guard_values` - lengths, offsets and page ids checked on the host or clamped on the device
   (:mod:`cudnn_attn.core.values`);
+* :func:`dense_bias` - the bias as cuDNN reads it: in the io dtype, dense;
 * :func:`run_padded` - a call that the kernel takes only at even lengths (or in the BTNH layout) run lifted and
   sliced back (:mod:`cudnn_attn.core.padded_call`).
 
@@ -28,7 +29,7 @@ from cudnn_attn.core.types import FP8_BWD_KEYS, FP8_FWD_KEYS, AttentionGrads, At
 
 from .call import BWD, FWD, RESIDUALS, CallSpec, score_mod_arg_name
 
-__all__ = ["attention_operands", "guard_values", "named_operands", "run_padded"]
+__all__ = ["attention_operands", "dense_bias", "guard_values", "named_operands", "run_padded"]
 
 Launch = Callable[[AttentionConfig, Mapping[str, Any]], Mapping[str, Any]]
 
@@ -103,6 +104,23 @@ def guard_values(config: AttentionConfig, operands: AttentionOperands, xp: Any, 
 
         check_later(check_on_host, tuple(found.values()))
     return values.sanitize(config, operands, xp)
+
+
+# -- the bias -------------------------------------------------------------------------------------------
+
+def dense_bias(operands: AttentionOperands, xp: Any) -> AttentionOperands:
+    """``operands`` with a bias cuDNN can read: in the query's (io) dtype and, for an array with memory layout
+    (NumPy, CuPy; a JAX array is always dense), C-contiguous.  A bias validation folded from a mask may be neither:
+    CuPy 14's bfloat16 ``where`` computes in float32, and a broadcast or sliced bias is a strided view."""
+    bias = operands.bias
+    if bias is None:
+        return operands
+    flags = getattr(bias, "flags", None)
+    if bias.dtype == operands.query.dtype and (flags is None or flags.c_contiguous):
+        return operands
+    if flags is None:
+        return operands.replace(bias=bias.astype(operands.query.dtype))
+    return operands.replace(bias=xp.ascontiguousarray(bias.astype(operands.query.dtype, copy=False)))
 
 
 # -- odd lengths -----------------------------------------------------------------------------------------

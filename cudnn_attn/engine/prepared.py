@@ -17,8 +17,11 @@ same :class:`~cudnn_attn.engine.plan.CallPlan` sequence.  It owns, once:
 * for calls of Q/K/V alone (and the backward's residuals), the direct launch: results allocated as views of one
   allocation (or handed back by :mod:`cudnn_attn.engine.result_blocks`), one launch.
 
-The identity of a repeated call - the configuration plus the array descriptors (shape, dtype, strides, device)
-and the front's static arguments - is the key of :data:`calls`, a bounded table of :class:`Known` entries.
+The identity of a repeated call is :func:`call_key`: the kind, each array's descriptor (its type, shape, dtype,
+strides and device: :func:`descriptor` for CuPy, the torch front's for tensors) and the front's static arguments.
+The CuPy front and the torch front remember their calls under it in one bounded table, :data:`calls` (the
+descriptor's array type keeps the fronts' entries apart); the validation memo (:func:`validated`) is its own
+table, :data:`validations`.
 
 Results the fill policy covers come back as zeros: rows ``t >= q_seqlen[b]`` of the output / logsumexp / dq,
 keys ``s >= kv_seqlen[b]`` of dk / dv, tokens outside every packed segment.
@@ -269,6 +272,14 @@ def prepared_call(config: AttentionConfig, kind: str, device: int, autotune: boo
 
 # -- the identity of repeated calls --------------------------------------------------------------------------
 
+def call_key(kind: str, arrays: Sequence[Any], static: Any,
+             describe: Callable[[Any], tuple] | None = None) -> tuple:
+    """The identity of a repeated call of ``arrays`` (``None`` where one is absent) with the front's ``static``
+    arguments: ``(kind, describe(x) for each array, static)``, ``describe`` defaulting to :func:`descriptor`."""
+    describe = descriptor if describe is None else describe
+    return (kind, *[None if x is None else describe(x) for x in arrays], static)
+
+
 class Known(NamedTuple):
     """A call seen before: its configuration, the names of the operands it passes through unchanged (the arrays
     of a new call with the same key replace them), and its prepared call for the direct launch (``None`` when
@@ -281,7 +292,8 @@ class Known(NamedTuple):
 
 
 class Calls:
-    """A bounded, thread-safe table of :class:`Known` calls, least recently added first out."""
+    """A bounded, thread-safe table of calls seen before (:class:`Known` entries, or a front's own), least recently
+    added first out."""
 
     def __init__(self, maxsize: int = 1024):
         self._maxsize = maxsize
@@ -310,29 +322,33 @@ class Calls:
             self._known.clear()
 
     def direct_launches(self) -> list[PreparedCall]:
-        """The prepared calls of the direct launches remembered (oldest first)."""
-        return [known.prepared for known in list(self._known.values()) if known.order is not None]
+        """The prepared calls of the direct launches remembered (oldest first): the entries with a launch order."""
+        return [known.prepared for known in list(self._known.values()) if getattr(known, "order", None) is not None]
 
     def __len__(self) -> int:
         return len(self._known)
 
 
 calls = Calls()
-"""The CuPy front's repeated calls (see the module doc)."""
+"""The repeated calls of the CuPy front and the torch front, by :func:`call_key` (see the module doc)."""
+
+validations = Calls()
+"""The validation memo of :func:`validated`: a signature's configuration, by its arrays' descriptors and static
+arguments."""
 
 
 def validated(arrays: Mapping[str, Any], static: Mapping[str, Any], *, xp: Any = None,
               table: Calls | None = None) -> tuple[AttentionConfig, AttentionOperands]:
     """:func:`~cudnn_attn.core.validation.validate_call` of a call, reused for a repeated signature (the shape,
     dtype and strides of every array, the FP8 scales among them, and every static argument) from ``table``
-    (default :data:`calls`).
+    (default :data:`validations`).
 
     ``validate_call`` reads nothing but shapes, dtypes and the static arguments, so its verdict and its
     configuration hold for every call with the same signature.  When it passed the arrays through unchanged (no
     mask folded into the bias, no score_mod arguments), a repeated signature reuses the configuration object and
     only rebinds the new arrays.  FP8 calls take the memo too: their validation checks 20 scale arrays, about
     0.4 ms of host time on the GPU machine, against a bf16 call's 15 us in all."""
-    table = calls if table is None else table
+    table = validations if table is None else table
     key = None
     scales = _scale_signature(arrays.get("fp8_params"))
     if arrays.get("mask") is None and scales is not None and not arrays.get("score_mod_args"):

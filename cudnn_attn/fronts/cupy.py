@@ -28,8 +28,9 @@ does not compute (padding, tokens outside packed segments) are returned as zeros
 This front turns arrays into CuPy arrays and their addresses; everything else about a call is its
 :class:`~cudnn_attn.engine.prepared.PreparedCall`'s.  Validation (:func:`cudnn_attn.core.validation.validate_call`)
 runs in full for every new call signature (shapes, dtypes, strides, device and every static argument) and is
-reused for an identical one (:data:`cudnn_attn.engine.prepared.calls`).  A repeated CuPy call of Q/K/V alone (the
-common training and benchmarking case) is one lookup of its signature and the prepared call's direct launch.
+reused for an identical one (:data:`cudnn_attn.engine.prepared.validations`).  A repeated CuPy call of Q/K/V alone
+(the common training and benchmarking case) is one lookup of its :func:`~cudnn_attn.engine.prepared.call_key` in
+:data:`cudnn_attn.engine.prepared.calls` and the prepared call's direct launch.
 :func:`bind` goes further for a fixed signature: it validates once and its calls only check that the arrays still
 match.
 
@@ -59,9 +60,9 @@ from cudnn_attn.core.masks import MaskSpec
 from cudnn_attn.core.parameters import AuxRequest
 from cudnn_attn.core.types import AttentionGrads, AttentionOutput, FP8Params, MaskType
 from cudnn_attn.core.validation import bind_seed, check_seed, seed_operands, validate_backward
-from cudnn_attn.engine import prepared, runtime
+from cudnn_attn.engine import call_steps, prepared, runtime
 from cudnn_attn.engine.call import BWD, FWD
-from cudnn_attn.engine.prepared import Known, PreparedCall, calls, prepared_call
+from cudnn_attn.engine.prepared import Known, PreparedCall, call_key, calls, prepared_call
 
 __all__ = ["BoundAttention", "attention", "bind", "dot_product_attention", "dot_product_attention_bwd", "paged_attention",
            "run_backward", "run_forward"]
@@ -136,28 +137,18 @@ def _export(result: Any, exporter: Callable[[Any], Any] | None) -> Any:
 
 def _validate_on_device(arrays: dict[str, Any], static: dict[str, Any],
                         fp8_dtype: str | None = None) -> tuple[AttentionConfig, AttentionOperands]:
-    """:func:`cudnn_attn.engine.prepared.validated` on the query's device.  The bias cuDNN reads must be dense and
-    in the io dtype: a mask folded by validation may be neither (CuPy 14's bfloat16 ``where`` computes in float32),
-    so it is converted here.  With ``fp8_dtype``, uint8 Q/K/V are the bytes of that FP8 format (CuPy has no float8
+    """:func:`cudnn_attn.engine.prepared.validated` on the query's device, the bias as cuDNN reads it
+    (:func:`cudnn_attn.engine.call_steps.dense_bias`).  With ``fp8_dtype``, uint8 Q/K/V are the bytes of that FP8 format (CuPy has no float8
     dtype): validation reads them as such and they are bound as they are."""
     if fp8_dtype is not None:
         static = dict(static, fp8_dtype=fp8_dtype)
     cupy = runtime.cupy()
     with runtime.on_device(arrays["query"].device.id):
         config, operands = prepared.validated(arrays, static, xp=cupy)
-        bias, io = operands.bias, operands.query.dtype
-        if bias is not None and (bias.dtype != io or not bias.flags.c_contiguous):
-            operands = operands.replace(bias=cupy.ascontiguousarray(bias.astype(io, copy=False)))
-    return config, operands
+    return config, call_steps.dense_bias(operands, cupy)
 
 
 # -- the direct launch of repeated Q/K/V calls ----------------------------------------------------------------
-
-def _direct_key(kind: str, arrays: tuple, static: tuple) -> tuple:
-    """The identity of a call of ``arrays`` alone: shape, dtype, strides and device of every array, and the static
-    arguments (``autotune`` among them)."""
-    return (kind, *[(x.shape, x.dtype, x.strides, x.data.device_id) for x in arrays], static)
-
 
 def _remember_direct(kind: str, arrays: tuple, static: tuple, config: AttentionConfig, autotune: bool | None,
                      names: Sequence[str]) -> None:
@@ -167,13 +158,13 @@ def _remember_direct(kind: str, arrays: tuple, static: tuple, config: AttentionC
         return
     call = prepared_call(config, kind, arrays[0].data.device_id, autotune)
     if call.direct_capable:
-        calls.remember(_direct_key(kind, arrays, static), Known(config, frozenset(), call, call.direct_order(names)))
+        calls.remember(call_key(kind, arrays, static), Known(config, frozenset(), call, call.direct_order(names)))
 
 
 def _launch_direct(kind: str, arrays: tuple, static: tuple, seed: Any) -> tuple[PreparedCall, list[Any]] | None:
     """The direct launch of a remembered signature: ``(its prepared call, the results)``, or ``None`` when the
     signature is not remembered (or holds an unhashable argument: the generic path's validation explains)."""
-    known = calls.get(_direct_key(kind, arrays, static))
+    known = calls.get(call_key(kind, arrays, static))
     if known is None:
         return None
     call = known.prepared

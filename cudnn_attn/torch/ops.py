@@ -59,7 +59,9 @@ from cudnn_attn.core import masked_rows
 from cudnn_attn.core.validation import LARGE_NEGATIVE, check_seed, seed_operands, validate_backward, validate_call
 from cudnn_attn.engine import runtime
 from cudnn_attn.engine.call import BWD, FWD
-from cudnn_attn.engine.prepared import Calls, PreparedCall, prepared_call
+from cudnn_attn.engine.prepared import PreparedCall, prepared_call
+from cudnn_attn.engine.prepared import call_key as prepared_call_key
+from cudnn_attn.engine.prepared import calls as prepared_calls
 from cudnn_attn.fronts import cupy as cupy_front
 from cudnn_attn.reference import dot_product_attention as reference_forward
 from cudnn_attn.reference import dot_product_attention_bwd as reference_backward
@@ -222,19 +224,26 @@ def _folded(keep: torch.Tensor, config: Any) -> torch.Tensor:
     return bias
 
 
-calls = Calls()
-"""The torch front's calls seen on CUDA (:class:`_Direct` or :class:`_General` entries), by :func:`call_key`."""
+calls = prepared_calls
+"""The calls seen on CUDA (:class:`_Direct` or :class:`_General` entries), by :func:`call_key`: the engine's one
+table of repeated calls (:data:`cudnn_attn.engine.prepared.calls`), which the CuPy front shares."""
 
 _FWD_NAMES = ("query", "key", "value")
 _BWD_NAMES = _FWD_NAMES + ("output", "grad_output", "logsumexp")
 
 
 def call_key(kind: str, tensors: tuple, static: tuple, training: bool) -> tuple:
-    """The identity of a CUDA call: the shape, strides, dtype and device of each tensor (``None`` where absent), the
-    static arguments but the seed (a new dropout seed per call launches the same plan; only whether it is a device
-    tensor counts) and ``training``."""
-    return (kind, *[None if x is None else (x.shape, x.stride(), x.dtype, x.get_device()) for x in tensors],
-            static[:5], static[6], training, type(static[5]) is torch.Tensor)
+    """The identity of a CUDA call (:func:`cudnn_attn.engine.prepared.call_key`): each tensor's descriptor
+    (:func:`_descriptor`; ``None`` where absent), the static arguments but the seed (a new dropout seed per call
+    launches the same plan; only whether it is a device tensor counts) and ``training``."""
+    return prepared_call_key(kind, tensors, (static[:5], static[6], training, type(static[5]) is torch.Tensor),
+                             _descriptor)
+
+
+def _descriptor(x: torch.Tensor) -> tuple:
+    """What a call's identity reads of a tensor: its type (the CuPy front's entries share the table), shape,
+    strides, dtype and device."""
+    return torch.Tensor, x.shape, x.stride(), x.dtype, x.get_device()
 
 
 def _first_call(kind: str, tensors: tuple, static: tuple, training: bool) -> _Direct | _General:
