@@ -18,6 +18,9 @@ Phases (default: ``tests train host jax attention``):
                  torch's SDPA; ``torch_host``: an eager torch decode call's host time by stage.  A benchmark
                  with ``--max-seconds`` is given the phase's time less 45 s, so that
                  it writes its report before the phase's limit;
+* ``host_ab``    - ``bench_host.py --quick`` of a base tree (``$AB_BASE``: a source checkout, ``git archive`` of the
+                   commit to compare against) and of this one, alternating base, new, base, new in one run; each
+                   tree runs its own ``bench_host.py``; ``bench_host_ab.txt`` tabulates the medians, new / base;
 * ``soak_ab``    - the soak twice, half the phase's time each: ``CUDNN_ATTN_REPLAY=0``, then replay on (which of
                    them grows device memory); ``SOAK_CALLS`` / ``SOAK_ARGS`` as for ``soak``.
 
@@ -43,6 +46,48 @@ OUT = os.environ.get("OUT", os.path.join(ROOT, "bench_out"))
 BENCHES = ("host", "jax", "attention", "fp8", "decode", "first_call", "context_parallel", "soak", "autotune", "peers",
            "small", "generate", "frameworks", "torch", "torch_host", "decomposition")
 RESERVE = {"tests": 60, "train": 40}       # seconds kept for each later phase (default 30)
+
+
+def _importable(tree: str, into: str) -> str:
+    """A copy of source ``tree`` laid out as the installed package (graphs/ and jax_bridge/ inside cudnn_attn/),
+    importable with ``PYTHONPATH=into`` ahead of the editable install (whose finder comes after the path's)."""
+    import shutil
+
+    shutil.rmtree(into, ignore_errors=True)
+    shutil.copytree(os.path.join(tree, "cudnn_attn"), os.path.join(into, "cudnn_attn"))
+    for sub in ("graphs", "jax_bridge"):
+        shutil.copytree(os.path.join(tree, sub), os.path.join(into, "cudnn_attn", sub), dirs_exist_ok=True)
+    return into
+
+
+def host_ab(limit: float) -> tuple[int, float, list[str]]:
+    """The ``host_ab`` phase (module doc): ``(status, seconds, summary lines)``."""
+    base = os.environ.get("AB_BASE")
+    if not base or not os.path.isdir(os.path.join(base, "cudnn_attn")):
+        return 1, 0.0, [f"host_ab: AB_BASE={base!r} is not a source tree"]
+    path = _importable(base, "/tmp/host_ab_base")
+    rc, took, medians = 0, 0.0, defaultdict(lambda: defaultdict(list))
+    for i, (label, tree) in enumerate((("base", base), ("new", ROOT)) * 2):
+        out = os.path.join(OUT, f"host_ab_{label}_{i // 2}")
+        os.makedirs(out, exist_ok=True)
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")]))} \
+            if label == "base" else None
+        code, seconds = run(f"host_ab_{label}_{i // 2}", [sys.executable, os.path.join(tree, "benchmarks/bench_host.py"),
+                                                          "--quick", "--out", out], (limit - took) / (4 - i), env)
+        rc, took = rc | code, took + seconds
+        report = os.path.join(out, "bench_host.json")
+        for row in json.load(open(report))["rows"] if os.path.exists(report) else ():
+            if row.get("host_us_idle_gpu") is not None:
+                medians[(row["what"], row["kind"])][label].append(row["host_us_idle_gpu"])
+    lines = [f"== bench_host A/B, host us per call (GPU idle before each), base {base} against this tree; mean "
+             "of two runs each", f"{'row':44s} {'kind':5s} {'base':>8s} {'new':>8s} {'new/base':>8s}"]
+    for (what, kind), found in medians.items():
+        if found["base"] and found["new"]:
+            b, n = (sum(found[k]) / len(found[k]) for k in ("base", "new"))
+            lines.append(f"{what[:44]:44s} {kind:5s} {b:8.2f} {n:8.2f} {n / b:8.2f}")
+    with open(os.path.join(OUT, "bench_host_ab.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return rc, took, lines
 
 
 def run(name: str, command: list[str], limit: float, env: dict | None = None) -> tuple[int, float]:
@@ -167,6 +212,9 @@ def main() -> int:
                                                          else r["error"] if r["error"].startswith("skipped")
                                                          else f"FAILED {r['error']}"))
             rc = int(any("error" in r and not r["error"].startswith("skipped") for r in results))
+        elif phase == "host_ab":
+            rc, took, summary_lines = host_ab(limit)
+            summary.extend(summary_lines)
         elif phase == "soak_ab":
             rc, took = 0, 0.0
             for label, replay in (("replay_off", "0"), ("replay_on", "1")):
