@@ -204,17 +204,18 @@ def cupy_stages(bound, forward_arrays, backward_arrays, calls, rounds) -> dict:
     """The public and bound calls' parts, each timed alone in a loop (so the table explains the totals):
     the signature key and its lookup, the bound call's check, the device and stream queries, and the
     results' allocation.  ``plan.launch`` and the raw floor are rows of their own."""
+    from cudnn_attn.engine.prepared import call_key
     from cudnn_attn.engine.prepared import calls as known_calls
     from cudnn_attn.engine.result_blocks import result_blocks
-    from cudnn_attn.fronts import cupy as cupy_front
 
     rows = {}
     stream = cp.cuda.get_current_stream().ptr
     for kind, arrays, bound_kind in (("fwd", forward_arrays, bound._forward), ("bwd", backward_arrays, bound._backward)):
-        key = next(k for k in known_calls._known if k[0] == kind)          # the public call's entry (made above)
-        static, signature = key[-1], cupy_front._direct_key
+        key = next(k for k in known_calls._known                           # the public call's entry (made above)
+                   if k[0] == kind and k[1] is not None and k[1][0] is cp.ndarray)
+        static = key[-1]
         rows[("  public stage: signature + lookup", kind)] = host_us(
-            lambda: known_calls.get(signature(kind, arrays, static)), calls=calls, rounds=rounds)
+            lambda: known_calls.get(call_key(kind, arrays, static)), calls=calls, rounds=rounds)
         rows[("  bound stage: check arrays", kind)] = host_us(lambda: bound._check(bound_kind, arrays), calls=calls,
                                                               rounds=rounds)
         direct = bound_kind.call

@@ -77,14 +77,16 @@ def host_ab(limit: float) -> tuple[int, float, list[str]]:
         rc, took = rc | code, took + seconds
         report = os.path.join(out, "bench_host.json")
         for row in json.load(open(report))["rows"] if os.path.exists(report) else ():
-            if row.get("host_us_idle_gpu") is not None:
-                medians[(row["what"], row["kind"])][label].append(row["host_us_idle_gpu"])
-    lines = [f"== bench_host A/B, host us per call (GPU idle before each), base {base} against this tree; mean "
-             "of two runs each", f"{'row':44s} {'kind':5s} {'base':>8s} {'new':>8s} {'new/base':>8s}"]
-    for (what, kind), found in medians.items():
+            for measure, column in (("idle", "host_us_idle_gpu"), ("b2b", "host_us_back_to_back")):
+                if row.get(column) is not None:
+                    medians[(row["what"], row["kind"], measure)][label].append(row[column])
+    lines = [f"== bench_host A/B, host us per call (idle: the GPU idle before each; b2b: back to back), base {base} "
+             "against this tree; mean of two runs each",
+             f"{'row':44s} {'kind':8s} {'clock':5s} {'base':>8s} {'new':>8s} {'new/base':>8s}"]
+    for (what, kind, measure), found in medians.items():
         if found["base"] and found["new"]:
             b, n = (sum(found[k]) / len(found[k]) for k in ("base", "new"))
-            lines.append(f"{what[:44]:44s} {kind:5s} {b:8.2f} {n:8.2f} {n / b:8.2f}")
+            lines.append(f"{what[:44]:44s} {kind[:8]:8s} {measure:5s} {b:8.2f} {n:8.2f} {n / b:8.2f}")
     with open(os.path.join(OUT, "bench_host_ab.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return rc, took, lines

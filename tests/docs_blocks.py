@@ -6,7 +6,8 @@ as the cells of a notebook: a block may use the names an earlier block defined. 
 ``# gpu`` comment (``# gpu: why``) needs an NVIDIA GPU: the CPU run leaves it out (so no CPU block may use what a
 GPU block defines), the GPU tier runs every block.  A block whose first line is ``# torch`` needs torch (CPU
 tensors run the NumPy reference): it runs wherever torch is installed (CI's Python 3.11 environment, the GPU
-machine).  Warnings of this library (``TopLeftCausalWarning``, ...) fail
+machine).  A block whose first line is ``# devices: N`` shards over N devices: it runs where JAX has at least N
+(CI's 8 CPU devices; on a one-GPU machine it is left out).  Warnings of this library (``TopLeftCausalWarning``, ...) fail
 the block: a snippet that warns teaches the wrong call.
 """
 
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = ("README.md", "DESIGN.md")
 GPU_MARK = re.compile(r"^#\s*gpu\b")
 TORCH_MARK = re.compile(r"^#\s*torch\b")
+DEVICES_MARK = re.compile(r"^#\s*devices:\s*(\d+)")
 _FENCE = re.compile(r"^```(\w*)\s*$")
 
 
@@ -38,6 +40,11 @@ class Block:
     @property
     def torch(self) -> bool:
         return bool(TORCH_MARK.match(self.source))
+
+    @property
+    def devices(self) -> int:
+        found = DEVICES_MARK.match(self.source)
+        return int(found.group(1)) if found else 1
 
     def where(self) -> str:
         return f"{self.document}:{self.line}"
@@ -72,6 +79,11 @@ def run(document: str, *, gpu: bool) -> list[str]:
     for block in blocks(document):
         if (block.gpu and not gpu) or (block.torch and not has_torch):
             continue
+        if block.devices > 1:
+            import jax
+
+            if jax.device_count() < block.devices:
+                continue
         try:
             code = compile("\n" * (block.line - 1) + block.source, str(ROOT / document), "exec")
             with warnings.catch_warnings():
