@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="16 tokens")
     parser.add_argument("--dry-run", action="store_true", help="no GPU: the table's rows, not run")
     parser.add_argument("--tokens", type=int, default=None, help="generated tokens (default 64, quick 16)")
-    parser.add_argument("--rounds", type=int, default=9, help="timed generate() runs per implementation (median)")
+    parser.add_argument("--rounds", type=int, default=15, help="timed generate() runs per implementation (median)")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     tokens = args.tokens or (16 if args.quick else 64)
