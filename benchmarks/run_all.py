@@ -66,6 +66,11 @@ def host_ab(limit: float) -> tuple[int, float, list[str]]:
     if not base or not os.path.isdir(os.path.join(base, "cudnn_attn")):
         return 1, 0.0, [f"host_ab: AB_BASE={base!r} is not a source tree"]
     path = _importable(base, "/tmp/host_ab_base")
+    where = subprocess.run([sys.executable, "-c", "import cudnn_attn.graphs as g, cudnn_attn.engine as e; "
+                            "print(g.__file__, e.__file__)"], capture_output=True, text=True, cwd=base,
+                           env={**os.environ, "PYTHONPATH": path}).stdout.split()
+    if not where or not all(f.startswith(path) for f in where):
+        return 1, 0.0, [f"host_ab: the base tree does not import from {path} ({where})"]
     rc, took, medians = 0, 0.0, defaultdict(lambda: defaultdict(list))
     for i, (label, tree) in enumerate((("base", base), ("new", ROOT)) * 2):
         out = os.path.join(OUT, f"host_ab_{label}_{i // 2}")
