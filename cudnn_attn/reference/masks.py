@@ -21,7 +21,7 @@ def allowed(config: AttentionConfig, segments: Segments) -> np.ndarray:
 
     With ``d = j - i - delta``: both tokens lie in the same segment, and ``d <= right_bound`` (when
     set; 0 is causal) and ``-d < left_bound`` (when set: a window of ``left_bound`` keys ending at the
-    diagonal), exactly the ``MaskSpec`` rule.
+    diagonal), exactly the :class:`~cudnn_attn.core.config.StaticMask` rule.
     """
     mask = config.mask
     same = (segments.q_segment[:, :, None] == segments.kv_segment[:, None, :]) & segments.valid_q[:, :, None]
