@@ -98,7 +98,7 @@ from .sequence_plan import (
     segment_fit,
 )
 from .signature import BWD, FWD, result_names
-from .split_segments import Segments
+from .split_segments import SplitSegments
 
 __all__ = ["ContextParallel", "Scheme", "context_parallelism", "load_balance", "restore_order"]
 
@@ -337,7 +337,7 @@ class _Engine:
         self.geometry = g = Geometry(config, split)
         self.seq = 1 if config.layout is AttentionLayout.BTNH else 2
         self.padding = config.mask.padding
-        self.segments = Segments.of(config, self.ops) if config.packing is not None else None
+        self.segments = SplitSegments.of(config, self.ops) if config.packing is not None else None
         self.index = jax.lax.axis_index(split.axis_name()) if split.shards > 1 else jnp.int32(0)
         self.ring = g.ring
         self.bias = self.ops.get("bias")       # its columns follow the order of the keys in use

@@ -252,7 +252,7 @@ def keyless_logsumexp(xp: Any, config: AttentionConfig, logsumexp: Any, q_seqlen
                       kv_seqlen: Any = None, segments: Any = None) -> Any:
     """The logsumexp (``config.lse_shape``) with ``-inf`` on the rows of :func:`rows_without_keys` (unchanged
     when :func:`may_leave_rows_without_keys` is False).  With packed segments the lengths are the segments'
-    (``segments``: the :class:`cudnn_attn.graphs.packing.Segments` of the call, ``(B*M,)`` lengths)."""
+    (``segments``: the :class:`cudnn_attn.graphs.packing.RaggedSegments` of the call, ``(B*M,)`` lengths)."""
     if not may_leave_rows_without_keys(config):
         return logsumexp
     if config.packing is not None:
