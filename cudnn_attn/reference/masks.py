@@ -8,6 +8,7 @@ same segment, with the diagonal offset ``delta = 0`` (TOP_LEFT) or ``kv_len - q_
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
