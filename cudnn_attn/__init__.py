@@ -3,8 +3,7 @@
 ``attention(q, k, v, mask=causal() & padding(q_lengths, kv_lengths), return_aux=AuxRequest(logsumexp=True))``
 is the native call (named results); ``dot_product_attention`` / ``paged_attention`` /
 ``dot_product_attention_bwd`` keep the signatures of JAX's cuDNN attention.  ``MaskSpec`` is the native API's
-composable mask (:mod:`cudnn_attn.core.masks`); the configuration's static mask fields are
-:class:`cudnn_attn.core.config.MaskSpec`.
+composable mask (:mod:`cudnn_attn.core.masks`).
 """
 
 from cudnn_attn.tracing import score_mod as _score_mod_tracer  # noqa: F401 -- installs the score_mod tracer

@@ -27,7 +27,7 @@ from cudnn_attn.core.config import ragged_offset_dtype
 from .tensors import TensorId
 
 
-class Segments(NamedTuple):
+class RaggedSegments(NamedTuple):
     """The ``B * M`` cuDNN sequences of a packed call (arrays of namespace ``xp``).
 
     ``q_seqlen``/``kv_seqlen`` are int32 ``(B*M,)`` (0 for empty slots); ``q_start``/``kv_start`` are
@@ -52,7 +52,7 @@ def _left_shift(xp: Any, values: Any, present: Any, fill: int) -> Any:
 
 
 def segments(xp: Any, q_seqlen: Any, kv_seqlen: Any, q_offsets: Any, kv_offsets: Any,
-             q_len: int, kv_len: int) -> Segments:
+             q_len: int, kv_len: int) -> RaggedSegments:
     """cuDNN's ragged batch from the API's ``(B, M)`` seqlens and ``(B, M + 1)`` offsets (int32)."""
     batch, max_segments = q_seqlen.shape
     present = ((q_offsets[:, :max_segments] >= 0) & (kv_offsets[:, :max_segments] >= 0)).reshape(-1)
@@ -67,10 +67,10 @@ def segments(xp: Any, q_seqlen: Any, kv_seqlen: Any, q_offsets: Any, kv_offsets:
     def lengths(seqlen: Any) -> Any:
         return _left_shift(xp, xp.maximum(seqlen.astype(xp.int32), 0).reshape(-1), present, 0).astype(xp.int32)
 
-    return Segments(lengths(q_seqlen), lengths(kv_seqlen), starts(q_offsets, q_len), starts(kv_offsets, kv_len))
+    return RaggedSegments(lengths(q_seqlen), lengths(kv_seqlen), starts(q_offsets, q_len), starts(kv_offsets, kv_len))
 
 
-def cudnn_buffers(xp: Any, config: AttentionConfig, segs: Segments) -> dict:
+def cudnn_buffers(xp: Any, config: AttentionConfig, segs: RaggedSegments) -> dict:
     """The arrays to bind for a packed graph: sequence lengths and element offsets, by :class:`TensorId`.
 
     Element offsets are token starts times the elements of one token (``heads * head_dim``; the
@@ -89,7 +89,7 @@ def cudnn_buffers(xp: Any, config: AttentionConfig, segs: Segments) -> dict:
     }
 
 
-def lse_from_tokens(xp: Any, lse_tokens: Any, segs: Segments, q_len: int) -> Any:
+def lse_from_tokens(xp: Any, lse_tokens: Any, segs: RaggedSegments, q_len: int) -> Any:
     """Token-major statistics ``(B*T, N)`` (what the packed graph writes) -> logsumexp ``(B*M, N, T)``.
 
     Row ``i`` of the result is segment ``i``; positions past the segment's length are 0.
@@ -103,7 +103,7 @@ def lse_from_tokens(xp: Any, lse_tokens: Any, segs: Segments, q_len: int) -> Any
     return xp.transpose(xp.where(inside, gathered, 0), (0, 2, 1)).astype(lse_tokens.dtype)
 
 
-def lse_to_tokens(xp: Any, lse: Any, segs: Segments, total_tokens: int) -> Any:
+def lse_to_tokens(xp: Any, lse: Any, segs: RaggedSegments, total_tokens: int) -> Any:
     """Logsumexp ``(B*M, N, T)`` -> the token-major ``(B*T, N)`` statistics a packed backward reads.
 
     ``total_tokens`` is ``B * T``.  Tokens outside every segment get 0.

@@ -73,7 +73,7 @@ NEGATIVE_INFINITY = -math.inf      # the fill of masked scores: cuDNN's own mask
 # ---------------------------------------------------------------------------------------------------
 def _mask_conditions(b: ProgramBuilder, config: AttentionConfig) -> list[Callable[[str], int]]:
     """Builders of the conditions a (query i, key j) pair must meet under ``config.mask`` (see
-    :class:`~cudnn_attn.core.config.MaskSpec`): padding, then the diagonal band.  Each takes a tag that keeps
+    :class:`~cudnn_attn.core.config.StaticMask`): padding, then the diagonal band.  Each takes a tag that keeps
     its positions apart from earlier ones.  (A bottom-right band with per-sequence lengths is refused:
     :func:`score_mod_refusals`.)"""
     mask = config.mask

@@ -80,7 +80,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cudnn_attn.core import support
-from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec
+from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, StaticMask
 from cudnn_attn.core.errors import UnsupportedConfigurationError
 from cudnn_attn.core.types import AttentionLayout
 from cudnn_attn.engine import call_steps
@@ -98,7 +98,7 @@ from .sequence_plan import (
     segment_fit,
 )
 from .signature import BWD, FWD, result_names
-from .split_segments import Segments
+from .split_segments import SplitSegments
 
 __all__ = ["ContextParallel", "Scheme", "context_parallelism", "load_balance", "restore_order"]
 
@@ -337,7 +337,7 @@ class _Engine:
         self.geometry = g = Geometry(config, split)
         self.seq = 1 if config.layout is AttentionLayout.BTNH else 2
         self.padding = config.mask.padding
-        self.segments = Segments.of(config, self.ops) if config.packing is not None else None
+        self.segments = SplitSegments.of(config, self.ops) if config.packing is not None else None
         self.index = jax.lax.axis_index(split.axis_name()) if split.shards > 1 else jnp.int32(0)
         self.ring = g.ring
         self.bias = self.ops.get("bias")       # its columns follow the order of the keys in use
@@ -730,11 +730,11 @@ class _Engine:
 
 def block_config(config: AttentionConfig, call: BlockCall) -> AttentionConfig:
     """The kernel configuration of one block call of ``config`` (training: the merge needs the logsumexp)."""
-    mask = MaskSpec(right_bound=call.right_bound, left_bound=call.left_bound,
+    mask = StaticMask(right_bound=call.right_bound, left_bound=call.left_bound,
                     padding=config.mask.padding or call.padded)
     if config.packing is not None:           # the segments' own band (sequence_plan: packed segments)
         fit = segment_fit(call)
-        mask = MaskSpec(right_bound=None if fit is SegmentFit.FULL else 0, padding=True,
+        mask = StaticMask(right_bound=None if fit is SegmentFit.FULL else 0, padding=True,
                         alignment=DiagonalAlignment.BOTTOM_RIGHT if fit is SegmentFit.BOTTOM_RIGHT
                         else DiagonalAlignment.TOP_LEFT)
     bias = config.bias and BiasSpec(config.bias.shape[:2] + (call.q_len, call.k_len), config.bias.differentiable)

@@ -15,7 +15,7 @@ Band
     The mask of the whole call as a band of ``d = j - i`` (key position minus query position):
     key ``j`` is kept for query ``i`` iff ``lo < d <= hi`` (``None``: unbounded).  A causal mask is
     ``hi = 0``, a window of ``w`` keys ``lo = -w``; a bottom-right diagonal without per-sequence lengths
-    shifts both by ``S - T`` (:meth:`Band.of`).  This is :class:`~cudnn_attn.core.config.MaskSpec`'s rule with
+    shifts both by ``S - T`` (:meth:`Band.of`).  This is :class:`~cudnn_attn.core.config.StaticMask`'s rule with
     ``right_bound = hi`` and ``left_bound = -lo``.
 
 Calls

@@ -2,9 +2,9 @@
 
 Every block call of a packed split call is packed with the same ``M`` slots: each segment's rows and keys are
 its clipped intersection with the block's global positions, computed in the traced program from the global
-offsets and lengths (:meth:`Segments.in_block`), and an absent or outside slot has length 0 at the end of the
+offsets and lengths (:meth:`SplitSegments.in_block`), and an absent or outside slot has length 0 at the end of the
 block, so the block's logsumexp row ``b*M + m`` is always slot ``m`` of row ``b``.  :class:`BlockSegments`
-turns a block's packed logsumexp into per-row values for the merge and back for the backward; :class:`Segments`
+turns a block's packed logsumexp into per-row values for the merge and back for the backward; :class:`SplitSegments`
 lays the merged per-row logsumexp out by segment (the split call's layout, module doc of
 :mod:`.context_parallel`) and back, and says which rows hold segments whose keys are at their queries'
 positions (what a causal split needs).
@@ -21,11 +21,11 @@ from cudnn_attn.core.config import AttentionConfig
 
 from .sequence_plan import BlockCall, SegmentFit
 
-__all__ = ["BlockSegments", "Segments"]
+__all__ = ["BlockSegments", "SplitSegments"]
 
 
 @dataclass(frozen=True)
-class Segments:
+class SplitSegments:
     """The packed segments of a split call, in global (natural-order) positions: ``(B, M)`` int32 starts and
     lengths of every slot's queries and keys, and whether the slot holds a segment (sanitized operands:
     an absent slot is ``-1`` in all four)."""
@@ -37,7 +37,7 @@ class Segments:
     present: Any
 
     @classmethod
-    def of(cls, config: AttentionConfig, ops: Mapping[str, Any]) -> "Segments":
+    def of(cls, config: AttentionConfig, ops: Mapping[str, Any]) -> "SplitSegments":
         m = config.packing.max_segments
         q_start, k_start = ops["q_offsets"][:, :m], ops["kv_offsets"][:, :m]
         q_len, k_len = ops["q_seqlen"], ops["kv_seqlen"]

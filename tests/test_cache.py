@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cudnn_attn.core.config import AttentionConfig, MaskSpec
+from cudnn_attn.core.config import AttentionConfig, StaticMask
 from cudnn_attn.engine.cache import CacheListing, GraphCache, GraphKey, PlanChoice, build_plan
 
 CUDNN = 91900
@@ -64,7 +64,7 @@ def test_miss_then_hit_builds_once():
     pytest.param(key(plan=PlanChoice.AUTOTUNED), id="plan"),
     pytest.param(key(rng_dump=True), id="rng_dump"),
     pytest.param(key(config(scale=0.1)), id="scale"),
-    pytest.param(key(config(mask=MaskSpec(right_bound=0))), id="causal"),
+    pytest.param(key(config(mask=StaticMask(right_bound=0))), id="causal"),
     pytest.param(key(config(dtype="bfloat16")), id="dtype"),
     pytest.param(GraphKey(config(), "fwd", 0, 92800), id="cudnn-version"),
 ])
@@ -142,7 +142,7 @@ def test_clear_drops_entries_and_statistics():
 
 def test_listing_shows_features_shapes_and_hits():
     cache = GraphCache(builder=CountingBuilder())
-    causal = config(mask=MaskSpec(right_bound=0))
+    causal = config(mask=StaticMask(right_bound=0))
     cache.entry(key(causal))
     cache.entry(key(causal))
     cache.entry(key(kind="bwd", plan=PlanChoice.AUTOTUNED))
@@ -273,7 +273,7 @@ class OriginGraph(FakeGraph):
     pytest.param(key(config(qk_dim=128, v_dim=128)), ("H 64→128", "Hv 64→128"), id="H"),
     pytest.param(key(config(dtype="bfloat16")), ("dtype float16→bfloat16",), id="dtype"),
     pytest.param(key(config(scale=0.1)), ("scale 0.125→0.1",), id="scale"),
-    pytest.param(key(config(mask=MaskSpec(right_bound=0))), ("mask none→causal",), id="mask"),
+    pytest.param(key(config(mask=StaticMask(right_bound=0))), ("mask none→causal",), id="mask"),
     pytest.param(key(config(training=True)), ("training False→True",), id="training"),
     pytest.param(key(kind="bwd"), ("kind fwd→bwd",), id="kind"),
     pytest.param(key(device=1), ("device 0→1",), id="device"),
@@ -382,10 +382,10 @@ def test_the_hit_path_does_not_compare_keys(monkeypatch):
 
 def test_entry_detail_has_plan_engine_workspace_origin_hits_and_graph():
     cache = GraphCache(builder=CountingBuilder())
-    cache.entry(key(config(mask=MaskSpec(right_bound=0))))
-    cache.entry(key(config(mask=MaskSpec(right_bound=0))))
+    cache.entry(key(config(mask=StaticMask(right_bound=0))))
+    cache.entry(key(config(mask=StaticMask(right_bound=0))))
     detail = cache.entry_detail(0)
-    assert detail is not None and detail == cache.entry_detail(key(config(mask=MaskSpec(right_bound=0))))
+    assert detail is not None and detail == cache.entry_detail(key(config(mask=StaticMask(right_bound=0))))
     assert (detail.number, detail.kind, detail.device, detail.hits) == (0, "fwd", 0, 1)
     assert (detail.plan, detail.engine, detail.workspace_bytes, detail.origin) == ("eng2_k24=7", "engine 2", 4096,
                                                                                      "built")

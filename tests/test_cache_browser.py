@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cudnn_attn.core.config import AttentionConfig, MaskSpec
+from cudnn_attn.core.config import AttentionConfig, StaticMask
 from cudnn_attn.engine.cache import GraphCache, GraphKey
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
@@ -43,7 +43,7 @@ def _cache() -> GraphCache:
     """Three graphs built into a cache of two: a hit, a miss with a reason, an eviction, a JAX holder."""
     cache = GraphCache(maxsize=2, builder=lambda key: Graph(key, "loaded" if key.config.q_len == 2048 else "built"))
     base = AttentionConfig(batch=2, q_heads=16, kv_heads=16, q_len=1024, kv_len=1024, qk_dim=128, v_dim=128,
-                           dtype="bfloat16", scale=128 ** -0.5, mask=MaskSpec(right_bound=0))
+                           dtype="bfloat16", scale=128 ** -0.5, mask=StaticMask(right_bound=0))
     keys = [GraphKey(c, "fwd", 0, 91900) for c in (base, base.replace(q_len=1025, kv_len=1025),
                                                    base.replace(q_len=2048, kv_len=2048))]
     for key in (keys[0], keys[0], keys[1], keys[2], keys[0]):

@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from cudnn_attn.core.config import AttentionConfig, MaskSpec, PackingSpec, PagingSpec
+from cudnn_attn.core.config import AttentionConfig, PackingSpec, PagingSpec, StaticMask
 
 BASE = AttentionConfig(batch=2, q_heads=4, kv_heads=2, q_len=16, kv_len=24, qk_dim=64, v_dim=64, dtype="float16")
 
@@ -26,16 +26,16 @@ def test_fp8_is_derived_from_the_dtype(dtype, fp8):
                                                             blocks_per_seq=3))],
                          ids=["packing", "paging"])
 def test_packing_and_paging_imply_the_padding_mask(changes):
-    config = BASE.replace(mask=MaskSpec(right_bound=0), **changes)
-    assert config.mask == MaskSpec(right_bound=0, padding=True)
-    assert config == BASE.replace(mask=MaskSpec(right_bound=0, padding=True), **changes)
+    config = BASE.replace(mask=StaticMask(right_bound=0), **changes)
+    assert config.mask == StaticMask(right_bound=0, padding=True)
+    assert config == BASE.replace(mask=StaticMask(right_bound=0, padding=True), **changes)
 
 
 def test_the_hash_is_computed_once_and_stays_in_the_process():
-    config = BASE.replace(mask=MaskSpec(right_bound=0))
+    config = BASE.replace(mask=StaticMask(right_bound=0))
     first = hash(config)
     assert config.__dict__["_hash"] == first and hash(config) == first
-    assert hash(BASE.replace(mask=MaskSpec(right_bound=0))) == first and config == BASE.replace(mask=config.mask)
+    assert hash(BASE.replace(mask=StaticMask(right_bound=0))) == first and config == BASE.replace(mask=config.mask)
     copy = pickle.loads(pickle.dumps(config))
     assert "_hash" not in copy.__dict__          # str hashes differ between processes: recomputed there
     assert copy == config and hash(copy) == first

@@ -29,7 +29,7 @@ from test_jax_common import assert_close, normal, qkv
 
 from cudnn_attn import MaskType, UnsupportedConfigurationError
 from cudnn_attn import jax_bridge as jb
-from cudnn_attn.core.config import AttentionConfig, MaskSpec, PackingSpec
+from cudnn_attn.core.config import AttentionConfig, PackingSpec, StaticMask
 from cudnn_attn.jax_bridge.context_parallel import ContextParallel, Scheme, Split, block_configs
 from cudnn_attn.jax_bridge.context_parallel import check as check_split
 from cudnn_attn.jax_bridge.context_parallel import load_balance, restore_order
@@ -224,19 +224,19 @@ def test_a_document_with_no_keys_in_a_block_gives_finite_gradients():
 
 PACKED = AttentionConfig(batch=2, q_heads=4, kv_heads=4, q_len=1024, kv_len=1024, qk_dim=64, v_dim=64,
                          dtype="float16", packing=PackingSpec(max_segments=4),
-                         mask=MaskSpec(right_bound=0, padding=True), training=True)
+                         mask=StaticMask(right_bound=0, padding=True), training=True)
 
 
 def test_refusals_of_packed_segments():
     with pytest.raises(UnsupportedConfigurationError, match="packed segments in a sliding window"):
-        check_split(PACKED.replace(mask=MaskSpec(right_bound=0, left_bound=64, padding=True)),
+        check_split(PACKED.replace(mask=StaticMask(right_bound=0, left_bound=64, padding=True)),
                     Split(("sp",), 4, 0, Scheme.RING))
     # load-balanced chunks of 96 cut into query pieces of 64 against gathered keys in pieces of 128: device
     # 1's first piece (positions 96..159) faces keys 0..127, a band that neither starts nor ends on the diagonal
     odd = PACKED.replace(q_len=384, kv_len=384)
     with pytest.raises(UnsupportedConfigurationError, match="not with packed segments on a causal block"):
         check_split(odd, Split(("sp",), 2, 2, Scheme.ALL_GATHER, pieces=3))
-    check_split(odd.replace(mask=MaskSpec(padding=True)), Split(("sp",), 2, 2, Scheme.ALL_GATHER, pieces=3))
+    check_split(odd.replace(mask=StaticMask(padding=True)), Split(("sp",), 2, 2, Scheme.ALL_GATHER, pieces=3))
 
 
 @pytest.mark.parametrize("scheme", list(Scheme), ids=[s.value for s in Scheme])

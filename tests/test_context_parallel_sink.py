@@ -21,7 +21,7 @@ from test_jax_common import assert_close, normal, qkv
 
 from cudnn_attn import MaskType
 from cudnn_attn import jax_bridge as jb
-from cudnn_attn.core.config import AttentionConfig, MaskSpec
+from cudnn_attn.core.config import AttentionConfig, StaticMask
 from cudnn_attn.jax_bridge.context_parallel import (
     ContextParallel,
     Scheme,
@@ -153,7 +153,7 @@ def test_a_sink_inside_shard_map(case):
 @pytest.mark.parametrize("scheme", list(Scheme), ids=[s.value for s in Scheme])
 def test_the_block_calls_of_a_sink_carry_no_sink(scheme):
     config = AttentionConfig(batch=2, q_heads=4, kv_heads=4, q_len=1024, kv_len=1024, qk_dim=64, v_dim=64,
-                             dtype="bfloat16", mask=MaskSpec(right_bound=0), sink=True, training=True)
+                             dtype="bfloat16", mask=StaticMask(right_bound=0), sink=True, training=True)
     blocks = block_configs(config, Split(("sp",), 2, 2, scheme))
     assert blocks and not any(block.sink for block in blocks)
 

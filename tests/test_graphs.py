@@ -34,7 +34,7 @@ from deviceless.matrix import (
     softcap,
 )
 
-from cudnn_attn.core.config import AttentionConfig, MaskSpec
+from cudnn_attn.core.config import AttentionConfig, StaticMask
 from cudnn_attn.core.errors import UnsupportedConfigurationError
 from cudnn_attn.core.score_mod_spec import score_mod_spec
 from cudnn_attn.graphs import BuiltGraph, PlanInfo, TensorId, build_graph, declare_graph, packing
@@ -56,8 +56,8 @@ FEATURES = {
     "inference": (config(training=False), CORE_FWD - {T_.STATS}, None),
     "bf16-BNTH-causal": (config(dtype="bfloat16", layout=BNTH, mask=CAUSAL), CORE_FWD, CORE_BWD),
     "padding": (config(mask=PADDING), CORE_FWD | SEQ, CORE_BWD | SEQ),
-    "alibi-causal": (config(mask=MaskSpec(right_bound=0, alibi=True)), CORE_FWD, CORE_BWD),
-    "window": (config(mask=MaskSpec(right_bound=0, left_bound=16)), CORE_FWD, CORE_BWD),
+    "alibi-causal": (config(mask=StaticMask(right_bound=0, alibi=True)), CORE_FWD, CORE_BWD),
+    "window": (config(mask=StaticMask(right_bound=0, left_bound=16)), CORE_FWD, CORE_BWD),
     "bias-dbias": (config(bias=bias((1, N, T, S))), CORE_FWD | {T_.BIAS}, CORE_BWD | {T_.BIAS, T_.DBIAS}),
     "bias-mask-only": (config(bias=bias((B, 1, T, S), False)), CORE_FWD | {T_.BIAS}, CORE_BWD | {T_.BIAS}),
     "dropout": (config(dropout_rate=0.1), CORE_FWD | {T_.SEED, T_.OFFSET}, CORE_BWD | {T_.SEED, T_.OFFSET}),
@@ -175,7 +175,7 @@ def test_rng_dump_is_a_float_BNTS_tensor():
 
 
 @pytest.mark.parametrize("kind", ["fwd", "bwd"])
-@pytest.mark.parametrize("mask", [MaskSpec(), PADDING_CAUSAL], ids=["no-mask", "padding-causal"])
+@pytest.mark.parametrize("mask", [StaticMask(), PADDING_CAUSAL], ids=["no-mask", "padding-causal"])
 def test_score_mod_arguments_are_by_value_float_scalars(kind, mask):
     pytest.importorskip("jax")
     spec = score_mod_spec(softcap, (B, N, T, S), (((), "float32"),))

@@ -8,6 +8,8 @@ builder) < ``persist`` (plans on disk) < ``engine`` (running prepared calls) <
 the CuPy front, and transformers' attention; optional, nothing below or in the face imports it) < the package's face (``cudnn_attn/__init__.py``) <
 ``tools`` (command line, demo, self-test) < ``cudnn_attn.__main__``.  The imports are read from the sources (AST), so a
 function-local import counts like a module-level one.
+
+The same sources say that no two classes of the package share a name (a name says which class it is).
 """
 
 from __future__ import annotations
@@ -163,6 +165,20 @@ def test_function_local_imports_are_the_deferred_ones():
 def test_layer_packages_import_nothing(package):
     """These layers' ``__init__`` hold a docstring only, so importing one module of a layer imports no other."""
     assert not GRAPH[package], GRAPH[package]
+
+
+def test_no_two_classes_share_a_name():
+    """Every class statement of the package's modules (``cudnn_attn/``, ``graphs/``, ``jax_bridge/``; nested and
+    function-local classes too) has a name no other one has, so a name in a message, a docstring or a
+    stored key says which class it is."""
+    where: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(f"{module} ({path.relative_to(ROOT)}:{node.lineno})")
+    shared = {name: places for name, places in where.items() if len(places) > 1}
+    assert not shared, "classes sharing a name:\n" + "\n".join(
+        f"{name}: {', '.join(places)}" for name, places in sorted(shared.items()))
 
 
 def _third_party_imports(path: Path) -> list[tuple[str, int]]:

@@ -32,8 +32,7 @@ from cudnn_attn import (
     window,
 )
 from cudnn_attn.core import parameters
-from cudnn_attn.core.config import AttentionConfig, PackingSpec
-from cudnn_attn.core.config import MaskSpec as ConfigMask
+from cudnn_attn.core.config import AttentionConfig, PackingSpec, StaticMask
 from cudnn_attn.core.types import FP8_PARAM_KEYS
 from cudnn_attn.reference.inputs import random_operands
 
@@ -136,7 +135,7 @@ def test_every_mask_equals_the_seed_call(case, layout, rng):
 
 def test_segments_equal_the_seed_offsets(rng):
     config = AttentionConfig(batch=B, q_heads=N, kv_heads=K, q_len=T, kv_len=S, qk_dim=H, v_dim=H, dtype="float16",
-                             mask=ConfigMask(padding=True), packing=PackingSpec(max_segments=3))
+                             mask=StaticMask(padding=True), packing=PackingSpec(max_segments=3))
     ops = random_operands(config, rng, poison=False)
     spec = segments(ops.q_seqlen, ops.kv_seqlen, ops.q_offsets, ops.kv_offsets) & causal()
     got = reference.attention(ops.query, ops.key, ops.value, mask=spec, scale=0.5,
@@ -152,12 +151,12 @@ def test_segments_equal_the_seed_offsets(rng):
 
 def test_the_window_reaches_the_configuration_exactly():
     """``window(l, r)`` is ``left_bound = l + 1``, ``right_bound = r``; ``&`` takes the tighter bound."""
-    assert (causal() & window(5, 2)).static(padding=False) == ConfigMask(right_bound=0, left_bound=6)
-    assert window(5, 2).static(padding=True) == ConfigMask(right_bound=2, left_bound=6, padding=True)
+    assert (causal() & window(5, 2)).static(padding=False) == StaticMask(right_bound=0, left_bound=6)
+    assert window(5, 2).static(padding=True) == StaticMask(right_bound=2, left_bound=6, padding=True)
     assert (window(3, 0, alignment="bottom_right") & causal("bottom_right")).static(False).alignment.value == \
         "bottom_right"
-    assert (causal() & alibi()).static(False) == ConfigMask(right_bound=0, alibi=True)
-    assert MaskSpec().static(False) == ConfigMask()
+    assert (causal() & alibi()).static(False) == StaticMask(right_bound=0, alibi=True)
+    assert MaskSpec().static(False) == StaticMask()
     assert repr(causal() & window(3, 0) & padding(1, 2)) == "MaskSpec(window(3,0)+padding)"
 
 
@@ -211,7 +210,7 @@ def test_conflicting_or_bad_masks_name_mask(combine, match):
 
 def test_same_window_twice_and_causal_with_a_window_combine():
     assert (window(2, 0) & window(2, 0)).static(False) == window(2, 0).static(False)
-    assert (causal() & window(4, 3)).static(False) == ConfigMask(right_bound=0, left_bound=5)
+    assert (causal() & window(4, 3)).static(False) == StaticMask(right_bound=0, left_bound=5)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -13,7 +13,7 @@ import types
 import pytest
 
 from cudnn_attn.core import settings
-from cudnn_attn.core.config import AttentionConfig, MaskSpec
+from cudnn_attn.core.config import AttentionConfig, StaticMask
 from cudnn_attn.engine import plan as call_plan
 from cudnn_attn.engine.call import CallSpec, Fill
 from cudnn_attn.graphs.tensors import TensorId
@@ -98,7 +98,7 @@ def test_warm_up_launches_once_on_scratch_and_survives_no_memory(monkeypatch, ca
 
 def test_the_bytes_of_each_declared_buffer_cover_every_element(monkeypatch):
     """``scratch`` sizes its buffers from the declared tensors: dense Q/K/V/O, int32 lengths, the results."""
-    padded = dataclasses.replace(CONFIG, batch=3, mask=MaskSpec(padding=True), training=True)
+    padded = dataclasses.replace(CONFIG, batch=3, mask=StaticMask(padding=True), training=True)
     plan = _plan(monkeypatch, padded, "fwd", None)
     sizes = dict(zip(plan.operand_ids + tuple(s.tid for s in plan.results), plan._byte_sizes()))
     q = 3 * 8 * 2 * 16 * 2
@@ -129,7 +129,7 @@ def test_launch_binds_operands_results_and_host_scalars_by_id(monkeypatch):
 
 def test_launch_zeroes_before_what_the_policy_says(monkeypatch):
     config = AttentionConfig(batch=2, q_heads=2, kv_heads=2, q_len=8, kv_len=8, qk_dim=16, v_dim=16,
-                             dtype="float16", training=True, mask=MaskSpec(padding=True))
+                             dtype="float16", training=True, mask=StaticMask(padding=True))
     zeroed = []
     monkeypatch.setattr(call_plan, "_memset_zero", lambda pointers, which, stream: zeroed.append(
         [(pointers[i], n) for i, n in which]))

@@ -26,10 +26,10 @@ from cudnn_attn.core.config import (
     BiasSpec,
     DiagonalAlignment,
     InputStrides,
-    MaskSpec,
     PackingSpec,
     PagingSpec,
     ScoreModSpec,
+    StaticMask,
 )
 from cudnn_attn.core.environment import Environment
 from cudnn_attn.core.types import AttentionLayout
@@ -94,8 +94,9 @@ def _changed(value):
 
 NESTED = {
     "q_heads": [8], "kv_heads": [2],                  # query heads stay a multiple of key/value heads
-    "mask": [MaskSpec(right_bound=0), MaskSpec(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT),
-             MaskSpec(left_bound=16, right_bound=0), MaskSpec(padding=True), MaskSpec(right_bound=0, alibi=True)],
+    "mask": [StaticMask(right_bound=0), StaticMask(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT),
+             StaticMask(left_bound=16, right_bound=0), StaticMask(padding=True),
+             StaticMask(right_bound=0, alibi=True)],
     "bias": [BiasSpec((1, 4, 128, 128), True), BiasSpec((1, 4, 128, 128), False), BiasSpec((2, 1, 128, 128), True)],
     "packing": [PackingSpec(2), PackingSpec(3)],
     "paging": [PagingSpec(8, 8, 32, 4), PagingSpec(9, 8, 32, 4), PagingSpec(8, 8, 64, 2)],
@@ -134,9 +135,9 @@ def test_kind_choice_rng_dump_and_every_environment_field_change_the_key():
 
 
 def test_the_key_is_plain_json_of_named_fields():
-    fields = config_fields(BASE.replace(mask=MaskSpec(right_bound=0), layout=AttentionLayout.BNTH))
+    fields = config_fields(BASE.replace(mask=StaticMask(right_bound=0), layout=AttentionLayout.BNTH))
     assert fields["__type__"] == "AttentionConfig" and fields["layout"] == "AttentionLayout.BNTH"
-    assert fields["mask"] == {"__type__": "MaskSpec", "right_bound": 0, "left_bound": None,
+    assert fields["mask"] == {"__type__": "StaticMask", "right_bound": 0, "left_bound": None,
                               "alignment": "DiagonalAlignment.TOP_LEFT", "padding": False, "alibi": False}
     assert fields["scale"] == 0.125
     json.dumps(key().to_json(), allow_nan=False)       # plain JSON, nothing else
@@ -166,16 +167,16 @@ def test_objects_without_a_stable_form_are_not_persistable():
 def test_the_key_is_stable_across_processes():
     """Another interpreter with another hash seed computes the same digest."""
     script = textwrap.dedent("""
-        from cudnn_attn.core.config import AttentionConfig, MaskSpec, BiasSpec
+        from cudnn_attn.core.config import AttentionConfig, StaticMask, BiasSpec
         from cudnn_attn.core.environment import Environment
         from cudnn_attn.persist.store import PlanKey, key_digest
         env = Environment(91900, (9, 0), "NVIDIA H200", 132, "1.32.0")
         config = AttentionConfig(batch=2, q_heads=4, kv_heads=4, q_len=128, kv_len=128, qk_dim=64, v_dim=64,
-                                 dtype="float16", scale=0.125, training=True, mask=MaskSpec(right_bound=0),
+                                 dtype="float16", scale=0.125, training=True, mask=StaticMask(right_bound=0),
                                  bias=BiasSpec((1, 4, 128, 128), True))
         print(key_digest(PlanKey(config, "bwd", "heuristic", env)))
     """)
-    here = key_digest(key(BASE.replace(mask=MaskSpec(right_bound=0), bias=BiasSpec((1, 4, 128, 128), True)), "bwd"))
+    here = key_digest(key(BASE.replace(mask=StaticMask(right_bound=0), bias=BiasSpec((1, 4, 128, 128), True)), "bwd"))
     for seed in ("1", "2"):
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                              env={**os.environ, "PYTHONHASHSEED": seed})

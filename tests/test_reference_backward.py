@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec
+from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, PackingSpec, StaticMask
 from cudnn_attn.core.score_mod_spec import score_mod_spec
 from cudnn_attn.core.types import AttentionLayout
 from cudnn_attn.reference import backward, forward
@@ -51,16 +51,17 @@ def softcap(score, cap):
 
 CASES = {
     "plain": {},
-    "causal_bnth": dict(mask=MaskSpec(right_bound=0), layout=AttentionLayout.BNTH),
-    "window_bottom_right": dict(mask=MaskSpec(right_bound=0, left_bound=2, alignment=DiagonalAlignment.BOTTOM_RIGHT)),
-    "padding_causal": dict(mask=MaskSpec(right_bound=0, padding=True)),
-    "alibi": dict(q_heads=3, kv_heads=3, mask=MaskSpec(right_bound=0, alibi=True)),
+    "causal_bnth": dict(mask=StaticMask(right_bound=0), layout=AttentionLayout.BNTH),
+    "window_bottom_right": dict(mask=StaticMask(right_bound=0, left_bound=2,
+                                                alignment=DiagonalAlignment.BOTTOM_RIGHT)),
+    "padding_causal": dict(mask=StaticMask(right_bound=0, padding=True)),
+    "alibi": dict(q_heads=3, kv_heads=3, mask=StaticMask(right_bound=0, alibi=True)),
     "bias_B1TS": dict(bias=BiasSpec((2, 1, 4, 5), True)),
-    "bias_1NTS_causal": dict(bias=BiasSpec((1, 2, 4, 5), True), mask=MaskSpec(right_bound=0)),
+    "bias_1NTS_causal": dict(bias=BiasSpec((1, 2, 4, 5), True), mask=StaticMask(right_bound=0)),
     "sink": dict(sink=True),
-    "sink_padding": dict(sink=True, mask=MaskSpec(padding=True)),
+    "sink_padding": dict(sink=True, mask=StaticMask(padding=True)),
     "dropout": dict(dropout_rate=0.3),
-    "packed": dict(q_len=7, kv_len=7, packing=PackingSpec(2), mask=MaskSpec(right_bound=0, padding=True),
+    "packed": dict(q_len=7, kv_len=7, packing=PackingSpec(2), mask=StaticMask(right_bound=0, padding=True),
                    bias=BiasSpec((2, 2, 7, 7), True), sink=True),
     "score_mod_softcap": dict(score_mod=score_mod_spec(softcap, (2, 2, 4, 5), (((), "float32"),))),
 }
@@ -96,7 +97,7 @@ def test_gradients_match_finite_differences(name):
 
 
 def test_gradients_outside_the_sequences_are_zero():
-    cfg = config(mask=MaskSpec(padding=True), batch=2)
+    cfg = config(mask=StaticMask(padding=True), batch=2)
     ops = random_operands(cfg, np.random.default_rng(1), poison=False).replace(
         q_seqlen=np.array([2, 4], np.int32), kv_seqlen=np.array([3, 1], np.int32))
     q, k, v = (np.array(x, dtype=float) for x in (ops.query, ops.key, ops.value))
@@ -113,7 +114,7 @@ def test_gradients_outside_the_sequences_are_zero():
 
 @pytest.mark.parametrize("shape", [(1, 1, 4, 5), (2, 1, 4, 5), (1, 2, 4, 5)], ids=lambda s: "bias" + "".join(map(str, s)))
 def test_dbias_is_full_gradient_summed_over_broadcast_dims(shape):
-    cfg = config(bias=BiasSpec(shape, True), mask=MaskSpec(right_bound=0))
+    cfg = config(bias=BiasSpec(shape, True), mask=StaticMask(right_bound=0))
     ops = random_operands(cfg, np.random.default_rng(3))
     result = forward(cfg, ops)
     d_out = np.random.default_rng(4).standard_normal(result.output.shape)

@@ -15,7 +15,7 @@ import zlib
 import numpy as np
 import pytest
 
-from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec
+from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, StaticMask
 from cudnn_attn.core.types import AttentionLayout
 from cudnn_attn.reference import alibi_slopes, forward
 from cudnn_attn.reference.inputs import random_operands
@@ -86,29 +86,29 @@ CASES = {
     "mha": dict(kv_heads=4),
     "mqa": dict(kv_heads=1),
     "mla_v_dim_5": dict(v_dim=5),
-    "causal": dict(mask=MaskSpec(right_bound=0)),
-    "causal_bottom_right": dict(mask=MaskSpec(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT)),
-    "band_right_2": dict(mask=MaskSpec(right_bound=2)),
-    "window_3": dict(mask=MaskSpec(right_bound=0, left_bound=3)),
-    "window_2_bottom_right": dict(mask=MaskSpec(right_bound=0, left_bound=2,
+    "causal": dict(mask=StaticMask(right_bound=0)),
+    "causal_bottom_right": dict(mask=StaticMask(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT)),
+    "band_right_2": dict(mask=StaticMask(right_bound=2)),
+    "window_3": dict(mask=StaticMask(right_bound=0, left_bound=3)),
+    "window_2_bottom_right": dict(mask=StaticMask(right_bound=0, left_bound=2,
                                                 alignment=DiagonalAlignment.BOTTOM_RIGHT)),
-    "padding": dict(mask=MaskSpec(padding=True)),
-    "padding_causal": dict(mask=MaskSpec(right_bound=0, padding=True)),
-    "padding_causal_bottom_right": dict(mask=MaskSpec(right_bound=0, padding=True,
+    "padding": dict(mask=StaticMask(padding=True)),
+    "padding_causal": dict(mask=StaticMask(right_bound=0, padding=True)),
+    "padding_causal_bottom_right": dict(mask=StaticMask(right_bound=0, padding=True,
                                                       alignment=DiagonalAlignment.BOTTOM_RIGHT)),
-    "padding_window_2_bnth": dict(mask=MaskSpec(right_bound=0, left_bound=2, padding=True),
+    "padding_window_2_bnth": dict(mask=StaticMask(right_bound=0, left_bound=2, padding=True),
                                   layout=AttentionLayout.BNTH),
-    "alibi": dict(mask=MaskSpec(right_bound=0, alibi=True)),
-    "alibi_6_heads_padding": dict(q_heads=6, kv_heads=3, mask=MaskSpec(right_bound=0, alibi=True, padding=True)),
+    "alibi": dict(mask=StaticMask(right_bound=0, alibi=True)),
+    "alibi_6_heads_padding": dict(q_heads=6, kv_heads=3, mask=StaticMask(right_bound=0, alibi=True, padding=True)),
     "bias_BNTS": dict(bias=BiasSpec((2, 4, 5, 7), True)),
     "bias_1NTS": dict(bias=BiasSpec((1, 4, 5, 7), True)),
     "bias_B1TS": dict(bias=BiasSpec((2, 1, 5, 7), True)),
-    "bias_11TS_causal": dict(bias=BiasSpec((1, 1, 5, 7), True), mask=MaskSpec(right_bound=0)),
+    "bias_11TS_causal": dict(bias=BiasSpec((1, 1, 5, 7), True), mask=StaticMask(right_bound=0)),
     "sink": dict(sink=True),
-    "sink_padding_causal": dict(sink=True, mask=MaskSpec(right_bound=0, padding=True)),
+    "sink_padding_causal": dict(sink=True, mask=StaticMask(right_bound=0, padding=True)),
     "dropout": dict(dropout_rate=0.25),
     "everything": dict(q_heads=4, kv_heads=1, v_dim=2, layout=AttentionLayout.BNTH, bias=BiasSpec((2, 1, 5, 7), True),
-                       mask=MaskSpec(right_bound=0, left_bound=4, padding=True), sink=True, dropout_rate=0.5),
+                       mask=StaticMask(right_bound=0, left_bound=4, padding=True), sink=True, dropout_rate=0.5),
 }
 
 
@@ -127,7 +127,7 @@ def test_matches_brute_force(name):
 
 
 def test_logsumexp_is_natural_log_of_summed_exponentials():
-    cfg = config(mask=MaskSpec(right_bound=0), training=True)
+    cfg = config(mask=StaticMask(right_bound=0), training=True)
     ops = random_operands(cfg, np.random.default_rng(3))
     q, k = btnh(ops.query, cfg.layout), np.repeat(btnh(ops.key, cfg.layout), 2, axis=2)
     s = cfg.scale * np.einsum("bind,bjnd->bnij", q, k)
@@ -144,7 +144,7 @@ def test_inference_config_returns_no_logsumexp():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_output_is_float64_result_rounded_once_to_io_dtype(dtype):
-    cfg = config(dtype=dtype, mask=MaskSpec(right_bound=0))
+    cfg = config(dtype=dtype, mask=StaticMask(right_bound=0))
     ops = random_operands(cfg, np.random.default_rng(5))
     result = forward(cfg, ops)
     exact = forward(dataclasses.replace(cfg, dtype="float64"),
@@ -167,16 +167,16 @@ def test_alibi_slopes(heads, expected):
 
 
 def test_alibi_equals_explicit_bias_of_slope_times_key_minus_query():
-    cfg = config(mask=MaskSpec(right_bound=0, alibi=True))
+    cfg = config(mask=StaticMask(right_bound=0, alibi=True))
     ops = random_operands(cfg, np.random.default_rng(6))
     j_minus_i = np.arange(cfg.kv_len)[None, :] - np.arange(cfg.q_len)[:, None]
     bias = alibi_slopes(cfg.q_heads)[None, :, None, None] * j_minus_i
-    explicit = forward(config(mask=MaskSpec(right_bound=0), bias=BiasSpec(bias.shape, True)), ops.replace(bias=bias))
+    explicit = forward(config(mask=StaticMask(right_bound=0), bias=BiasSpec(bias.shape, True)), ops.replace(bias=bias))
     np.testing.assert_allclose(forward(cfg, ops).output, explicit.output, rtol=1e-13, atol=1e-13)
 
 
 def test_tokens_outside_the_sequences_give_zero_and_never_leak():
-    cfg = config(mask=MaskSpec(right_bound=0, padding=True), batch=3)
+    cfg = config(mask=StaticMask(right_bound=0, padding=True), batch=3)
     ops = random_operands(cfg, np.random.default_rng(7), poison=False)
     q, k, v = (btnh(x, cfg.layout).copy() for x in (ops.query, ops.key, ops.value))
     for b, (q_len, kv_len) in enumerate([(5, 7), (2, 3), (1, 1)]):
@@ -195,7 +195,7 @@ def test_tokens_outside_the_sequences_give_zero_and_never_leak():
 
 def test_query_without_admissible_key_gives_zero_output_and_minus_inf_logsumexp():
     # bottom-right causal with T > S: query i sees keys j <= i - (T - S); the first T - S see none.
-    cfg = config(q_len=6, kv_len=4, mask=MaskSpec(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT))
+    cfg = config(q_len=6, kv_len=4, mask=StaticMask(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT))
     result = forward(cfg, random_operands(cfg, np.random.default_rng(8)))
     out = btnh(result.output, cfg.layout)
     assert (out[:, :2] == 0).all() and (result.logsumexp[:, :, :2] == -np.inf).all()

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cudnn_attn.core.config import AttentionConfig, BiasSpec, MaskSpec
+from cudnn_attn.core.config import AttentionConfig, BiasSpec, StaticMask
 from cudnn_attn.core.errors import UnsupportedConfigurationError
 from cudnn_attn.core.types import AttentionLayout
 from cudnn_attn.reference import backward, forward
@@ -50,9 +50,9 @@ def assert_fp8_close(actual, expected, dtype):
 
 CASES = {
     "e4m3": {},
-    "e4m3_causal_bnth": dict(mask=MaskSpec(right_bound=0), layout=AttentionLayout.BNTH),
-    "e4m3_sink_padding": dict(sink=True, mask=MaskSpec(right_bound=0, padding=True)),
-    "e5m2_causal": dict(dtype="float8_e5m2", mask=MaskSpec(right_bound=0)),
+    "e4m3_causal_bnth": dict(mask=StaticMask(right_bound=0), layout=AttentionLayout.BNTH),
+    "e4m3_sink_padding": dict(sink=True, mask=StaticMask(right_bound=0, padding=True)),
+    "e5m2_causal": dict(dtype="float8_e5m2", mask=StaticMask(right_bound=0)),
 }
 
 
@@ -114,7 +114,7 @@ def _exact_amax_ds(cfg, ops, output, d_out, lse):
 
 
 def test_amax_s_is_max_of_the_unquantised_probabilities():
-    cfg = config(mask=MaskSpec(right_bound=0, left_bound=3))
+    cfg = config(mask=StaticMask(right_bound=0, left_bound=3))
     ops = random_operands(cfg, np.random.default_rng(11))
     exact_cfg, exact_ops = dequantised(cfg, ops)
     from cudnn_attn.reference.problem import load, scores, softmax
@@ -134,7 +134,7 @@ def test_quantisation_saturates_instead_of_overflowing():
 @pytest.mark.parametrize("feature", ["bias", "dropout", "alibi"])
 def test_unemulated_features_are_refused(feature):
     changes = {"bias": dict(bias=BiasSpec((1, 1, 16, 16), True)), "dropout": dict(dropout_rate=0.1),
-               "alibi": dict(mask=MaskSpec(right_bound=0, alibi=True))}[feature]
+               "alibi": dict(mask=StaticMask(right_bound=0, alibi=True))}[feature]
     cfg = config(**changes)
     ops = random_operands(cfg, np.random.default_rng(13))
     with pytest.raises(UnsupportedConfigurationError, match={"bias": "takes no bias", "dropout": "no dropout",

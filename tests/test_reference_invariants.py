@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec
+from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, PackingSpec, PagingSpec, StaticMask
 from cudnn_attn.core.types import AttentionLayout
 from cudnn_attn.reference import backward, forward
 from cudnn_attn.reference.inputs import random_operands
@@ -37,9 +37,9 @@ def bnth(x):
     return np.asarray(x).transpose(0, 2, 1, 3)
 
 
-@pytest.mark.parametrize("mask", [MaskSpec(padding=True), MaskSpec(right_bound=0, padding=True),
-                                  MaskSpec(right_bound=0, left_bound=2, padding=True),
-                                  MaskSpec(right_bound=0, padding=True, alignment=DiagonalAlignment.BOTTOM_RIGHT)],
+@pytest.mark.parametrize("mask", [StaticMask(padding=True), StaticMask(right_bound=0, padding=True),
+                                  StaticMask(right_bound=0, left_bound=2, padding=True),
+                                  StaticMask(right_bound=0, padding=True, alignment=DiagonalAlignment.BOTTOM_RIGHT)],
                          ids=lambda m: m.describe())
 def test_packed_equals_separate_calls_per_segment(mask):
     cfg = config(batch=2, q_len=9, kv_len=10, mask=mask, packing=PackingSpec(max_segments=3), sink=True)
@@ -79,7 +79,7 @@ def test_paged_equals_gathered_contiguous_cache(layout, spare_blocks):
     paging = PagingSpec(num_blocks_k=batch * per_seq + spare_blocks, num_blocks_v=batch * per_seq + spare_blocks,
                         block_size=block, blocks_per_seq=per_seq)
     cfg = config(batch=batch, q_len=4, kv_len=block * per_seq, layout=layout, paging=paging,
-                 mask=MaskSpec(right_bound=0, padding=True, alignment=DiagonalAlignment.BOTTOM_RIGHT))
+                 mask=StaticMask(right_bound=0, padding=True, alignment=DiagonalAlignment.BOTTOM_RIGHT))
     ops = random_operands(cfg, np.random.default_rng(2))        # shuffled tables, NaN in unused blocks/tails
     assert np.isnan(np.asarray(ops.key)).any()
     contiguous = []
@@ -97,7 +97,7 @@ def test_paged_equals_gathered_contiguous_cache(layout, spare_blocks):
 
 @pytest.mark.parametrize("kv_heads", [1, 2], ids=["mqa", "gqa"])
 def test_grouped_heads_equal_repeated_kv_heads(kv_heads):
-    cfg = config(q_heads=4, kv_heads=kv_heads, mask=MaskSpec(right_bound=0, padding=True),
+    cfg = config(q_heads=4, kv_heads=kv_heads, mask=StaticMask(right_bound=0, padding=True),
                  bias=BiasSpec((1, 4, 6, 6), True), sink=True)
     ops = random_operands(cfg, np.random.default_rng(3))
     out, lse, grads, d_out = run(cfg, ops)
@@ -116,12 +116,12 @@ def test_grouped_heads_equal_repeated_kv_heads(kv_heads):
 
 
 def test_padding_causal_equals_causal_on_the_valid_prefix():
-    cfg = config(batch=2, q_len=6, kv_len=7, mask=MaskSpec(right_bound=0, padding=True))
+    cfg = config(batch=2, q_len=6, kv_len=7, mask=StaticMask(right_bound=0, padding=True))
     ops = random_operands(cfg, np.random.default_rng(4))
     out, lse, grads, d_out = run(cfg, ops)
     for b in range(cfg.batch):
         t, s = int(ops.q_seqlen[b]), int(ops.kv_seqlen[b])
-        prefix = config(batch=1, q_len=t, kv_len=s, mask=MaskSpec(right_bound=0))
+        prefix = config(batch=1, q_len=t, kv_len=s, mask=StaticMask(right_bound=0))
         part = ops.replace(query=ops.query[b:b + 1, :t], key=ops.key[b:b + 1, :s], value=ops.value[b:b + 1, :s],
                            q_seqlen=None, kv_seqlen=None)
         result = forward(prefix, part)
@@ -134,7 +134,7 @@ def test_padding_causal_equals_causal_on_the_valid_prefix():
 
 
 def test_btnh_equals_transposed_bnth():
-    cfg = config(q_len=5, kv_len=7, v_dim=4, mask=MaskSpec(right_bound=0, left_bound=3, padding=True),
+    cfg = config(q_len=5, kv_len=7, v_dim=4, mask=StaticMask(right_bound=0, left_bound=3, padding=True),
                  bias=BiasSpec((2, 1, 5, 7), True), sink=True)
     ops = random_operands(cfg, np.random.default_rng(5))
     out, lse, grads, d_out = run(cfg, ops)
@@ -149,7 +149,7 @@ def test_btnh_equals_transposed_bnth():
     np.testing.assert_allclose(grads.dbias, bnth_grads.dbias, **GRAD_TOL)
 
 
-@pytest.mark.parametrize("mask", [MaskSpec(right_bound=0), MaskSpec(right_bound=0, left_bound=2)],
+@pytest.mark.parametrize("mask", [StaticMask(right_bound=0), StaticMask(right_bound=0, left_bound=2)],
                          ids=["causal", "window2"])
 def test_bottom_right_equals_top_left_when_lengths_match(mask):
     cfg = config(q_len=6, kv_len=6, mask=mask)
@@ -168,7 +168,7 @@ def test_bottom_right_equals_top_left_when_lengths_match(mask):
 
 def test_dropout_mask_of_ones_equals_no_dropout_scaled():
     p = 0.2
-    cfg = config(dropout_rate=p, mask=MaskSpec(right_bound=0))
+    cfg = config(dropout_rate=p, mask=StaticMask(right_bound=0))
     ops = random_operands(cfg, np.random.default_rng(7))
     ones = np.ones((cfg.batch, cfg.q_heads, cfg.q_len, cfg.kv_len))
     out, lse, grads, d_out = run(cfg, ops, dropout_mask=ones)
@@ -193,14 +193,14 @@ def test_drawn_dropout_mask_follows_the_seed():
 
 
 def test_random_operands_poison_exactly_the_unused_values():
-    cfg = config(batch=3, mask=MaskSpec(padding=True), layout=AttentionLayout.BNTH)
+    cfg = config(batch=3, mask=StaticMask(padding=True), layout=AttentionLayout.BNTH)
     ops = random_operands(cfg, np.random.default_rng(9))
     for b in range(cfg.batch):
         t, s = int(ops.q_seqlen[b]), int(ops.kv_seqlen[b])
         assert np.isnan(ops.query[b, :, t:]).all() and not np.isnan(ops.query[b, :, :t]).any()
         assert np.isnan(ops.key[b, :, s:]).all() and not np.isnan(ops.value[b, :, :s]).any()
     paging = PagingSpec(num_blocks_k=9, num_blocks_v=9, block_size=2, blocks_per_seq=3)
-    paged = config(batch=2, kv_len=6, paging=paging, mask=MaskSpec(padding=True))
+    paged = config(batch=2, kv_len=6, paging=paging, mask=StaticMask(padding=True))
     ops = random_operands(paged, np.random.default_rng(10))
     used = np.unique(ops.page_table_k)
     spare = np.setdiff1d(np.arange(9), used)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cudnn_attn.core.config import AttentionConfig, MaskSpec, PagingSpec
+from cudnn_attn.core.config import AttentionConfig, PagingSpec, StaticMask
 from cudnn_attn.core.errors import UnsupportedConfigurationError
 from cudnn_attn.core.types import FP8_PARAM_KEYS, AttentionGrads, MaskType
 from cudnn_attn.core.validation import validate_call
@@ -89,7 +89,7 @@ def test_extension_keywords(monkeypatch):
 def test_paged_attention_equals_contiguous_call():
     block, per_seq = 2, S // 2
     cfg = AttentionConfig(batch=B, q_heads=N, kv_heads=K, q_len=T, kv_len=S, qk_dim=H, v_dim=H, dtype="float16",
-                          mask=MaskSpec(padding=True), paging=PagingSpec(11, 11, block, per_seq))
+                          mask=StaticMask(padding=True), paging=PagingSpec(11, 11, block, per_seq))
     ops = random_operands(cfg, np.random.default_rng(9))
     out = paged_attention(ops.query, ops.key, ops.value, ops.q_seqlen, ops.kv_seqlen, ops.page_table_k,
                           ops.page_table_v, scale=0.3, mask_type=MaskType.PADDING)
@@ -157,7 +157,7 @@ def test_score_mod_must_keep_the_score_shape():
 def test_paged_backward_is_unsupported():
     block, per_seq = 2, S // 2
     cfg = AttentionConfig(batch=B, q_heads=N, kv_heads=K, q_len=T, kv_len=S, qk_dim=H, v_dim=H, dtype="float16",
-                          mask=MaskSpec(padding=True), paging=PagingSpec(8, 8, block, per_seq), training=True)
+                          mask=StaticMask(padding=True), paging=PagingSpec(8, 8, block, per_seq), training=True)
     ops = random_operands(cfg, np.random.default_rng(16))
     result = forward(cfg, ops)
     with pytest.raises(UnsupportedConfigurationError, match="paged"):

@@ -23,7 +23,7 @@ import pytest
 from deviceless.conftest import deviceless  # noqa: F401  (the session fixture of the deviceless tier)
 from jax import lax
 
-from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec
+from cudnn_attn.core.config import AttentionConfig, BiasSpec, DiagonalAlignment, PackingSpec, StaticMask
 from cudnn_attn.core.errors import UnsupportedConfigurationError
 from cudnn_attn.core.score_mod_ir import F32, I32, ProgramBuilder, evaluate
 from cudnn_attn.core.score_mod_spec import score_mod_program, score_mod_spec
@@ -256,8 +256,8 @@ def _config(fn, args=(), **fields):
     return AttentionConfig(**base)
 
 
-def _keep(mask: MaskSpec, t: int, s: int, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
-    """MaskSpec's rule (config.py), written independently: a (B, 1, T, S) boolean array."""
+def _keep(mask: StaticMask, t: int, s: int, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
+    """StaticMask's rule (config.py), written independently: a (B, 1, T, S) boolean array."""
     i, j = np.arange(t)[:, None], np.arange(s)[None, :]
     keep = np.ones((len(q_len), 1, t, s), bool)
     for b in range(len(q_len)):
@@ -272,12 +272,12 @@ def _keep(mask: MaskSpec, t: int, s: int, q_len: np.ndarray, kv_len: np.ndarray)
 
 
 MASKS = {
-    "causal": MaskSpec(right_bound=0),
-    "causal-bottom-right": MaskSpec(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT),
-    "window-6": MaskSpec(right_bound=0, left_bound=6),
-    "band-2-4": MaskSpec(right_bound=2, left_bound=4),
-    "padding": MaskSpec(padding=True),
-    "padding-causal": MaskSpec(right_bound=0, padding=True),
+    "causal": StaticMask(right_bound=0),
+    "causal-bottom-right": StaticMask(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT),
+    "window-6": StaticMask(right_bound=0, left_bound=6),
+    "band-2-4": StaticMask(right_bound=2, left_bound=4),
+    "padding": StaticMask(padding=True),
+    "padding-causal": StaticMask(right_bound=0, padding=True),
 }
 
 
@@ -310,11 +310,11 @@ def test_a_non_additive_modification_takes_the_bias_first(rng):
 
 
 @pytest.mark.parametrize("fields, kind, needle", [
-    (dict(mask=MaskSpec(right_bound=0, alibi=True)), "fwd", "ALiBi"),
-    (dict(mask=MaskSpec(right_bound=0, padding=True, alignment=DiagonalAlignment.BOTTOM_RIGHT)), "fwd",
+    (dict(mask=StaticMask(right_bound=0, alibi=True)), "fwd", "ALiBi"),
+    (dict(mask=StaticMask(right_bound=0, padding=True, alignment=DiagonalAlignment.BOTTOM_RIGHT)), "fwd",
      "bottom-right diagonal and per-sequence lengths"),
     (dict(bias=BiasSpec((1, 3, 16, 24), differentiable=True)), "bwd", "a bias gradient with the non-additive"),
-    (dict(packing=PackingSpec(2), mask=MaskSpec(padding=True)), "fwd", "reads the batch index"),
+    (dict(packing=PackingSpec(2), mask=StaticMask(padding=True)), "fwd", "reads the batch index"),
 ], ids=["alibi", "bottom-right-with-lengths", "dbias-of-softcap", "batch-index-when-packed"])
 def test_combinations_cudnn_cannot_do_are_refused(fields, kind, needle):
     fn = alibi_with_batch if "packing" in fields else softcap
@@ -326,7 +326,7 @@ def test_combinations_cudnn_cannot_do_are_refused(fields, kind, needle):
 
 
 def test_refusals_are_empty_for_what_runs_and_follow_the_kind():
-    assert score_mod_refusals(_config(softcap, (np.float32(2.0),), mask=MaskSpec(right_bound=0, padding=True))) == []
+    assert score_mod_refusals(_config(softcap, (np.float32(2.0),), mask=StaticMask(right_bound=0, padding=True))) == []
     config = _config(softcap, (np.float32(2.0),), bias=BiasSpec((1, 3, 16, 24), True))
     assert score_mod_refusals(config, "fwd") == [] and score_mod_refusals(config, "bwd")
     assert score_mod_refusals(config.replace(training=False)) == []
@@ -465,9 +465,9 @@ DEVICELESS = {
     "blocks-floordiv-rem-or": _config(blocks),
     "alibi-from-positions": _config(alibi_from_positions),
     "leaky": _config(leaky),
-    "softcap-causal": _config(softcap, (np.float32(2.0),), mask=MaskSpec(right_bound=0)),
-    "softcap-window": _config(softcap, (np.float32(2.0),), mask=MaskSpec(right_bound=0, left_bound=8)),
-    "softcap-padding-causal": _config(softcap, (np.float32(2.0),), mask=MaskSpec(right_bound=0, padding=True)),
+    "softcap-causal": _config(softcap, (np.float32(2.0),), mask=StaticMask(right_bound=0)),
+    "softcap-window": _config(softcap, (np.float32(2.0),), mask=StaticMask(right_bound=0, left_bound=8)),
+    "softcap-padding-causal": _config(softcap, (np.float32(2.0),), mask=StaticMask(right_bound=0, padding=True)),
     "softcap-of-biased-score": _config(softcap, (np.float32(2.0),), bias=BiasSpec((1, 3, 16, 24), False)),
     "relative-bias-with-dbias": _config(relative_bias, (np.float32(0.3),), bias=BiasSpec((1, 3, 16, 24), True)),
 }

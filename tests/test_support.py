@@ -14,9 +14,9 @@ from cudnn_attn.core.config import (
     AttentionConfig,
     BiasSpec,
     DiagonalAlignment,
-    MaskSpec,
     PackingSpec,
     PagingSpec,
+    StaticMask,
 )
 from cudnn_attn.core.errors import UnsupportedConfigurationError
 from cudnn_attn.core.score_mod_spec import score_mod_spec
@@ -37,11 +37,11 @@ SM90 = Environment.sm90()
 SM100 = Environment(91900, (10, 0), "B200")
 BASE = AttentionConfig(batch=2, q_heads=4, kv_heads=4, q_len=128, kv_len=128, qk_dim=64, v_dim=64, dtype="float16")
 FP8 = BASE.replace(dtype="float8_e4m3fn", qk_dim=128, v_dim=128)
-CAUSAL = MaskSpec(right_bound=0)
-BOTTOM_RIGHT = MaskSpec(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT)
-BOTTOM_RIGHT_PADDED = MaskSpec(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT, padding=True)
-WINDOW = MaskSpec(right_bound=0, left_bound=32)
-PADDING = MaskSpec(padding=True)
+CAUSAL = StaticMask(right_bound=0)
+BOTTOM_RIGHT = StaticMask(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT)
+BOTTOM_RIGHT_PADDED = StaticMask(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT, padding=True)
+WINDOW = StaticMask(right_bound=0, left_bound=32)
+PADDING = StaticMask(padding=True)
 BIAS = BiasSpec(shape=(1, 4, 128, 128), differentiable=True)
 PACKED = dict(packing=PackingSpec(max_segments=2), mask=PADDING)
 PAGED = dict(paging=PagingSpec(num_blocks_k=8, num_blocks_v=8, block_size=32, blocks_per_seq=4), mask=PADDING)
@@ -141,7 +141,7 @@ SUPPORTED_ON_SM90 = {
     "gqa-8:2": BASE.replace(q_heads=8, kv_heads=2, training=True),
     "mla-128/256": BASE.replace(qk_dim=128, v_dim=256, training=True),
     "d256-training": BASE.replace(qk_dim=256, v_dim=256, training=True),
-    "alibi-dropout": BASE.replace(mask=MaskSpec(right_bound=0, alibi=True), dropout_rate=0.1, training=True),
+    "alibi-dropout": BASE.replace(mask=StaticMask(right_bound=0, alibi=True), dropout_rate=0.1, training=True),
     "bottom-right-T<S": BASE.replace(q_len=64, mask=BOTTOM_RIGHT, training=True),
     "window-bias-dropout": BASE.replace(mask=WINDOW, bias=BIAS, dropout_rate=0.1, training=True),
     "score_mod-bias": BASE.replace(score_mod=SCORE_MOD, bias=BIAS, training=True),
@@ -214,8 +214,8 @@ CASES = [
      "head dim: 320 > 256 in the backward (sm90 maximum)", CUDNN, BASE.replace(qk_dim=256, v_dim=256, training=True)),
     ("sm100-backward-160", BASE.replace(qk_dim=160, v_dim=160, training=True), SM100,
      "head dim: (160, 160) in the backward (sm100 serves", CUDNN, BASE.replace(qk_dim=192, v_dim=128, training=True)),
-    ("alibi-without-causal", BASE.replace(mask=MaskSpec(alibi=True)), SM90, "ALiBi: needs a causal mask", CUDNN,
-     BASE.replace(mask=MaskSpec(alibi=True, right_bound=0))),
+    ("alibi-without-causal", BASE.replace(mask=StaticMask(alibi=True)), SM90, "ALiBi: needs a causal mask", CUDNN,
+     BASE.replace(mask=StaticMask(alibi=True, right_bound=0))),
     ("bottom-right-padding-bias-dropout", BASE.replace(mask=BOTTOM_RIGHT_PADDED, bias=BIAS, dropout_rate=0.1), SM90,
      "bottom-right causal mask: cannot be combined with bias and a padding mask, dropout", CUDNN,
      BASE.replace(mask=BOTTOM_RIGHT, bias=BIAS, dropout_rate=0.1)),
@@ -223,13 +223,13 @@ CASES = [
      "bottom-right causal mask: cannot be combined with dropout", CUDNN, BASE.replace(mask=BOTTOM_RIGHT)),
     ("bottom-right-T>S", BASE.replace(mask=BOTTOM_RIGHT, q_len=192), SM90,
      "bottom-right causal mask: needs T <= S without padding, found T=192 > S=128", CUDNN,
-     BASE.replace(mask=MaskSpec(right_bound=0, padding=True, alignment=DiagonalAlignment.BOTTOM_RIGHT), q_len=192)),
+     BASE.replace(mask=StaticMask(right_bound=0, padding=True, alignment=DiagonalAlignment.BOTTOM_RIGHT), q_len=192)),
     ("window-T>S", BASE.replace(mask=WINDOW, q_len=192), SM90,
      "sliding window: needs T <= S without padding, found T=192 > S=128", CUDNN,
      BASE.replace(mask=WINDOW, q_len=128)),
-    ("score_mod-alibi", BASE.replace(score_mod=SCORE_MOD, mask=MaskSpec(right_bound=0, alibi=True)), SM90,
+    ("score_mod-alibi", BASE.replace(score_mod=SCORE_MOD, mask=StaticMask(right_bound=0, alibi=True)), SM90,
      "score_mod: score_mod with ALiBi: cuDNN refuses its ALiBi next to score_mod", LIBRARY,
-     BASE.replace(score_mod=SCORE_MOD, mask=MaskSpec(right_bound=0, padding=True))),
+     BASE.replace(score_mod=SCORE_MOD, mask=StaticMask(right_bound=0, padding=True))),
     ("sink-decode", BASE.replace(sink=True, q_len=1), SM90,
      "attention sink: not supported with a single query (T == 1)", CUDNN, BASE.replace(sink=True, q_len=2)),
     ("deterministic-sm100-old", BASE.replace(deterministic=True, training=True), env(91700, (10, 0)),
@@ -386,7 +386,7 @@ def test_structural_rows_are_what_the_builder_cannot_declare():
 
 @pytest.mark.parametrize("front", ["cupy", "jax", "reference"])
 @pytest.mark.parametrize("config", [
-    BASE, FP8.replace(bias=BIAS, mask=MaskSpec(alibi=True), dropout_rate=0.5, sink=True, training=True),
+    BASE, FP8.replace(bias=BIAS, mask=StaticMask(alibi=True), dropout_rate=0.5, sink=True, training=True),
     BASE.replace(layout=AttentionLayout.BNTH, bias=BIAS, training=True, **PAGED),
     BASE.replace(packing=PackingSpec(max_segments=2), paging=PAGED["paging"], score_mod=scaled(((1, 128), "float32"))),
 ], ids=["plain", "fp8-everything", "paged-bnth-bias", "packed-paged-score_mod"])

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cudnn_attn.core.config import BiasSpec, DiagonalAlignment, MaskSpec, PackingSpec, PagingSpec
+from cudnn_attn.core.config import BiasSpec, DiagonalAlignment, PackingSpec, PagingSpec, StaticMask
 from cudnn_attn.core.score_mod_spec import score_mod_spec
 from cudnn_attn.core.types import FP8_PARAM_KEYS, AttentionLayout, MaskType
 from cudnn_attn.core.validation import LARGE_NEGATIVE, validate_backward, validate_call
@@ -67,18 +67,18 @@ def test_shapes_are_read_in_the_layout(layout_name, layout):
 
 
 @pytest.mark.parametrize("mask_type, window, alignment, expected", [
-    (MaskType.NO_MASK, None, "top_left", MaskSpec()),
-    (MaskType.CAUSAL, None, "top_left", MaskSpec(right_bound=0)),
-    (MaskType.PADDING, None, "top_left", MaskSpec(padding=True)),
-    (MaskType.PADDING_CAUSAL, None, "top_left", MaskSpec(right_bound=0, padding=True)),
-    (MaskType.ALIBI, None, "top_left", MaskSpec(right_bound=0, alibi=True)),
-    (MaskType.NO_MASK, 5, "top_left", MaskSpec(right_bound=0, left_bound=5)),
-    (MaskType.PADDING_CAUSAL, 3, "top_left", MaskSpec(right_bound=0, left_bound=3, padding=True)),
+    (MaskType.NO_MASK, None, "top_left", StaticMask()),
+    (MaskType.CAUSAL, None, "top_left", StaticMask(right_bound=0)),
+    (MaskType.PADDING, None, "top_left", StaticMask(padding=True)),
+    (MaskType.PADDING_CAUSAL, None, "top_left", StaticMask(right_bound=0, padding=True)),
+    (MaskType.ALIBI, None, "top_left", StaticMask(right_bound=0, alibi=True)),
+    (MaskType.NO_MASK, 5, "top_left", StaticMask(right_bound=0, left_bound=5)),
+    (MaskType.PADDING_CAUSAL, 3, "top_left", StaticMask(right_bound=0, left_bound=3, padding=True)),
     (MaskType.CAUSAL, None, "bottom_right",
-     MaskSpec(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT)),
+     StaticMask(right_bound=0, alignment=DiagonalAlignment.BOTTOM_RIGHT)),
     (MaskType.NO_MASK, 4, DiagonalAlignment.BOTTOM_RIGHT,
-     MaskSpec(right_bound=0, left_bound=4, alignment=DiagonalAlignment.BOTTOM_RIGHT)),
-    (MaskType.PADDING, None, "bottom_right", MaskSpec(padding=True)),   # no diagonal: alignment dropped
+     StaticMask(right_bound=0, left_bound=4, alignment=DiagonalAlignment.BOTTOM_RIGHT)),
+    (MaskType.PADDING, None, "bottom_right", StaticMask(padding=True)),   # no diagonal: alignment dropped
 ], ids=["none", "causal", "padding", "padding_causal", "alibi", "window", "padding_causal+window",
         "causal-bottom_right", "window-bottom_right-enum", "padding-bottom_right-ignored"])
 def test_mask_type_translation(mask_type, window, alignment, expected):

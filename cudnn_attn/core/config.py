@@ -71,7 +71,7 @@ class DiagonalAlignment(enum.Enum):
 
 
 @dataclass(frozen=True)
-class MaskSpec:
+class StaticMask:
     """Orthogonal mask fields; each maps one-to-one onto a cuDNN SDPA knob.
 
     With ``d = j - i - delta`` for query ``i`` and key ``j`` (``delta = 0`` for TOP_LEFT,
@@ -210,7 +210,7 @@ class AttentionConfig:
                                      # (float64: the reference's exact mode)
     layout: AttentionLayout = AttentionLayout.BTNH
     scale: float = 1.0
-    mask: MaskSpec = MaskSpec()
+    mask: StaticMask = StaticMask()
     bias: BiasSpec | None = None
     dropout_rate: float = 0.0
     packing: PackingSpec | None = None

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import AttentionConfig, AttentionOperands, DiagonalAlignment, MaskSpec
+from .config import AttentionConfig, AttentionOperands, DiagonalAlignment, StaticMask
 from .types import AttentionLayout
 
 # The logsumexp a backward kernel is given for a fully masked row: exp(score - lse) is then exactly 0 for
@@ -41,7 +41,7 @@ from .types import AttentionLayout
 NO_PROBABILITY_LSE = float(2 ** 100)
 
 
-def empty_rows(xp: Any, keep: Any, mask: MaskSpec, q_seqlen: Any = None, kv_seqlen: Any = None,
+def empty_rows(xp: Any, keep: Any, mask: StaticMask, q_seqlen: Any = None, kv_seqlen: Any = None,
                packed: bool = False) -> Any:
     """``(1|B, 1|N, T)`` bool: the rows of a 4-D boolean ``keep`` mask (True keeps) that the other masks (the
     causal diagonal, a window, the lengths of a padding mask: :func:`_key_window`) admit keys to, none of them
@@ -210,7 +210,7 @@ def may_leave_rows_without_keys(config: AttentionConfig) -> bool:
     return bool(rows_without_keys(np, config).any())
 
 
-def _key_window(xp: Any, mask: MaskSpec, q_len: int, kv_len: int, q_seqlen: Any = None,
+def _key_window(xp: Any, mask: StaticMask, q_len: int, kv_len: int, q_seqlen: Any = None,
                 kv_seqlen: Any = None) -> tuple[Any, Any, Any]:
     """``(first, last, lengths)``, each ``(R|1, 1, T)`` int32: query ``i`` of a row may read the keys
     ``first <= j <= last``; ``lengths`` the row's queries.
@@ -218,7 +218,7 @@ def _key_window(xp: Any, mask: MaskSpec, q_len: int, kv_len: int, q_seqlen: Any 
     ``R`` sequences of lengths ``q_seqlen``/``kv_seqlen`` (``(R,)``) with a padding mask, else one row of
     ``q_len`` queries and ``kv_len`` keys.  With the lengths ``Lq``, ``Lk`` of the row's sequence and ``delta =
     Lk - Lq`` (bottom-right) or 0: ``first = max(0, i + delta - left_bound + 1)``, ``last = min(Lk - 1, i + delta
-    + right_bound)`` (the :class:`~cudnn_attn.core.config.MaskSpec` rule, an absent bound dropped).
+    + right_bound)`` (the :class:`~cudnn_attn.core.config.StaticMask` rule, an absent bound dropped).
     """
     rows = xp.arange(q_len, dtype=xp.int32)[None, None, :]
     if mask.padding:
@@ -252,7 +252,7 @@ def keyless_logsumexp(xp: Any, config: AttentionConfig, logsumexp: Any, q_seqlen
                       kv_seqlen: Any = None, segments: Any = None) -> Any:
     """The logsumexp (``config.lse_shape``) with ``-inf`` on the rows of :func:`rows_without_keys` (unchanged
     when :func:`may_leave_rows_without_keys` is False).  With packed segments the lengths are the segments'
-    (``segments``: the :class:`cudnn_attn.graphs.packing.Segments` of the call, ``(B*M,)`` lengths)."""
+    (``segments``: the :class:`cudnn_attn.graphs.packing.RaggedSegments` of the call, ``(B*M,)`` lengths)."""
     if not may_leave_rows_without_keys(config):
         return logsumexp
     if config.packing is not None:

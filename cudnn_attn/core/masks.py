@@ -2,7 +2,7 @@
 
 ``mask=causal() & window(128, 0) & padding(q_lengths, kv_lengths)``: a :class:`MaskSpec` holds orthogonal
 fields, each mapping onto one knob of cuDNN's SDPA (and one field of
-:class:`cudnn_attn.core.config.MaskSpec`, the static part of the configuration).  For query ``i`` and key ``j``
+:class:`cudnn_attn.core.config.StaticMask`, the static part of the configuration).  For query ``i`` and key ``j``
 (with ``alignment="bottom_right"`` the diagonal of each sequence moves by ``S_b - T_b``):
 
 * :func:`causal` - keys ``j <= i``;
@@ -29,8 +29,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from . import config as _config
-from .config import DiagonalAlignment
+from .config import DiagonalAlignment, StaticMask
 
 __all__ = ["MaskSpec", "alibi", "causal", "keep", "padding", "segments", "window"]
 
@@ -40,7 +39,7 @@ _ARRAYS = ("q_lengths", "kv_lengths", "q_offsets", "kv_offsets", "keep")
 @dataclass(frozen=True, eq=False)
 class MaskSpec:
     """A mask of the native API (module doc).  ``right_bound``/``left_bound`` are
-    :class:`cudnn_attn.core.config.MaskSpec`'s: key ``j`` of query ``i`` is kept iff ``j - i <= right_bound`` and
+    :class:`cudnn_attn.core.config.StaticMask`'s: key ``j`` of query ``i`` is kept iff ``j - i <= right_bound`` and
     ``i - j < left_bound`` (``None``: unbounded).  The arrays are runtime values (``None``: absent)."""
 
     right_bound: int | None = None
@@ -116,11 +115,11 @@ class MaskSpec:
         return dict(q_seqlen=self.q_lengths, kv_seqlen=self.kv_lengths, q_offsets=self.q_offsets,
                     kv_offsets=self.kv_offsets, mask=self.keep)
 
-    def static(self, padding: bool) -> _config.MaskSpec:
+    def static(self, padding: bool) -> StaticMask:
         """The configuration's mask fields (``padding``: the call has lengths, packing or paging)."""
-        return _config.MaskSpec(right_bound=self.right_bound, left_bound=self.left_bound,
-                                alignment=self.alignment if self.has_diagonal else DiagonalAlignment.TOP_LEFT,
-                                padding=padding, alibi=self.alibi)
+        return StaticMask(right_bound=self.right_bound, left_bound=self.left_bound,
+                          alignment=self.alignment if self.has_diagonal else DiagonalAlignment.TOP_LEFT,
+                          padding=padding, alibi=self.alibi)
 
 
 def _tighter(x: int | None, y: int | None) -> int | None:

@@ -2,7 +2,7 @@
 
 ``MaskType``, ``AttentionLayout`` and ``FP8Params`` are the seed-compatible front door (the names and
 members of JAX's cuDNN attention module).  Everything behind the front door works on the orthogonal
-fields of :class:`cudnn_attn.core.config.MaskSpec` instead of ``MaskType``.
+fields of :class:`cudnn_attn.core.config.StaticMask` instead of ``MaskType``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class AttentionLayout(enum.Enum):
 
 
 class MaskType(enum.Enum):
-    """The seed's mask enum.  Translated at the API boundary into :class:`~cudnn_attn.core.config.MaskSpec`."""
+    """The seed's mask enum.  Translated at the API boundary into :class:`~cudnn_attn.core.config.StaticMask`."""
 
     NO_MASK = 0
     PADDING = 1

@@ -5,7 +5,7 @@ check of the dropout seed every front uses).  It takes real arrays only - NumPy,
 JAX tracers, and ``__dlpack__`` GPU arrays such as torch tensors; a shape/dtype description
 (``jax.ShapeDtypeStruct``, any object with ``.shape`` and ``.dtype``) is refused - and reads nothing but
 their ``.shape`` and ``.dtype`` (no value leaves the device: value rules live in :mod:`cudnn_attn.core.values`).
-It translates the seed's ``MaskType`` into the orthogonal :class:`~cudnn_attn.core.config.MaskSpec` fields,
+It translates the seed's ``MaskType`` into the orthogonal :class:`~cudnn_attn.core.config.StaticMask` fields,
 folds a ``mask`` into the additive bias and traces a ``score_mod`` (its program is its identity, see
 :mod:`cudnn_attn.core.score_mod_spec`).
 
@@ -42,11 +42,11 @@ from .config import (
     AttentionOperands,
     BiasSpec,
     DiagonalAlignment,
-    MaskSpec,
     PackingSpec,
     PagingSpec,
     RealRule,
     ScoreModSpec,
+    StaticMask,
 )
 from .diagonal_warning import warn_top_left
 from .score_mod_spec import score_mod_spec
@@ -314,7 +314,7 @@ def _check_sequences(call: _ArgumentCheck, batch: int, q_seqlen: Any, kv_seqlen:
 
 
 def _mask_spec(call: _ArgumentCheck, mask_type: MaskType, sliding_window_length: Any, diagonal_alignment: Any,
-               padding: bool) -> MaskSpec:
+               padding: bool) -> StaticMask:
     causal = mask_type in (MaskType.CAUSAL, MaskType.PADDING_CAUSAL, MaskType.ALIBI)
     left_bound = None
     if sliding_window_length is not None:
@@ -331,7 +331,7 @@ def _mask_spec(call: _ArgumentCheck, mask_type: MaskType, sliding_window_length:
             from None
     if not causal:
         alignment = DiagonalAlignment.TOP_LEFT   # no diagonal, nothing to align
-    return MaskSpec(right_bound=0 if causal else None, left_bound=left_bound, alignment=alignment,
+    return StaticMask(right_bound=0 if causal else None, left_bound=left_bound, alignment=alignment,
                     padding=padding, alibi=mask_type is MaskType.ALIBI)
 
 

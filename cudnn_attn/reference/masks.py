@@ -8,20 +8,21 @@ same segment, with the diagonal offset ``delta = 0`` (TOP_LEFT) or ``kv_len - q_
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from cudnn_attn.core.config import AttentionConfig, DiagonalAlignment
 
-from .segments import Segments
+from .segments import SegmentTable
 
 
-def allowed(config: AttentionConfig, segments: Segments) -> np.ndarray:
+def allowed(config: AttentionConfig, segments: SegmentTable) -> np.ndarray:
     """``(B, 1, T, S)`` bool: key ``j`` is admissible for query ``i``.
 
     With ``d = j - i - delta``: both tokens lie in the same segment, and ``d <= right_bound`` (when
     set; 0 is causal) and ``-d < left_bound`` (when set: a window of ``left_bound`` keys ending at the
-    diagonal), exactly the ``MaskSpec`` rule.
+    diagonal), exactly the :class:`~cudnn_attn.core.config.StaticMask` rule.
     """
     mask = config.mask
     same = (segments.q_segment[:, :, None] == segments.kv_segment[:, None, :]) & segments.valid_q[:, :, None]
@@ -52,7 +53,7 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     return np.concatenate([slopes, extra])
 
 
-def alibi_bias(config: AttentionConfig, segments: Segments) -> np.ndarray:
+def alibi_bias(config: AttentionConfig, segments: SegmentTable) -> np.ndarray:
     """``(B, N, T, S)`` ALiBi bias ``m_h * (j - i)`` (positions inside the segment; no diagonal offset)."""
     relative = segments.kv_pos[:, None, :] - segments.q_pos[:, :, None]                   # (B, T, S)
     return alibi_slopes(config.q_heads)[None, :, None, None] * relative[:, None]

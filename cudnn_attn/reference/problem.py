@@ -17,7 +17,7 @@ from cudnn_attn.core.config import AttentionConfig, AttentionOperands
 from cudnn_attn.tracing.score_mod import apply
 
 from . import masks
-from .segments import Segments, segments_of
+from .segments import SegmentTable, segments_of
 from .tensors import as_float64, gather_pages, to_logical
 
 
@@ -25,7 +25,7 @@ from .tensors import as_float64, gather_pages, to_logical
 class Problem:
     """The float64 tensors of one call (logical layouts, K/V per query head) and its geometry."""
     config: AttentionConfig
-    segments: Segments
+    segments: SegmentTable
     q: np.ndarray                  # (B, N, T, H)   zero outside the segments
     k: np.ndarray                  # (B, N, S, H)   repeated to the query heads
     v: np.ndarray                  # (B, N, S, Hv)

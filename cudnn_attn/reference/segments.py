@@ -25,7 +25,7 @@ from cudnn_attn.core.values import check
 
 
 @dataclass(frozen=True)
-class Segments:
+class SegmentTable:
     """The segments of one call (``G`` of them) and the per-token maps derived from them."""
 
     row: np.ndarray          # (G,) batch row of each segment
@@ -95,7 +95,7 @@ def _token_maps(found: list[tuple[int, ...]], batch: int, length: int, side: str
     return segment, position
 
 
-def segments_of(config: AttentionConfig, operands: AttentionOperands) -> Segments:
+def segments_of(config: AttentionConfig, operands: AttentionOperands) -> SegmentTable:
     """The segments of one call, read from its seqlens/offsets (values are read: this is NumPy).
 
     Raises:
@@ -115,6 +115,6 @@ def segments_of(config: AttentionConfig, operands: AttentionOperands) -> Segment
     q_segment, q_pos = _token_maps(found, batch, q_limit, "q")
     kv_segment, kv_pos = _token_maps(found, batch, kv_limit, "kv")
     table = np.array(found, dtype=np.int64).reshape(-1, 5)
-    return Segments(row=table[:, 0], q_start=table[:, 1], q_len=table[:, 2], kv_start=table[:, 3],
-                    kv_len=table[:, 4], q_segment=q_segment, q_pos=q_pos, kv_segment=kv_segment, kv_pos=kv_pos,
-                    lse_rows=config.lse_shape[0])
+    return SegmentTable(row=table[:, 0], q_start=table[:, 1], q_len=table[:, 2], kv_start=table[:, 3],
+                        kv_len=table[:, 4], q_segment=q_segment, q_pos=q_pos, kv_segment=kv_segment, kv_pos=kv_pos,
+                        lse_rows=config.lse_shape[0])

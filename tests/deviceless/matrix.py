@@ -13,9 +13,9 @@ from cudnn_attn.core.config import (
     AttentionConfig,
     BiasSpec,
     DiagonalAlignment,
-    MaskSpec,
     PackingSpec,
     PagingSpec,
+    StaticMask,
 )
 from cudnn_attn.core.score_mod_spec import score_mod_spec
 from cudnn_attn.core.types import AttentionLayout
@@ -24,10 +24,10 @@ B, N, T, S, D = 2, 4, 128, 128, 64
 
 BTNH, BNTH = AttentionLayout.BTNH, AttentionLayout.BNTH
 BOTTOM_RIGHT = DiagonalAlignment.BOTTOM_RIGHT
-CAUSAL = MaskSpec(right_bound=0)
-PADDING = MaskSpec(padding=True)
-PADDING_CAUSAL = MaskSpec(right_bound=0, padding=True)
-BR_PADDING_CAUSAL = MaskSpec(right_bound=0, padding=True, alignment=BOTTOM_RIGHT)   # what paged decoding uses
+CAUSAL = StaticMask(right_bound=0)
+PADDING = StaticMask(padding=True)
+PADDING_CAUSAL = StaticMask(right_bound=0, padding=True)
+BR_PADDING_CAUSAL = StaticMask(right_bound=0, padding=True, alignment=BOTTOM_RIGHT)   # what paged decoding uses
 
 
 def config(**changes: Any) -> AttentionConfig:

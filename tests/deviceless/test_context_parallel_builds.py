@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from cudnn_attn.core.config import MaskSpec
+from cudnn_attn.core.config import StaticMask
 from cudnn_attn.jax_bridge.context_parallel import Scheme, Split, block_configs
 
 from .matrix import CAUSAL, PADDING, PADDING_CAUSAL, N, S, T, bias, config, packed
@@ -25,7 +25,7 @@ def _splits(shards: int, balance: int) -> list[Split]:
 CALLS = [   # (name, call, splits): every block shape of each mask kind, kept small for CI
     ("causal", config(mask=CAUSAL, dtype="bfloat16"), _splits(2, 0) + _splits(2, 2)),
     ("causal-bias", config(mask=CAUSAL, bias=bias((1, N, T, S))), _splits(2, 0)),
-    ("window-40", config(mask=MaskSpec(right_bound=0, left_bound=40)), _splits(4, 4)),
+    ("window-40", config(mask=StaticMask(right_bound=0, left_bound=40)), _splits(4, 4)),
     ("padding-causal-gqa", config(mask=PADDING_CAUSAL, q_heads=8, kv_heads=2), _splits(2, 2)),
     ("packed-causal", config(mask=PADDING_CAUSAL, packing=packed(), dtype="bfloat16"), _splits(2, 0) + _splits(2, 2)),
     ("packed", config(mask=PADDING, packing=packed()), _splits(2, 2)),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from cudnn_attn.core.config import MaskSpec
+from cudnn_attn.core.config import StaticMask
 from cudnn_attn.core.padded_call import lifted_config
 from cudnn_attn.graphs import ALL_PLANS, TensorId
 
@@ -44,10 +44,10 @@ ROWS = {
     "causal-BNTH-bf16": (config(mask=CAUSAL, layout=BNTH, dtype="bfloat16"), FWD_BWD),
     "padding": (config(mask=PADDING), FWD_BWD),
     "padding-causal-bottom-right": (config(mask=BR_PADDING_CAUSAL), FWD_BWD),
-    "causal-bottom-right-T<S": (config(q_len=64, mask=MaskSpec(right_bound=0, alignment=BOTTOM_RIGHT)), FWD_BWD),
-    "alibi-causal": (config(mask=MaskSpec(right_bound=0, alibi=True)), FWD_BWD),
-    "window-32": (config(mask=MaskSpec(right_bound=0, left_bound=32)), FWD_BWD),
-    "band-16-8": (config(mask=MaskSpec(right_bound=8, left_bound=16)), FWD_BWD),
+    "causal-bottom-right-T<S": (config(q_len=64, mask=StaticMask(right_bound=0, alignment=BOTTOM_RIGHT)), FWD_BWD),
+    "alibi-causal": (config(mask=StaticMask(right_bound=0, alibi=True)), FWD_BWD),
+    "window-32": (config(mask=StaticMask(right_bound=0, left_bound=32)), FWD_BWD),
+    "band-16-8": (config(mask=StaticMask(right_bound=8, left_bound=16)), FWD_BWD),
     "bias-1NTS-dbias": (config(bias=bias((1, N, T, S))), FWD_BWD),
     "bias-B1TS-dbias": (config(bias=bias((B, 1, T, S))), FWD_BWD),
     "bias-BNTS-dbias": (config(bias=bias((B, N, T, S))), FWD_BWD),
@@ -56,7 +56,7 @@ ROWS = {
     "dropout-bias-padding-causal": (config(dropout_rate=0.2, bias=bias((1, N, T, S)), mask=PADDING_CAUSAL), FWD_BWD),
     "packed-causal": (config(packing=packed(), mask=PADDING_CAUSAL), FWD_BWD),
     "packed-gqa-window": (config(packing=packed(), q_heads=8, kv_heads=2,
-                                 mask=MaskSpec(right_bound=0, left_bound=32, padding=True)), FWD_BWD),
+                                 mask=StaticMask(right_bound=0, left_bound=32, padding=True)), FWD_BWD),
     "paged-decode": (config(q_len=1, training=False, paging=paged(), mask=BR_PADDING_CAUSAL), FWD),
     "paged-prefill-gqa": (config(q_heads=8, kv_heads=2, training=False, paging=paged(), mask=BR_PADDING_CAUSAL), FWD),
     "paged-BNTH-d256": (config(d=256, layout=BNTH, training=False, paging=paged(), mask=BR_PADDING_CAUSAL), FWD),
@@ -80,9 +80,9 @@ ROWS = {
 # Calls that run lifted (cudnn_attn.core.padded_call): what cuDNN is given is the lifted configuration.
 LIFTED = {
     "packed-BNTH-causal": (config(packing=packed(), mask=PADDING_CAUSAL, layout=BNTH), FWD_BWD),
-    "bottom-right-causal-bias-T<S": (config(q_len=64, mask=MaskSpec(right_bound=0, alignment=BOTTOM_RIGHT),
+    "bottom-right-causal-bias-T<S": (config(q_len=64, mask=StaticMask(right_bound=0, alignment=BOTTOM_RIGHT),
                                             bias=bias((1, N, 64, S))), FWD_BWD),
-    "bottom-right-window-bias-dropout": (config(mask=MaskSpec(right_bound=0, left_bound=32, alignment=BOTTOM_RIGHT),
+    "bottom-right-window-bias-dropout": (config(mask=StaticMask(right_bound=0, left_bound=32, alignment=BOTTOM_RIGHT),
                                                 bias=bias((B, 1, T, S)), dropout_rate=0.1), FWD_BWD),
 }
 for _name, (_cfg, _kinds) in LIFTED.items():

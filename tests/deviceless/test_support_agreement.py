@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from cudnn_attn.core.config import MaskSpec
+from cudnn_attn.core.config import StaticMask
 from cudnn_attn.core.padded_call import lifted_config
 
 from .matrix import (
@@ -38,14 +38,14 @@ support = pytest.importorskip("cudnn_attn.core.support")
 
 pytestmark = pytest.mark.deviceless
 
-BR_CAUSAL = MaskSpec(right_bound=0, alignment=BOTTOM_RIGHT)
+BR_CAUSAL = StaticMask(right_bound=0, alignment=BOTTOM_RIGHT)
 
 SUPPORTED = {
     "plain": config(),
     "causal-bf16-BNTH": config(mask=CAUSAL, dtype="bfloat16", layout=BNTH),
-    "alibi-causal": config(mask=MaskSpec(right_bound=0, alibi=True)),
+    "alibi-causal": config(mask=StaticMask(right_bound=0, alibi=True)),
     "bias-dbias-padding": config(bias=bias((1, N, T, S)), mask=PADDING),
-    "dropout-window": config(dropout_rate=0.1, mask=MaskSpec(right_bound=0, left_bound=32)),
+    "dropout-window": config(dropout_rate=0.1, mask=StaticMask(right_bound=0, left_bound=32)),
     "bottom-right-causal-T<S": config(q_len=64, mask=BR_CAUSAL),
     "packed-gqa": config(packing=packed(), q_heads=8, kv_heads=2, mask=PADDING_CAUSAL),
     "paged-inference": config(training=False, paging=paged(), mask=BR_PADDING_CAUSAL),
@@ -58,7 +58,8 @@ SUPPORTED = {
     "fp8-inference-d64": fp8(d=64, training=False),
     "score_mod-softcap": config(score_mod=SOFTCAP),
     "lifted-bottom-right-bias": config(mask=BR_CAUSAL, q_len=64, bias=bias((1, N, 64, S))),
-    "lifted-bottom-right-window-bias-dropout": config(mask=MaskSpec(right_bound=0, left_bound=32, alignment=BOTTOM_RIGHT),
+    "lifted-bottom-right-window-bias-dropout": config(mask=StaticMask(right_bound=0, left_bound=32,
+                                                                      alignment=BOTTOM_RIGHT),
                                                       bias=bias((B, 1, T, S)), dropout_rate=0.1),
     "lifted-packed-BNTH": config(packing=packed(), layout=BNTH, mask=PADDING),
 }
@@ -66,18 +67,18 @@ SUPPORTED = {
 # Rows the table should simply take from cuDNN (masks expressed inside a score_mod).
 CUDNN_DECIDES = {
     "score_mod-softcap-causal": config(score_mod=SOFTCAP, mask=CAUSAL),
-    "score_mod-softcap-window-bias": config(score_mod=SOFTCAP, mask=MaskSpec(right_bound=0, left_bound=32),
+    "score_mod-softcap-window-bias": config(score_mod=SOFTCAP, mask=StaticMask(right_bound=0, left_bound=32),
                                             bias=bias((1, N, T, S), differentiable=False)),
     "score_mod-softcap-padding": config(score_mod=SOFTCAP, mask=PADDING),
 }
 
 UNSUPPORTED = {
-    "alibi-without-causal": config(mask=MaskSpec(alibi=True)),
+    "alibi-without-causal": config(mask=StaticMask(alibi=True)),
     "bottom-right-padding-bias": config(mask=BR_PADDING_CAUSAL, q_len=64, bias=bias((1, N, 64, S))),
     "bottom-right-dropout": config(mask=BR_CAUSAL, q_len=64, dropout_rate=0.1),
-    "bottom-right-alibi": config(mask=MaskSpec(right_bound=0, alibi=True, alignment=BOTTOM_RIGHT)),
+    "bottom-right-alibi": config(mask=StaticMask(right_bound=0, alibi=True, alignment=BOTTOM_RIGHT)),
     "bottom-right-T>S": config(q_len=192, kv_len=128, mask=BR_CAUSAL),
-    "window-T>S": config(q_len=192, kv_len=128, mask=MaskSpec(right_bound=0, left_bound=32)),
+    "window-T>S": config(q_len=192, kv_len=128, mask=StaticMask(right_bound=0, left_bound=32)),
     "d60-not-multiple-of-8": config(d=60),
     "d320-training": config(d=320),
     "sink-T1": config(q_len=1, sink=True, training=False),
@@ -88,7 +89,7 @@ UNSUPPORTED = {
     "fp8-training-packed": fp8(packing=packed(), mask=PADDING_CAUSAL),
     "paged-training": config(paging=paged(), mask=BR_PADDING_CAUSAL),
     "packed-bias": config(packing=packed(), mask=PADDING, bias=bias((1, N, T, S))),
-    "score_mod-alibi": config(score_mod=SOFTCAP, mask=MaskSpec(right_bound=0, alibi=True)),
+    "score_mod-alibi": config(score_mod=SOFTCAP, mask=StaticMask(right_bound=0, alibi=True)),
     "score_mod-softcap-dbias": config(score_mod=SOFTCAP, bias=bias((1, N, T, S))),
 }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cudnn_attn.core.config import MaskSpec
+from cudnn_attn.core.config import StaticMask
 from cudnn_attn.graphs import TensorId
 
 from .matrix import BR_PADDING_CAUSAL, CAUSAL, PADDING, PADDING_CAUSAL, SOFTCAP, N, S, T, bias, config, paged
@@ -17,7 +17,7 @@ SCORE_MAX = {
     "inference": config(score_max=True, training=False),
     "causal-gqa": config(score_max=True, mask=CAUSAL, q_heads=8, kv_heads=2),
     "padding-causal": config(score_max=True, mask=PADDING_CAUSAL),
-    "bias-window": config(score_max=True, bias=bias((1, N, T, S)), mask=MaskSpec(right_bound=0, left_bound=32)),
+    "bias-window": config(score_max=True, bias=bias((1, N, T, S)), mask=StaticMask(right_bound=0, left_bound=32)),
     "dropout": config(score_max=True, dropout_rate=0.1, mask=CAUSAL),
     "paged-decode": config(score_max=True, q_len=1, training=False, paging=paged(), mask=BR_PADDING_CAUSAL),
     "score_mod": config(score_max=True, score_mod=SOFTCAP),

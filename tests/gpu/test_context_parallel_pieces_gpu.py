@@ -58,7 +58,7 @@ def test_load_balanced_pieces_on_one_gpu_equal_the_reference(pieces):
 @pytest.mark.parametrize("pieces", [1, 4], ids=["whole", "pieces4"])
 def test_packed_segments_in_load_balanced_pieces_on_one_gpu_equal_the_reference(pieces):
     """Packed documents (causal inside each) in the load-balanced order and in pieces: every block call is a
-    packed cuDNN call of the documents' clipped rows and keys (``context_parallel._Segments``)."""
+    packed cuDNN call of the documents' clipped rows and keys (``split_segments.SplitSegments.in_block``)."""
     B, T, N, K, H, M = 2, 2048, 4, 2, 64, 4
     rng = np.random.default_rng(70 + pieces)
     dt = io_dtype("bfloat16")

@@ -13,8 +13,7 @@ import pytest
 
 import cudnn_attn
 from cudnn_attn import AuxRequest, alibi, causal, keep, padding, reference, segments, window
-from cudnn_attn.core.config import AttentionConfig, PackingSpec
-from cudnn_attn.core.config import MaskSpec as ConfigMask
+from cudnn_attn.core.config import AttentionConfig, PackingSpec, StaticMask
 from cudnn_attn.reference.inputs import random_operands
 
 from ._checks import assert_close, assert_lse_close, io_dtype
@@ -84,7 +83,7 @@ def test_cupy_native_call_against_the_reference(case, dtype, rng):
 
 def test_cupy_native_segments_against_the_reference(rng):
     config = AttentionConfig(batch=B, q_heads=N, kv_heads=K, q_len=T, kv_len=S, qk_dim=H, v_dim=H, dtype="bfloat16",
-                             mask=ConfigMask(padding=True), packing=PackingSpec(max_segments=3))
+                             mask=StaticMask(padding=True), packing=PackingSpec(max_segments=3))
     ops = random_operands(config, rng, poison=False)
     mask = segments(ops.q_seqlen, ops.kv_seqlen, ops.q_offsets, ops.kv_offsets) & causal()
     want = reference.attention(ops.query, ops.key, ops.value, mask=mask, return_aux=AuxRequest(logsumexp=True))
