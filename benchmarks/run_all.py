@@ -67,7 +67,7 @@ def host_ab(limit: float) -> tuple[int, float, list[str]]:
         return 1, 0.0, [f"host_ab: AB_BASE={base!r} is not a source tree"]
     path = _importable(base, "/tmp/host_ab_base")
     where = subprocess.run([sys.executable, "-c", "import cudnn_attn.graphs as g, cudnn_attn.engine as e; "
-                            "print(g.__file__, e.__file__)"], capture_output=True, text=True, cwd=base,
+                            "print(g.__file__, e.__file__)"], capture_output=True, text=True, cwd="/tmp",
                            env={**os.environ, "PYTHONPATH": path}).stdout.split()
     if not where or not all(f.startswith(path) for f in where):
         return 1, 0.0, [f"host_ab: the base tree does not import from {path} ({where})"]
