@@ -16,6 +16,7 @@ from cudnn_attn.core.config import AttentionOperands
 from cudnn_attn.core.types import MaskType
 from cudnn_attn.core.validation import bind_seed, validate_call
 from cudnn_attn.engine import call_steps, prepared
+from cudnn_attn.fronts import cupy as cupy_front
 from cudnn_attn.engine.call import BWD, FWD, RESIDUALS, CallSpec
 from cudnn_attn.jax_bridge import api
 
@@ -174,7 +175,7 @@ def test_the_padded_run_gives_the_kernel_the_same_operands_on_numpy_and_jax(case
 
 def _spy(monkeypatch) -> list:
     walked = []
-    for name in ("guard_values", "run_padded", "named_operands"):
+    for name in ("guard_values", "dense_bias", "run_padded", "named_operands"):
         step = getattr(call_steps, name)
 
         def spied(*args, step=step, name=name, **kwargs):
@@ -185,16 +186,24 @@ def _spy(monkeypatch) -> list:
     return walked
 
 
-def test_a_jitted_jax_call_and_a_prepared_call_walk_the_same_steps(monkeypatch, gpu):  # noqa: F811
+def test_a_jitted_jax_call_and_a_cupy_call_walk_the_same_steps(monkeypatch, gpu):  # noqa: F811
+    """The JAX bridge's call under ``jit`` and the CuPy front's (its validation on the device, then its prepared
+    call, on the stand-in GPU) run the same step functions."""
     config, operands, _ = _call("odd bias, lengths")
     walked = _spy(monkeypatch)
     monkeypatch.delenv(settings.CHECK_VALUES, raising=False)
     _jitted(operands, lambda ops: api.configured_attention(config, ops, api.call_options(config)).output)
     jax_steps = set(walked)
     walked.clear()
-    named = {name: array(x, x.dtype) for name, x in call_steps.named_operands(config, FWD, operands).items()}
-    prepared.PreparedCall(config, FWD, 0).run(named)
-    assert jax_steps == set(walked) == {"guard_values", "run_padded", "named_operands"}
+    _, extra = CASES["odd bias, lengths"]
+    on_device = {name: array(x, x.dtype) for name, x in
+                 (("query", operands.query), ("key", operands.key), ("value", operands.value),
+                  ("bias", extra["bias"]), ("q_seqlen", extra["q_seqlen"]), ("kv_seqlen", extra["kv_seqlen"]))}
+    static = {name: value for name, value in extra.items() if name not in on_device}
+    cupy_config, cupy_operands = cupy_front._validate_on_device(on_device, static)
+    assert cupy_config == config
+    prepared.PreparedCall(cupy_config, FWD, 0).run(call_steps.named_operands(cupy_config, FWD, cupy_operands))
+    assert jax_steps == set(walked) == {"guard_values", "dense_bias", "run_padded", "named_operands"}
 
 
 def test_the_bias_reaches_the_kernel_dense_in_the_io_dtype_on_numpy_and_jax():

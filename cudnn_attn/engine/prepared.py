@@ -152,7 +152,7 @@ class PreparedCall:
 
                 results = call_steps.run_padded(self.kind, self.config, named, cupy, launch)
                 return _into(cupy, results, given)
-            return self._launch(cupy, CallSpec.of(self.config, self.kind), named, seed, stream_ptr, given, rng_dump)
+            return self._launch(cupy, self.spec, named, seed, stream_ptr, given, rng_dump)
 
     def _launch(self, cupy: Any, spec: CallSpec, named: Mapping[str, Any], seed: int, stream_ptr: int,
                 given: Mapping[str, Any], rng_dump: Any) -> dict[str, Any]:
