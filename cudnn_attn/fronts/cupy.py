@@ -138,14 +138,15 @@ def _export(result: Any, exporter: Callable[[Any], Any] | None) -> Any:
 def _validate_on_device(arrays: dict[str, Any], static: dict[str, Any],
                         fp8_dtype: str | None = None) -> tuple[AttentionConfig, AttentionOperands]:
     """:func:`cudnn_attn.engine.prepared.validated` on the query's device, the bias as cuDNN reads it
-    (:func:`cudnn_attn.engine.call_steps.dense_bias`).  With ``fp8_dtype``, uint8 Q/K/V are the bytes of that FP8 format (CuPy has no float8
-    dtype): validation reads them as such and they are bound as they are."""
+    (:func:`cudnn_attn.engine.call_steps.dense_bias`, converted on that device too).  With ``fp8_dtype``, uint8
+    Q/K/V are the bytes of that FP8 format (CuPy has no float8 dtype): validation reads them as such and they are
+    bound as they are."""
     if fp8_dtype is not None:
         static = dict(static, fp8_dtype=fp8_dtype)
     cupy = runtime.cupy()
     with runtime.on_device(arrays["query"].device.id):
         config, operands = prepared.validated(arrays, static, xp=cupy)
-    return config, call_steps.dense_bias(operands, cupy)
+        return config, call_steps.dense_bias(operands, cupy)
 
 
 # -- the direct launch of repeated Q/K/V calls ----------------------------------------------------------------
