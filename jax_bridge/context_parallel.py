@@ -731,12 +731,12 @@ class _Engine:
 def block_config(config: AttentionConfig, call: BlockCall) -> AttentionConfig:
     """The kernel configuration of one block call of ``config`` (training: the merge needs the logsumexp)."""
     mask = StaticMask(right_bound=call.right_bound, left_bound=call.left_bound,
-                    padding=config.mask.padding or call.padded)
+                      padding=config.mask.padding or call.padded)
     if config.packing is not None:           # the segments' own band (sequence_plan: packed segments)
         fit = segment_fit(call)
         mask = StaticMask(right_bound=None if fit is SegmentFit.FULL else 0, padding=True,
-                        alignment=DiagonalAlignment.BOTTOM_RIGHT if fit is SegmentFit.BOTTOM_RIGHT
-                        else DiagonalAlignment.TOP_LEFT)
+                          alignment=DiagonalAlignment.BOTTOM_RIGHT if fit is SegmentFit.BOTTOM_RIGHT
+                          else DiagonalAlignment.TOP_LEFT)
     bias = config.bias and BiasSpec(config.bias.shape[:2] + (call.q_len, call.k_len), config.bias.differentiable)
     return config.replace(q_len=call.q_len, kv_len=call.k_len, mask=mask, bias=bias, training=True,
                           sink=False)         # the sink joins once, in the merged denominator

@@ -332,7 +332,7 @@ def _mask_spec(call: _ArgumentCheck, mask_type: MaskType, sliding_window_length:
     if not causal:
         alignment = DiagonalAlignment.TOP_LEFT   # no diagonal, nothing to align
     return StaticMask(right_bound=0 if causal else None, left_bound=left_bound, alignment=alignment,
-                    padding=padding, alibi=mask_type is MaskType.ALIBI)
+                      padding=padding, alibi=mask_type is MaskType.ALIBI)
 
 
 def _check_fp8(call: _ArgumentCheck, fp8_params: Any) -> dict:
