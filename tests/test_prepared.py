@@ -157,6 +157,29 @@ def test_the_direct_launch_into_given_and_caller_allocated_results(gpu):
     assert not prepared.PreparedCall(padded, FWD, 0).direct_capable     # lengths: more than the arrays and a seed
 
 
+def test_launch_into_follows_its_plan_when_the_cache_rebuilds_it(gpu):
+    """``launch_into`` holds its plan's launch sequence weakly, as it holds the plan: while the plan lives every
+    launch runs that plan; once the graph cache drops it, the next launch runs the rebuilt one."""
+    import gc
+
+    config, operands, _ = _call()
+    call = prepared.PreparedCall(config, FWD, 0)
+    pointers = [x.ctypes.data for x in call.direct_order(("query", "key", "value"))(
+        (operands.query, operands.key, operands.value))]
+    outputs = [array(np.full(config.o_shape, np.nan), np.float16) for _ in range(3)]
+    call.launch_into(pointers + [outputs[0].ctypes.data], STREAM, seed=0)
+    call.launch_into(pointers + [outputs[1].ctypes.data], STREAM, seed=0)
+    first = gpu.plans.pop((config, FWD))                    # evicted: the cache no longer holds it
+    assert len(first.launcher.calls) == 2
+    del first
+    gc.collect()
+    call.launch_into(pointers + [outputs[2].ctypes.data], STREAM, seed=0)
+    rebuilt = gpu.plans[(config, FWD)]
+    assert len(rebuilt.launcher.calls) == 1
+    for out in outputs:
+        np.testing.assert_array_equal(out, 2 * operands.query)
+
+
 def test_the_plan_choice_is_checked_when_the_call_is_prepared(gpu):
     config, _, _ = _call()
     with pytest.raises(ValueError, match="autotune: must be True, False or None"):

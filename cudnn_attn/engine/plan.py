@@ -154,14 +154,19 @@ class CallPlan:
 
         return run
 
-    def launch(self, pointers: Sequence[int], stream: int, workspace: int | None = None,
-               scalars: Sequence[Any] = (), keep_stream: bool = False, replay: bool = True) -> None:
-        """One launch through this plan's own :meth:`sequence` (one per ``keep_stream`` and ``replay``; see there)."""
+    def own_sequence(self, keep_stream: bool = False, replay: bool = True) -> Launch:
+        """This plan's own :meth:`sequence` for ``keep_stream`` and ``replay``, made once and held by the plan (a
+        caller may keep a weak reference: it lives as long as the plan)."""
         run = self._launches.get((keep_stream, replay))
         if run is None:
             run = self._launches.setdefault((keep_stream, replay),
                                             self.sequence(keep_stream=keep_stream, replay=replay))
-        run(pointers, stream, workspace, True, scalars)
+        return run
+
+    def launch(self, pointers: Sequence[int], stream: int, workspace: int | None = None,
+               scalars: Sequence[Any] = (), keep_stream: bool = False, replay: bool = True) -> None:
+        """One launch through this plan's :meth:`own_sequence` (see :meth:`sequence`)."""
+        self.own_sequence(keep_stream, replay)(pointers, stream, workspace, True, scalars)
 
     def warm_up(self) -> None:
         """Launch once on scratch buffers and wait (see the module doc); at most once per plan.
