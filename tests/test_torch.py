@@ -241,6 +241,41 @@ def test_strided_views_run_in_the_layout_they_are_dense_in(rng):
         assert torch.equal(got.transpose(1, 2), expected)
 
 
+def test_a_call_signature_tells_apart_what_decides_the_call(rng):
+    """``api._signature`` (what ``sdpa`` remembers its decisions by) differs for another shape, strides,
+    dtype, ``requires_grad``, an absent or present mask, a scalar of another type (``True`` and ``1``), and grad
+    mode; it is ``None`` for a tensor subclass; an unhashable scalar gives a signature nothing is remembered for.
+    A remembered decision is found again, and a repeated call on it gives the first call's values."""
+    from cudnn_attn.torch import api
+
+    scalars = (None, True, False, 0, 0.0, "BTNH", None)
+    q, k, v = _qkv(rng, torch.float16, requires_grad=False)
+    mask = torch.ones(2, 1, 8, 8, dtype=torch.bool)
+    base = api._signature((q, k, v, None, None, None), *scalars)
+    assert base == api._signature((q.clone(), k.clone(), v.clone(), None, None, None), *scalars)
+    others = [api._signature((q[:, :4], k, v, None, None, None), *scalars),
+              api._signature((q.transpose(1, 2).contiguous().transpose(1, 2), k, v, None, None, None), *scalars),
+              api._signature((q.to(torch.bfloat16), k, v, None, None, None), *scalars),
+              api._signature((q.detach().requires_grad_(), k, v, None, None, None), *scalars),
+              api._signature((q, k, v, None, None, mask), *scalars),
+              api._signature((q, k, v, None, None, None), None, 1, False, 0, 0.0, "BTNH", None)]
+    with torch.no_grad():
+        others.append(api._signature((q, k, v, None, None, None), *scalars))
+    assert all(other != base for other in others) and len(set(others)) == len(others)
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert api._signature((q.as_subclass(Sub), k, v, None, None, None), *scalars) is None
+    unhashable = api._signature((q, k, v, None, None, None), [0.25], *scalars[1:])
+    api._remember(unhashable, "never stored")
+    assert api._decided(unhashable) is None
+    first, _ = ct.sdpa(q, k, v, causal=True)
+    assert api._decided(base) is not None
+    again, _ = ct.sdpa(q.clone(), k.clone(), v.clone(), causal=True)
+    assert torch.equal(first, again)
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static_shapes", "dynamic_shapes"])
 def test_compiled_forward_and_backward_match_eager(rng, dynamic):
     """With dynamic shapes the fake implementation sees symbolic sizes (it then only computes the shapes)."""

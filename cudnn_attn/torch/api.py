@@ -95,75 +95,96 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     eager call checks only its seed and the state of torch that no signature holds (dispatch modes, transforms)."""
     tensors = (query, key, value, q_lengths, kv_lengths, keep)
     signature = _signature(tensors, scale, causal, bottom_right, window, dropout_rate, layout, training)
-    decision = _decisions.get(signature) if signature is not None else None
+    decision = _decided(signature)
+    if decision is not None and decision.direct is not None and type(seed) is int and 0 <= seed < _SEED_END \
+            and _untraced():
+        # A repeated inference forward of tensors already dense in the running layout: the direct launch reads
+        # their addresses (a transposed view's is its tensor's), so nothing of the slow path below runs.
+        output = decision.direct.launch((query, key, value), 0, keep)[0]
+        return (output.transpose(1, 2) if decision.transposed else output), decision.empty_lse
     if decision is None:
         decision = _decide(tensors, scale, causal, bottom_right, window, dropout_rate, seed, layout, training)
     seed_offset = seed if isinstance(seed, torch.Tensor) else None       # a device seed (the operators' doc)
     static = decision.static + (0 if seed_offset is not None else check_seed(seed),)
     q, k, v = (x.transpose(1, 2) if decision.transposed else x for x in (query, key, value))
-    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+    if not decision.dense:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if decision.direct is not None and seed_offset is None and _untraced():
-        output, logsumexp = decision.direct.launch((q, k, v), static[5], keep)[0], _shared_empty_lse(q)
-    else:
-        operator = attention_op
-        if not decision.training and unrecorded(q, k, v, q_lengths, kv_lengths, keep):
-            operator = attention_unrecorded
-        output, logsumexp = operator(q, k, v, q_lengths, kv_lengths, keep, *static, decision.running,
-                                     decision.training, seed_offset)
-        if signature is not None and operator is attention_unrecorded and q.is_cuda:
+    operator = attention_op
+    if not decision.training and unrecorded(q, k, v, q_lengths, kv_lengths, keep):
+        operator = attention_unrecorded
+    output, logsumexp = operator(q, k, v, q_lengths, kv_lengths, keep, *static, decision.running,
+                                 decision.training, seed_offset)
+    if signature is not None:
+        if operator is attention_unrecorded and q.is_cuda and decision.dense and decision.direct is None:
             known = calls.get(call_key(FWD, (q, k, v, q_lengths, kv_lengths, keep), static + (decision.running,),
                                        decision.training))
             if type(known) is _Direct and not known.prepared.dropout:
-                decision = decision._replace(direct=known)
-        if signature is not None:
-            _remember(signature, decision)
+                decision = decision._replace(direct=known, empty_lse=_shared_empty_lse(q))
+        _remember(signature, decision)
     return (output.transpose(1, 2) if decision.transposed else output), logsumexp
+
+
+_SEED_END = 2 ** 63
+"""The end of a static seed's range (:func:`~cudnn_attn.core.validation.check_seed`'s rule, which a seed outside
+the fast path of :func:`sdpa` meets)."""
 
 
 class _Decision(NamedTuple):
     """What :func:`sdpa` decided for a call signature: the checked static arguments but the seed, the layout the
-    operator runs in, whether the tensors are transposed views of it, ``training``, and the direct launch of an
-    unrecorded forward (:class:`~cudnn_attn.torch.ops._Direct`; ``None`` until one ran, or for other calls)."""
+    operator runs in, whether the tensors are transposed views of it, whether they are dense in it (else they are
+    copied), ``training``, and for an unrecorded inference forward of dense tensors its direct launch
+    (:class:`~cudnn_attn.torch.ops._Direct`; ``None`` until one ran, or for other calls) with the empty logsumexp
+    it returns."""
 
     static: tuple
     running: str
     transposed: bool
+    dense: bool
     training: bool
     direct: Any = None
+    empty_lse: Any = None
 
 
 _decisions: dict[tuple, _Decision] = {}
 _DECISIONS_MAX = 1024
 
 
+def _decided(signature: tuple | None) -> _Decision | None:
+    """The decision remembered for ``signature`` (``None``: none, or no signature)."""
+    if signature is None:
+        return None
+    try:
+        return _decisions.get(signature)
+    except TypeError:                     # an unhashable argument: the call is decided afresh and not remembered
+        return None
+
+
 def _remember(signature: tuple, decision: _Decision) -> None:
+    try:
+        hash(signature)
+    except TypeError:
+        return
     if len(_decisions) >= _DECISIONS_MAX:
         _decisions.clear()
     _decisions[signature] = decision
 
 
 def _signature(tensors: tuple, *scalars: Any) -> tuple | None:
-    """The identity of an eager :func:`sdpa` call: every tensor's shape, strides, dtype, device and
-    ``requires_grad``, each scalar argument with its type (``True`` and ``1`` differ), and whether grad is enabled;
-    ``None`` (nothing remembered) while ``torch.compile`` traces, for anything but plain tensors, or for an
-    unhashable argument."""
+    """The identity of an eager :func:`sdpa` call, one flat tuple: every tensor's shape, strides, dtype, device and
+    ``requires_grad`` (``None`` for an absent one), each scalar argument and its type (``True`` and ``1`` differ),
+    and whether grad is enabled; ``None`` (nothing remembered) while ``torch.compile`` traces or for anything but
+    plain tensors.  An unhashable argument makes a signature that :func:`_decided` finds nothing for."""
     if torch.compiler.is_compiling():
         return None
-    described = []
+    described: list = []
     for x in tensors:
         if x is None:
             described.append(None)
         elif type(x) is torch.Tensor:
-            described.append((x.shape, x.stride(), x.dtype, x.get_device(), x.requires_grad))
+            described += (x.shape, x.stride(), x.dtype, x.get_device(), x.requires_grad)
         else:
             return None
-    signature = (*described, *[(type(a), a) for a in scalars], torch.is_grad_enabled())
-    try:
-        hash(signature)
-    except TypeError:
-        return None
-    return signature
+    return (*described, *scalars, *map(type, scalars), torch.is_grad_enabled())
 
 
 def _untraced() -> bool:
@@ -191,14 +212,15 @@ def _decide(tensors: tuple, scale: Any, causal: Any, bottom_right: Any, window: 
     transposed = _running_layout(query, key, value)
     running = _OTHER[asked] if transposed else asked
     views = tuple(x.transpose(1, 2) if transposed else x for x in (query, key, value))
-    if not torch.compiler.is_compiling() and (transposed or not all(x.is_contiguous() for x in views)):
+    dense = all(x.is_contiguous() for x in views)
+    if not torch.compiler.is_compiling() and (transposed or not dense):
         # The operator validates its own call (the fake implementation when traced).  Where that call differs
         # from this one - another layout, copies of the tensors - this one is validated first, so that a bad call
         # fails in the caller's terms before any GPU work.
         config_of(query, key, value, q_lengths, kv_lengths, keep, static + (seed if isinstance(seed, torch.Tensor)
                                                                              else check_seed(seed), asked),
                   bool(training))
-    return _Decision(static, running, transposed, bool(training))
+    return _Decision(static, running, transposed, dense, bool(training))
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any = None, *,

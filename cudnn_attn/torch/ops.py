@@ -187,19 +187,30 @@ class _Direct(NamedTuple):
     order: Callable[[Sequence[Any]], tuple]
     results: tuple
     workspace: int
+    device: torch.device
 
     def launch(self, tensors: tuple, seed: int, keep: torch.Tensor | None = None) -> list[torch.Tensor]:
         call = self.prepared
-        device = tensors[0].device
+        device = self.device
         if keep is not None:
             tensors = (*tensors, _folded(keep, call.config))
-        results = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.results]
-        pointers = [x.data_ptr() for x in self.order(tensors)] + [r.data_ptr() for r in results]
+        # The sizes as separate arguments: torch parses them faster than one tuple (2.7 against 3.7 us, H200 host).
+        results = [torch.empty(*shape, dtype=dtype, device=device) for shape, dtype in self.results]
+        pointers = [x.data_ptr() for x in self.order(tensors)]
+        pointers += [r.data_ptr() for r in results]
+        # The workspace tensor lives until the launch is enqueued: freed earlier, torch's allocator could hand its
+        # memory to another thread's tensor on this stream before the launch that uses it.
         workspace = torch.empty(self.workspace, dtype=torch.uint8, device=device) if self.workspace else None
-        stream = _current_stream(device)
-        with runtime.on_device(call.device):
-            call.launch_into(pointers, stream, check_seed(seed) if call.dropout else seed, replay=False,
-                             workspace=0 if workspace is None else workspace.data_ptr())
+        index = call.device
+        stream = _current_stream_of(index)
+        seed = check_seed(seed) if call.dropout else seed
+        address = 0 if workspace is None else workspace.data_ptr()
+        if _current_device() == index:
+            call.launch_into(pointers, stream, seed, replay=False, workspace=address)
+        else:
+            with runtime.on_device(index):
+                call.launch_into(pointers, stream, seed, replay=False, workspace=address)
+        del workspace
         return results
 
 
@@ -214,8 +225,9 @@ def _folded(keep: torch.Tensor, config: Any) -> torch.Tensor:
     :data:`~cudnn_attn.core.validation.LARGE_NEGATIVE` elsewhere, in the io dtype, dense in the shape of
     ``config.bias`` (batch and heads as the mask broadcasts them)."""
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[config.dtype]
-    # Two kernels with host scalars as arguments: no cached device constant (made while torch records a CUDA
-    # graph, it would stay in the graph's pool untracked) and no host tensor (a copy, refused during capture).
+    # Two kernels with host scalars as arguments.  A cached device constant made while torch records a CUDA graph
+    # would stay in the graph's pool untracked, and a CPU tensor operand is a host-to-device copy, which torch
+    # refuses during capture (``torch.where`` of zero-dimensional CPU tensors: 33.6 us under cProfile, and no capture).
     bias = torch.full(keep.shape, LARGE_NEGATIVE[config.dtype], dtype=dtype, device=keep.device)
     bias.masked_fill_(keep, 0.0)
     shape = config.bias.shape
@@ -275,7 +287,8 @@ def _first_call(kind: str, tensors: tuple, static: tuple, training: bool) -> _Di
         return _General(config)
     names = _FWD_NAMES + (("bias",) if keep is not None else ()) if kind == FWD else _BWD_NAMES
     return _Direct(call, call.direct_order(names),
-                   tuple((shape, _TORCH_DTYPES[dtype]) for shape, dtype in call.result_layout()), call.workspace_size)
+                   tuple((shape, _TORCH_DTYPES[dtype]) for shape, dtype in call.result_layout()), call.workspace_size,
+                   tensors[0].device)
 
 
 def _run(kind: str, tensors: tuple, static: tuple, training: bool) -> list[torch.Tensor]:
@@ -369,15 +382,19 @@ def _public_current_stream(device: torch.device) -> int:
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_current_stream: Callable[[torch.device], int] = _public_current_stream if _raw_stream is None else \
-    (lambda device: _raw_stream(device.index))
-"""torch's current ``cudaStream_t`` of a CUDA device: ``torch._C._cuda_getCurrentRawStream`` (private), which makes no
-``torch.cuda.Stream`` object: 4.3 us of a 40.8 us decode call's host time less (``benchmarks/bench_torch_host.py``,
-cProfile, H200 host); the public ``torch.cuda.current_stream`` where torch lacks it."""
+_current_stream_of: Callable[[int], int] = \
+    (lambda index: _public_current_stream(torch.device("cuda", index))) if _raw_stream is None else _raw_stream
+"""torch's current ``cudaStream_t`` of the CUDA device of this index: ``torch._C._cuda_getCurrentRawStream``
+(private), which makes no ``torch.cuda.Stream`` object: 4.3 us of a 40.8 us decode call's host time less
+(``benchmarks/bench_torch_host.py``, cProfile, H200 host); the public ``torch.cuda.current_stream`` where torch lacks
+it."""
+
+_current_device: Callable[[], int] = cupy.cuda.runtime.getDevice
+"""The current CUDA device (CUDA's runtime, which torch and CuPy share): a direct launch runs on its call's device."""
 
 
 def _stream(x: torch.Tensor) -> int:
-    return _current_stream(x.device)
+    return _current_stream_of(x.get_device())
 
 
 def _on_torch_stream(x: torch.Tensor) -> Any:

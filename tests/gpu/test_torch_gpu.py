@@ -212,6 +212,59 @@ def test_dense_calls_launch_directly_into_torch_memory_through_a_growing_cache(r
         _compare(out, _math_sdpa(q, k, v, keep_mask), (q, k, v), rng, "float16")
 
 
+@pytest.mark.parametrize("case", ["dense", "transposed views", "copied value", "keep-mask"])
+def test_a_repeated_eager_call_runs_its_remembered_direct_launch(rng, monkeypatch, case):
+    """``sdpa`` remembers a signature's direct launch (``api._Decision.direct``) and runs it on the next calls
+    without the operator's implementation: decode steps of BNTH tensors, of BNTH views of BTNH memory (the addresses
+    are the same), and under a bfloat16 keep-mask (the fold).  A value dense in neither layout is copied on every
+    call, so it never takes that path.  Each call has new random values and matches the math SDPA; a bad seed on a
+    remembered signature still raises ``ValueError``."""
+    from cudnn_attn.torch import api, ops
+
+    S = 200 + 8 * ["dense", "transposed views", "copied value", "keep-mask"].index(case)   # a signature per case
+
+    def inputs():
+        q = _random(rng, (4, 1, 16, 64) if case == "transposed views" else (4, 16, 1, 64), torch.bfloat16)
+        k, v = (_random(rng, (4, S, 4, 64) if case == "transposed views" else (4, 4, S, 64), torch.bfloat16)
+                for _ in range(2))
+        if case == "transposed views":
+            q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        if case == "copied value":
+            v = torch.cat([v, v], dim=-1)[..., :64]
+        mask = None
+        if case == "keep-mask":
+            pads = torch.from_numpy(rng.integers(0, S // 2, 4)).cuda()
+            mask = (torch.arange(S, device="cuda")[None, :] >= pads[:, None]).view(4, 1, 1, S)
+        return q, k, v, mask
+
+    def signature(q, k, v, mask):
+        return api._signature((q, k, v, None, None, mask), None, False, False, 0, 0.0, "BNTH", None)
+
+    implementation = api.attention_unrecorded
+    for call in range(4):
+        q, k, v, mask = inputs()
+        if call == 2:           # from here on a remembered direct launch must not reach the implementation
+            decision = api._decided(signature(q, k, v, mask))
+            assert decision is not None
+            if case == "copied value":
+                assert not decision.dense and decision.direct is None
+            else:
+                assert decision.dense and type(decision.direct) is ops._Direct, decision
+
+                def refuse(*args, **kwargs):
+                    raise AssertionError("a remembered direct launch ran the operator's implementation")
+                monkeypatch.setattr(api, "attention_unrecorded", refuse)
+        _poison_pool()
+        out, lse = ct.sdpa(q, k, v, keep=mask, layout="BNTH")
+        assert out.shape == q.shape and lse.numel() == 0
+        assert_close(f"output ({case}, call {call}, S={S})", _host(out),
+                     _host(_math_sdpa(q, k, v, mask, layout="BNTH")), "bfloat16")
+    monkeypatch.setattr(api, "attention_unrecorded", implementation)
+    for seed in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="seed"):
+            ct.sdpa(q, k, v, keep=mask, layout="BNTH", seed=seed)
+
+
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 def test_torch_compile_fullgraph_forward_and_backward(rng, dtype_name):
     q, k, v = _qkv(rng, DTYPES[dtype_name])

@@ -289,14 +289,15 @@ def test_sixteen_threads_share_the_front_and_one_model(rng):
 
 
 def test_the_raw_current_stream_query_agrees_with_the_public_one():
-    """``ops._current_stream`` reads ``torch._C._cuda_getCurrentRawStream`` (a private query, DESIGN's table): it must
-    exist and give the public ``torch.cuda.current_stream`` on the default stream and inside ``torch.cuda.stream``."""
+    """``ops._current_stream_of`` reads ``torch._C._cuda_getCurrentRawStream`` (a private query, DESIGN's table): it
+    must exist and give the public ``torch.cuda.current_stream`` on the default stream and inside
+    ``torch.cuda.stream``."""
     assert hasattr(torch._C, "_cuda_getCurrentRawStream"), "torch dropped _cuda_getCurrentRawStream"
     device = torch.device("cuda", torch.cuda.current_device())
-    assert ops._current_stream(device) == torch.cuda.current_stream(device).cuda_stream
+    assert ops._current_stream_of(device.index) == torch.cuda.current_stream(device).cuda_stream
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        assert ops._current_stream(device) == side.cuda_stream != 0
+        assert ops._current_stream_of(device.index) == side.cuda_stream != 0
 
 
 def test_a_device_seed_draws_a_new_mask_at_every_replay(rng):
