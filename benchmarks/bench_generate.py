@@ -27,7 +27,8 @@ prefill included), attention calls and the host time inside the attention functi
 and misses of the warm run, and the share of generated tokens equal to sdpa's (random weights: near-ties may
 flip a greedy choice).  Each ``static+compile`` row also profiles one more warm run (``kernel_profile``): GPU
 time per token of attention kernels and of the rest, kernels and CUDA graph launches per token, and inductor's
-CUDA graph skips.  Target: ours' ms per token <= sdpa's.
+CUDA graph skips; and one more times the compiled decode step apart from ``generate()``'s loop (``step_profile``:
+its host time and GPU time per step).  Target: ours' ms per token <= sdpa's.
 
 Writes ``bench_generate.json`` into OUT_DIR and prints the table last.
 """
@@ -263,6 +264,9 @@ def run_group(rows: list[Row], model, timed: dict, tokens: int, rounds: int) -> 
             row.notes["kernels"] = kernel_profile(lambda: generate(model, ids, mask, tokens, cache), tokens)
             print(f"  kernels {cache} {'padded' if row.padded else 'plain'} {row.impl}: {row.notes['kernels']}",
                   flush=True)
+            row.notes["steps"] = step_profile(model, lambda: generate(model, ids, mask, tokens, cache), tokens)
+            print(f"  steps {cache} {'padded' if row.padded else 'plain'} {row.impl}: {row.notes['steps']}",
+                  flush=True)
 
 
 def fail(row: Row, exc: Exception) -> None:
@@ -324,6 +328,47 @@ def kernel_profile(run, tokens: int) -> dict:
     return {k: round(v, 1) if isinstance(v, float) else v for k, v in found.items()}
 
 
+def step_profile(model, run, tokens: int) -> dict:
+    """One more warm ``run()`` with ``generate()``'s compiled decode step timed apart from its loop: ``generate()``
+    calls what ``model.get_compiled_call`` returns once per decode step, and a wrapper around that call reads, per
+    step, the host clock around it (the compiled call: guards, the CUDA graph tree's input copies, the replay's
+    launch) and CUDA events around it (the GPU time from the step's first enqueued work to its last).  Medians over
+    the steps; ``loop_us`` is the rest of a token's wall time (``generate()``'s own host work around the step)."""
+    import torch
+
+    compiled_call = model.get_compiled_call
+    host_ns, events = [], []
+
+    def timed(compile_config):
+        compiled = compiled_call(compile_config)
+
+        def step(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            began = time.perf_counter_ns()
+            out = compiled(*args, **kwargs)
+            host_ns.append(time.perf_counter_ns() - began)
+            end.record()
+            events.append((start, end))
+            return out
+        return step
+
+    model.get_compiled_call = timed
+    try:
+        began = time.perf_counter()
+        run()
+        wall_us = (time.perf_counter() - began) * 1e6 / tokens
+    finally:
+        del model.get_compiled_call                      # the class's method again
+    torch.cuda.synchronize()
+    if not host_ns:
+        return {"steps": 0}
+    host_us = statistics.median(host_ns) / 1e3
+    return {"steps": len(host_ns), "step_host_us": round(host_us, 1),
+            "step_gpu_us": round(statistics.median(s.elapsed_time(e) * 1e3 for s, e in events), 1),
+            "wall_us_per_token": round(wall_us, 1), "loop_us": round(wall_us - host_us, 1)}
+
+
 def _cudagraph_skips() -> int:
     try:
         from torch._dynamo.utils import counters
@@ -362,6 +407,13 @@ def table(rows: list[Row], tokens: int, rounds: int, source: str) -> str:
                          f"{k['attention_us']} us, other {k['other_us']} us GPU; {k['kernels']} kernels, "
                          f"{k['graph_launches']} graph launches, {k['cudagraph_skips']} cudagraph skips; "
                          f"attention: {'; '.join(k['attention_top'][:3])}")
+    for r in rows:
+        k = r.notes.get("steps")
+        if k and k.get("steps"):
+            lines.append(f"{r.cache} {'padded' if r.padded else 'plain'} {r.impl}, the compiled decode step apart from "
+                         f"generate()'s loop ({k['steps']} steps, medians): host {k['step_host_us']} us, GPU "
+                         f"{k['step_gpu_us']} us; wall {k['wall_us_per_token']} us per token, of which the loop "
+                         f"{k['loop_us']} us")
     lines.append("x sdpa: the median of each round's ratio to sdpa's run in the same round; attn us: host time inside "
                  "the attention function per call; target: x sdpa <= 1.00 (OK/MISS)")
     return "\n".join(lines)

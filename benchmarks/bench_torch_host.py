@@ -12,11 +12,14 @@ rounds; the GPU synchronised between rounds, never inside one):
 
 * ``torch sdpa``         - ``torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask, enable_gqa=True)``;
 * ``ours``               - ``cudnn_attn.torch.sdpa(q, k, v, keep=..., layout="BNTH")``, the whole call;
-* ``ours: sdpa()``       - the same with the operator's implementation stubbed out (argument handling alone);
-* ``ours: lookup``       - ``ops.call_key`` and the table lookup of a repeated call;
-* ``ours: launch``       - the direct launch of a known call (results, fold, stream, ``launch_into``);
+* ``ours: signature``    - the call's signature and the lookup of its decision (``api._signature``, ``_decided``);
+* ``ours: launch``       - the direct launch of the known call (fold, result, stream, ``launch_into``);
+* ``ours: fold``         - the keep-mask's fold into a bias alone (``ops._folded``, one ``torch.where``);
+* ``ours: empty``        - torch's allocation of the result alone (``torch.empty``);
 * ``ours: launch_into``  - ``PreparedCall.launch_into`` on fixed addresses (the engine's launch sequence and
                            cuDNN's execute).
+
+What the whole call adds to ``launch`` is the signature and the checks of the fast path (``sdpa``'s own lines).
 
 Writes ``bench_torch_host.json`` into OUT_DIR and prints the table last.
 """
@@ -53,7 +56,6 @@ def measure(calls: int, rounds: int) -> list[dict]:
     import torch
 
     import cudnn_attn.torch as ct
-    from cudnn_attn.engine.call import FWD
     from cudnn_attn.torch import api, ops
 
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -89,28 +91,29 @@ def measure(calls: int, rounds: int) -> list[dict]:
                     theirs(i), ours(i)
                 row = {"cache": cache, "mask": "keep" if masked else "none",
                        "torch sdpa": _timed(theirs, calls, rounds), "ours": _timed(ours, calls, rounds)}
-                implementation = api.attention_unrecorded
-                stub_result = ours(0)
-                api.attention_unrecorded = lambda *args: stub_result
-                try:
-                    row["ours: sdpa()"] = _timed(ours, calls, rounds)
-                finally:
-                    api.attention_unrecorded = implementation
-                static = (H ** -0.5, False, False, 0, 0.0, 42, "BNTH")
+                scalars = (None, False, False, 0, 0.0, "BNTH", None)   # sdpa()'s defaults, as ours() passes them
 
-                def lookup(i):
+                def signature(i):
                     S = length(i)
-                    return ops.calls.get(ops.call_key(FWD, (q, *caches[S], None, None, keep_of(S)), static, False))
+                    return api._decided(api._signature((q, *caches[S], None, None, keep_of(S)), *scalars))
 
-                row["ours: lookup"] = _timed(lookup, calls, rounds)
-                known = {S: lookup(j) for j, S in enumerate(lengths)}
-                if all(type(k) is ops._Direct for k in known.values()):
+                row["ours: signature"] = _timed(signature, calls, rounds)
+                known = {S: signature(j) for j, S in enumerate(lengths)}
+                if all(d is not None and type(d.direct) is ops._Direct for d in known.values()):
+                    direct = known[lengths[0]].direct
+                    shape, dtype = direct.results[0]
+                    row["ours: empty"] = _timed(lambda i: torch.empty(shape, dtype=dtype, device=direct.device),
+                                                calls, rounds)
+                    if masked:
+                        row["ours: fold"] = _timed(lambda i: ops._folded(keep_of(length(i)),
+                                                                         known[length(i)].direct.prepared.config),
+                                                   calls, rounds)
+
                     def launch(i):
                         S = length(i)
-                        return known[S].launch((q, *caches[S]), 42, keep_of(S))
+                        return known[S].direct.launch((q, *caches[S]), 0, keep_of(S))
 
                     row["ours: launch"] = _timed(launch, calls, rounds)
-                    direct = known[lengths[0]]
                     tensors = (q, *caches[lengths[0]])
                     if masked:
                         tensors = (*tensors, ops._folded(keep_of(lengths[0]), direct.prepared.config))
@@ -144,7 +147,7 @@ def _profile(fn, calls: int) -> list[str]:
             for where, (_, _, own, _, _) in stats]
 
 
-COLUMNS = ("torch sdpa", "ours", "ours / torch sdpa", "ours: sdpa()", "ours: lookup", "ours: launch",
+COLUMNS = ("torch sdpa", "ours", "ours / torch sdpa", "ours: signature", "ours: launch", "ours: fold", "ours: empty",
            "ours: launch_into")
 
 
