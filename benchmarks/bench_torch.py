@@ -17,7 +17,7 @@ parameters; the first step's losses are printed side by side (they differ only b
 After the timed steps one more step of each runs under ``torch.profiler``: the GPU time of its attention kernels
 and of all the others (where a difference between the two implementations lies).
 
-Writes ``bench_torch.json`` into OUT_DIR and prints the table last.
+Writes ``bench_torch.json`` and ``bench_torch.png`` into OUT_DIR and prints the table last.
 """
 
 from __future__ import annotations
@@ -154,6 +154,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_torch.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=2)
+    plot(os.path.join(args.out, "bench_torch.json"), os.path.join(args.out, "bench_torch.png"))
     print()
     print(f"== torch training step, transformers Llama (bf16, 16/4 heads, d=64, AdamW), cudnn_attn vs sdpa on "
           f"{torch.cuda.get_device_name()} (torch {torch.__version__}; ratio = ours / sdpa GPU ms)")
@@ -161,5 +162,42 @@ def main() -> int:
     return int(any("error" in r["cudnn_attn"] or "error" in r["sdpa"] for r in rows))
 
 
+def plot(report: str, path: str) -> None:
+    """GPU ms per training step of ours and sdpa for each row, split into attention kernels and the rest of the
+    profiled step where it was profiled (bars; the label is ours / sdpa of the timed steps), from a
+    ``bench_torch.json``; nothing without matplotlib.  ``python benchmarks/bench_torch.py --plot REPORT.json
+    OUT.png`` draws it again from a saved report."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [r for r in json.load(open(report))["rows"] if "gpu_ms" in r["cudnn_attn"] and "gpu_ms" in r["sdpa"]]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for g, row in enumerate(rows):
+        for i, implementation in enumerate(("cudnn_attn", "sdpa")):
+            x = g + 0.4 * i
+            ax.bar(x, row[implementation]["gpu_ms"], 0.38, color=f"C{i}", alpha=0.35,
+                   label=f"{implementation}, timed step" if g == 0 else None)
+            split = row[implementation].get("kernels")
+            if split:
+                ax.bar(x, split["attention_ms"], 0.38, color=f"C{i}",
+                       label=f"{implementation}, attention kernels (profiled step)" if g == 0 else None)
+        ax.text(g, row["cudnn_attn"]["gpu_ms"], f"{row['ratio']:.3f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks([g + 0.2 for g in range(len(rows))],
+                  [f"{r['layers']} layers, B{r['batch']} T={r['sequence']}" for r in rows])
+    ax.set_ylabel("GPU ms per training step (median)")
+    ax.set_title("transformers Llama training step: cudnn_attn.torch against torch SDPA (label: ours / sdpa)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["--plot"] and len(sys.argv) == 4:
+        plot(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(main())

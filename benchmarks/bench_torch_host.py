@@ -21,7 +21,7 @@ rounds; the GPU synchronised between rounds, never inside one):
 
 What the whole call adds to ``launch`` is the signature and the checks of the fast path (``sdpa``'s own lines).
 
-Writes ``bench_torch_host.json`` into OUT_DIR and prints the table last.
+Writes ``bench_torch_host.json`` and ``bench_torch_host.png`` into OUT_DIR and prints the table last.
 """
 
 from __future__ import annotations
@@ -178,10 +178,49 @@ def main(argv: list[str] | None = None) -> int:
     rows = measure(args.calls, args.rounds)
     with open(os.path.join(args.out, "bench_torch_host.json"), "w") as f:
         json.dump({"calls": args.calls, "rounds": args.rounds, "rows": rows}, f, indent=1)
+    plot(os.path.join(args.out, "bench_torch_host.json"), os.path.join(args.out, "bench_torch_host.png"))
     print()
     print(table(rows, args.calls, args.rounds))
     return 0
 
 
+def plot(report: str, path: str) -> None:
+    """Host us per call of torch SDPA and ours for each row, ours' stages beside them (bars), from a
+    ``bench_torch_host.json``; nothing without matplotlib.  ``python benchmarks/bench_torch_host.py --plot
+    REPORT.json OUT.png`` draws it again from a saved report."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = json.load(open(report))["rows"]
+    bars = [c for c in COLUMNS if c != "ours / torch sdpa"]
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(bars)
+    for i, column in enumerate(bars):
+        labelled = False
+        for g, row in enumerate(rows):
+            if row.get(column) is None:
+                continue
+            ax.bar(g + i * width, row[column], width, color=f"C{i}", label=None if labelled else column)
+            labelled = True
+            if column == "ours":
+                ax.text(g + i * width, row[column], f"{row['ours / torch sdpa']:.2f}x", ha="center", va="bottom",
+                        fontsize=7)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(rows))], [f"{r['cache']}, {r['mask']}" for r in rows])
+    ax.set_ylabel("host us per call (median)")
+    ax.set_title("eager torch decode call: torch SDPA against cudnn_attn.torch.sdpa and its stages "
+                 "(label: ours / torch sdpa)")
+    ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["--plot"] and len(sys.argv) == 4:
+        plot(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(main())
