@@ -10,8 +10,10 @@ of dim 64 (GQA), hidden 1024, causal language-model loss.  Rows: (layers, batch,
 
 Method: each step is forward + backward + optimizer step + ``zero_grad``; *GPU ms* is the time between two CUDA
 events recorded on torch's current stream around the step (host gaps between kernels included), the median of
-``--steps`` steps after ``--warmup``; *wall ms* the host clock of the step with a synchronize at its end.  The
-ratio is ours over sdpa's GPU ms (below 1: ours faster).  The two implementations start from the same
+``--steps`` steps after ``--warmup``; *wall ms* the host clock of the step with a synchronize at its end.  Both
+models live side by side and step alternately (each step in the other order than the last), so that a drift of
+the GPU or the host falls on both; the ratio is the median of each step's ours / sdpa GPU ms (below 1: ours
+faster).  The two implementations start from the same
 parameters; the first step's losses are printed side by side (they differ only by the two attention kernels' rounding).
 
 After the timed steps one more step of each runs under ``torch.profiler``: the GPU time of its attention kernels
@@ -46,29 +48,36 @@ def _model(layers: int, sequence: int):
     return transformers.LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).train()
 
 
-def _time_steps(model, implementation: str, ids: torch.Tensor, steps: int, warmup: int) -> dict:
-    model.set_attn_implementation(implementation)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    gpu, wall, losses = [], [], []
-    for step in range(warmup + steps):
+class _Trainer:
+    """One implementation's model (the shared initial parameters), its AdamW and its timed steps."""
+
+    def __init__(self, implementation: str, layers: int, sequence: int):
+        self.implementation = implementation
+        self.model = _model(layers, sequence)
+        self.model.set_attn_implementation(implementation)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.gpu, self.wall, self.losses = [], [], []
+
+    def step(self, ids: torch.Tensor, timed: bool) -> None:
         began = time.perf_counter()
-        start.record()
-        loss = model(ids, labels=ids).loss
+        self.start.record()
+        loss = self.model(ids, labels=ids).loss
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        end.record()
-        end.synchronize()
-        losses.append(float(loss))
-        if step >= warmup:
-            gpu.append(start.elapsed_time(end))
-            wall.append((time.perf_counter() - began) * 1e3)
-    result = {"gpu_ms": statistics.median(gpu), "wall_ms": statistics.median(wall), "first_loss": losses[0],
-              "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
-    result["kernels"] = _kernel_split(lambda: (model(ids, labels=ids).loss.backward(), optimizer.step(),
-                                               optimizer.zero_grad(set_to_none=True)))
-    return result
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.end.record()
+        self.end.synchronize()
+        self.losses.append(float(loss))
+        if timed:
+            self.gpu.append(self.start.elapsed_time(self.end))
+            self.wall.append((time.perf_counter() - began) * 1e3)
+
+    def result(self, ids: torch.Tensor) -> dict:
+        result = {"gpu_ms": statistics.median(self.gpu), "wall_ms": statistics.median(self.wall),
+                  "first_loss": self.losses[0], "gpu_ms_steps": [round(x, 3) for x in self.gpu]}
+        result["kernels"] = _kernel_split(lambda: self.step(ids, False))
+        return result
 
 
 _ATTENTION = re.compile(r"(?i)sdpa|fmha|flash|attn|attention|cudnn")
@@ -99,19 +108,22 @@ def measure(layers: int, batch: int, sequence: int, steps: int, warmup: int) -> 
     name = ct.register_transformers()
     ids = torch.randint(0, 32000, (batch, sequence), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     row = {"layers": layers, "batch": batch, "sequence": sequence}
-    for implementation in (name, "sdpa"):
-        model = _model(layers, sequence)              # the same initial parameters for both
-        torch.cuda.reset_peak_memory_stats()
-        try:
-            row[implementation] = _time_steps(model, implementation, ids, steps, warmup)
-        except Exception as error:                    # a row that fails is reported, the others still run
-            traceback.print_exc()
-            row[implementation] = {"error": f"{type(error).__name__}: {error}"}
-        del model
+    try:
+        trainers = [_Trainer(implementation, layers, sequence) for implementation in (name, "sdpa")]
+        for step in range(warmup + steps):         # alternating, each step in the other order: a drift of the
+            for trainer in trainers if step % 2 else trainers[::-1]:       # GPU or host falls on both alike
+                trainer.step(ids, step >= warmup)
+        for trainer in trainers:
+            row[trainer.implementation] = trainer.result(ids)
+        ours, theirs = trainers
+        row["ratio"] = statistics.median(a / b for a, b in zip(ours.gpu, theirs.gpu))
+    except Exception as error:                        # a row that fails is reported, the others still run
+        traceback.print_exc()
+        for implementation in (name, "sdpa"):
+            row.setdefault(implementation, {"error": f"{type(error).__name__}: {error}"})
+    finally:
+        trainers = None
         torch.cuda.empty_cache()
-    ours, theirs = row[name], row["sdpa"]
-    if "gpu_ms" in ours and "gpu_ms" in theirs:
-        row["ratio"] = ours["gpu_ms"] / theirs["gpu_ms"]
     return row
 
 
