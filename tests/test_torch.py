@@ -416,6 +416,41 @@ def test_llama_static_cache_generate_compiles_the_operator():
     assert graphs and (torch.ops.cudnn_attn.attention.default in targets or torch.ops.cudnn_attn.attention in targets)
 
 
+def test_a_llama_training_step_makes_no_copy_that_sdpas_does_not():
+    """Around the attention, a transformers training step through the torch front runs no more copies and fills
+    than through sdpa (counted by a dispatch mode, which sees the operators whole): transformers passes a BTNH query
+    with the BNTH key and value its cache concatenated, so the call runs in the query's layout and reads key and
+    value with their strides - the output and the query's gradient come back dense where the projections read them,
+    and the logsumexp gets no zero-filled gradient."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counted(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.name()] += 1
+            return func(*args, **(kwargs or {}))
+
+    model, ids, _ = _llama(layers=2, left_padding=False)
+    model = model.to(torch.bfloat16).train()
+    counted = {}
+    for implementation in (ct.register_transformers(), "sdpa"):
+        model.set_attn_implementation(implementation)
+        model.zero_grad(set_to_none=True)
+        with Counted() as mode:
+            model(ids, labels=ids).loss.backward()
+        counted[implementation] = mode.ops
+    ours, theirs = counted["cudnn_attn"], counted["sdpa"]
+    assert ours["cudnn_attn::attention"] == ours["cudnn_attn::attention_backward"] == 2
+    for op in ("aten::clone", "aten::copy_", "aten::contiguous", "aten::zeros", "aten::zeros_like", "aten::fill_",
+               "aten::full"):
+        assert ours[op] <= theirs[op], (op, ours[op], theirs[op])
+
+
 def test_a_device_seed_tensor_draws_its_own_mask_and_bad_ones_are_named(rng):
     """``seed`` as an int64 tensor ``[seed, offset]`` (the reference's masks on CPU): equal values draw equal masks,
     other values others, and the gradient flows; a tensor of another size or dtype is a ValueError naming ``seed``."""

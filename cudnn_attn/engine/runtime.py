@@ -77,7 +77,7 @@ import contextlib
 import inspect
 import logging
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from cudnn_attn.core.config import dense_strides
 from cudnn_attn.core.environment import Environment
@@ -404,25 +404,35 @@ copies: collections.Counter = collections.Counter()
 
 
 def readable_strides(x: Any) -> bool:
-    """Whether cuDNN reads the rank-4 CuPy array ``x`` with its own strides: every stride positive and 16-byte
-    aligned, the last dimension contiguous, the data 16-byte aligned (a view of other memory: a BNTH view of BTNH
-    memory, a transposed view, sliced heads)."""
-    if x.ndim != 4 or x.data.ptr % 16:
+    """Whether cuDNN reads the rank-4 CuPy array ``x`` with its own strides (:func:`readable_layout`) at its address:
+    the data 16-byte aligned too (a view of other memory: a BNTH view of BTNH memory, a transposed view, sliced
+    heads)."""
+    return x.ndim == 4 and not x.data.ptr % 16 and readable_layout(x.shape, x.strides, x.itemsize)
+
+
+def readable_layout(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
+    """Whether cuDNN reads a rank-4 array of ``shape`` and byte ``strides`` as it is: every stride positive and
+    16-byte aligned, the last dimension contiguous (dimensions of extent 1 read nothing and count for nothing).  The
+    rule of every front; the data's own alignment is the caller's to check."""
+    if len(shape) != 4:
         return False
-    itemsize = x.itemsize
-    for extent, stride in zip(x.shape, x.strides):
-        if extent == 1:
-            continue
-        if stride <= 0 or stride % itemsize:
+    for extent, stride in zip(shape, strides):
+        if extent != 1 and (stride <= 0 or stride % itemsize):
             return False
-    last = x.shape[-1] == 1 or x.strides[-1] == itemsize
-    return last and all(extent == 1 or stride % 16 == 0 for extent, stride in zip(x.shape[:-1], x.strides[:-1]))
+    last = shape[-1] == 1 or strides[-1] == itemsize
+    return last and all(extent == 1 or stride % 16 == 0 for extent, stride in zip(shape[:-1], strides[:-1]))
 
 
 def element_strides(x: Any) -> tuple[int, ...]:
     """``x``'s strides in elements, with the row-major value for dimensions of extent 1 (whose stride reads nothing)."""
-    dense = dense_strides(x.shape)
-    return tuple(d if extent == 1 else s // x.itemsize for extent, s, d in zip(x.shape, x.strides, dense))
+    return normalized_strides(x.shape, [s // x.itemsize for s in x.strides])
+
+
+def normalized_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
+    """Element ``strides`` of ``shape`` with the row-major value for dimensions of extent 1 (:func:`element_strides`'s
+    rule, for a framework that gives element strides)."""
+    dense = dense_strides(tuple(shape))
+    return tuple(d if extent == 1 else s for extent, s, d in zip(shape, strides, dense))
 
 
 def as_cupy(name: str, x: Any, device: int | None, stream: Any, *, strided: bool = False) -> Any:

@@ -5,8 +5,12 @@ named results) and :func:`sdpa`, the same call with the mask as plain arguments 
 Both choose the layout the operator runs in from the tensors' strides: a tensor that is a transposed view of
 the other layout (transformers' ``(batch, heads, seq, dim)`` query is ``q_proj(x).view(B, T, N, H).transpose(1,
 2)``, dense in BTNH) runs in that layout without a copy, and the output comes back as a view in the layout
-asked for.  Key and value decide (in decoding they are the large cache); a tensor dense in neither layout is
-copied.  Differentiable with ``torch.autograd``; ``torch.compile(fullgraph=True)`` traces both (the operators
+asked for.  The query decides where it is dense in one layout alone (the output and the query's gradient come back
+dense in its layout, which the caller's next operation reads: transformers' training step passes a BTNH query with
+the BNTH key and value its cache concatenated, and runs in BTNH); otherwise key and value decide (in decoding they
+are the large cache and the one query is dense in both).  A tensor not dense in the running layout reaches cuDNN
+with its own strides where cuDNN reads them (:func:`cudnn_attn.engine.runtime.readable_layout`) and is copied
+otherwise.  Differentiable with ``torch.autograd``; ``torch.compile(fullgraph=True)`` traces both (the operators
 are opaque to it: :mod:`cudnn_attn.torch.ops`).
 """
 
@@ -26,7 +30,8 @@ from cudnn_attn.core.validation import check_seed, checked, default_scale, flag,
 
 from cudnn_attn.engine.call import FWD
 
-from .ops import NAMES, _Direct, _shared_empty_lse, attention_op, attention_unrecorded, call_key, calls, config_of
+from .ops import (NAMES, _Direct, _readable, _shared_empty_lse, attention_op, attention_unrecorded, call_key, calls,
+                  config_of)
 
 __all__ = ["attention", "sdpa", "unrecorded"]
 
@@ -48,13 +53,17 @@ def _dense_in(x: torch.Tensor, transposed: bool) -> bool:
 
 
 def _running_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether the call runs in the other layout (module doc): key and value dense only there, or query dense only
-    there while key and value are dense in neither."""
-    if _dense_in(key, False) and _dense_in(value, False):
+    """Whether the call runs in the other layout (module doc): all three dense only there; else the query's layout
+    where it is dense in one layout alone (the output and its gradient come back dense in it, where the caller's next
+    operation reads them), else key and value dense only there."""
+    if all(_dense_in(x, False) for x in (query, key, value)):
         return False
-    if _dense_in(key, True) and _dense_in(value, True):
+    if all(_dense_in(x, True) for x in (query, key, value)):
         return True
-    return not _dense_in(query, False) and _dense_in(query, True)
+    here, there = _dense_in(query, False), _dense_in(query, True)
+    if here != there:
+        return there
+    return not (_dense_in(key, False) and _dense_in(value, False)) and _dense_in(key, True) and _dense_in(value, True)
 
 
 def _check_tensors(**tensors: Any) -> None:
@@ -97,7 +106,7 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     signature = _signature(tensors, scale, causal, bottom_right, window, dropout_rate, layout, training)
     decision = _decided(signature)
     if decision is not None and decision.direct is not None and type(seed) is int and 0 <= seed < _SEED_END \
-            and _untraced():
+            and _untraced() and decision.direct.takes(tensors):
         # A repeated inference forward of tensors already dense in the running layout: the direct launch reads
         # their addresses (a transposed view's is its tensor's), so nothing of the slow path below runs.
         output = decision.direct.launch((query, key, value), 0, keep)[0]
@@ -107,15 +116,15 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     seed_offset = seed if isinstance(seed, torch.Tensor) else None       # a device seed (the operators' doc)
     static = decision.static + (0 if seed_offset is not None else check_seed(seed),)
     q, k, v = (x.transpose(1, 2) if decision.transposed else x for x in (query, key, value))
-    if not decision.dense:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if not decision.as_given:
+        q, k, v = (x.contiguous() if copy else x for x, copy in zip((q, k, v), decision.copies))
     operator = attention_op
     if not decision.training and unrecorded(q, k, v, q_lengths, kv_lengths, keep):
         operator = attention_unrecorded
     output, logsumexp = operator(q, k, v, q_lengths, kv_lengths, keep, *static, decision.running,
                                  decision.training, seed_offset)
     if signature is not None:
-        if operator is attention_unrecorded and q.is_cuda and decision.dense and decision.direct is None:
+        if operator is attention_unrecorded and q.is_cuda and decision.as_given and decision.direct is None:
             known = calls.get(call_key(FWD, (q, k, v, q_lengths, kv_lengths, keep), static + (decision.running,),
                                        decision.training))
             if type(known) is _Direct and not known.prepared.dropout:
@@ -131,18 +140,24 @@ the fast path of :func:`sdpa` meets)."""
 
 class _Decision(NamedTuple):
     """What :func:`sdpa` decided for a call signature: the checked static arguments but the seed, the layout the
-    operator runs in, whether the tensors are transposed views of it, whether they are dense in it (else they are
-    copied), ``training``, and for an unrecorded inference forward of dense tensors its direct launch
+    operator runs in, whether the tensors are transposed views of it, which of them are copied (dense in neither
+    layout and strided beyond what cuDNN reads), ``training``, and for an unrecorded inference forward of tensors
+    read as given its direct launch
     (:class:`~cudnn_attn.torch.ops._Direct`; ``None`` until one ran, or for other calls) with the empty logsumexp
     it returns."""
 
     static: tuple
     running: str
     transposed: bool
-    dense: bool
+    copies: tuple
     training: bool
     direct: Any = None
     empty_lse: Any = None
+
+    @property
+    def as_given(self) -> bool:
+        """No tensor is copied: the operator reads all three as the caller gave them."""
+        return not any(self.copies)
 
 
 _decisions: dict[tuple, _Decision] = {}
@@ -212,15 +227,15 @@ def _decide(tensors: tuple, scale: Any, causal: Any, bottom_right: Any, window: 
     transposed = _running_layout(query, key, value)
     running = _OTHER[asked] if transposed else asked
     views = tuple(x.transpose(1, 2) if transposed else x for x in (query, key, value))
-    dense = all(x.is_contiguous() for x in views)
-    if not torch.compiler.is_compiling() and (transposed or not dense):
+    copies = tuple(not (x.is_contiguous() or _readable(x)) for x in views)
+    if not torch.compiler.is_compiling() and (transposed or any(copies)):
         # The operator validates its own call (the fake implementation when traced).  Where that call differs
         # from this one - another layout, copies of the tensors - this one is validated first, so that a bad call
         # fails in the caller's terms before any GPU work.
         config_of(query, key, value, q_lengths, kv_lengths, keep, static + (seed if isinstance(seed, torch.Tensor)
                                                                              else check_seed(seed), asked),
                   bool(training))
-    return _Decision(static, running, transposed, dense, bool(training))
+    return _Decision(static, running, transposed, copies, bool(training))
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any = None, *,

@@ -21,14 +21,15 @@ synchronisation and no host read of a device value.  So a CUDA graph torch captu
 ``torch.compile(mode="reduce-overhead")``, transformers' static-cache ``generate()``) holds the whole call, and
 the operators carry no ``cudagraph_unsafe`` tag.  A call runs one of two ways:
 
-* a call of dense query/key/value alone (and, backward, the dense residuals; a bfloat16 inference forward with a
-  boolean ``keep`` as well) is a *direct launch*: validated once per signature on stand-ins (:func:`config_of`),
-  its :class:`~cudnn_attn.engine.prepared.PreparedCall` launched on the tensors' addresses into results from
-  torch's caching allocator - no CuPy array, no DLPack;
-* any other call (lengths, a keep-mask, a strided tensor) runs the CuPy front's generic path
+* a call of query/key/value alone, dense or views cuDNN reads with their strides (and, backward, the dense
+  residuals; a bfloat16 inference forward with a boolean ``keep`` as well) is a *direct launch*: validated once per
+  signature on stand-ins (:func:`config_of`), its :class:`~cudnn_attn.engine.prepared.PreparedCall` (the views'
+  strides in its configuration) launched on the tensors' addresses into results from torch's caching allocator -
+  no CuPy array, no DLPack;
+* any other call (lengths, a keep-mask it cannot take, a view cuDNN cannot read) runs the CuPy front's generic path
   (:func:`cudnn_attn.fronts.cupy.run_forward` and ``run_backward``) on the tensors themselves, zero-copy, with
-  torch's stream as CuPy's current stream and torch's allocator as CuPy's (:func:`cudnn_attn.engine.runtime.memory_from`),
-  into results torch allocated.
+  torch's stream as CuPy's current stream and torch's allocator as CuPy's
+  (:func:`cudnn_attn.engine.runtime.memory_from`), into results torch allocated.
 
 Both kinds are remembered in one table, :data:`calls`, by :func:`call_key`.  The first call of a signature
 validates, builds (or finds) its cuDNN graph and compiles the CuPy kernels it uses; none of that may happen while
@@ -53,6 +54,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from cudnn_attn.core.config import InputStrides
 from cudnn_attn.core.parameters import renamed_arguments
 from cudnn_attn.core.types import MaskType
 from cudnn_attn.core import masked_rows
@@ -188,6 +190,13 @@ class _Direct(NamedTuple):
     results: tuple
     workspace: int
     device: torch.device
+    strided: bool                      # some of Q, K and V are views read with their strides (config.strides)
+
+    def takes(self, tensors: tuple) -> bool:
+        """Whether this launch serves ``tensors`` of its signature: the views of a strided one must start 16-byte
+        aligned, which a signature does not fix (:func:`cudnn_attn.engine.runtime.readable_strides`' rule; the
+        general path copies the others, as the CuPy front does)."""
+        return not self.strided or not any(x.data_ptr() & 15 for x in tensors[:3])
 
     def launch(self, tensors: tuple, seed: int, keep: torch.Tensor | None = None) -> list[torch.Tensor]:
         call = self.prepared
@@ -275,9 +284,14 @@ def _first_call(kind: str, tensors: tuple, static: tuple, training: bool) -> _Di
         with renamed_arguments(NAMES):
             validate_backward(config, *(_stand_in(name, x) for name, x in zip(_BWD_NAMES[3:], tensors[3:6])))
     device_seed = static[5] if type(static[5]) is torch.Tensor and static[4] > 0 else None
-    if q_lengths is not None or kv_lengths is not None or not all(x.is_contiguous() for x in dense) \
+    strided = {name: x for name, x in zip(_FWD_NAMES, dense) if not x.is_contiguous()}
+    if q_lengths is not None or kv_lengths is not None or not all(x.is_contiguous() for x in dense[3:]) \
+            or not all(_readable(x) for x in strided.values()) \
             or device_seed is not None or len({x.get_device() for x in (*tensors, device_seed) if x is not None}) > 1:
         return _General(config)                # the general path copies, or names the tensor on another device
+    if strided:                                # Q, K or V views cuDNN reads with their own strides
+        config = config.replace(strides=InputStrides(**{name: runtime.normalized_strides(x.shape, x.stride())
+                                                        for name, x in strided.items()}))
     if keep is not None and (kind != FWD or keep.dtype != torch.bool or not masked_rows.kernel_gives_the_mean(config)):
         return _General(config)
     if kind == BWD and (config.has_dbias or config.sink):
@@ -288,7 +302,15 @@ def _first_call(kind: str, tensors: tuple, static: tuple, training: bool) -> _Di
     names = _FWD_NAMES + (("bias",) if keep is not None else ()) if kind == FWD else _BWD_NAMES
     return _Direct(call, call.direct_order(names),
                    tuple((shape, _TORCH_DTYPES[dtype]) for shape, dtype in call.result_layout()), call.workspace_size,
-                   tensors[0].device)
+                   tensors[0].device, bool(strided))
+
+
+def _readable(x: torch.Tensor) -> bool:
+    """Whether cuDNN reads the Q, K or V tensor ``x`` with its strides (every front's rule,
+    :func:`cudnn_attn.engine.runtime.readable_layout`; the data's alignment is checked per call:
+    :meth:`_Direct.takes`)."""
+    itemsize = x.element_size()
+    return runtime.readable_layout(x.shape, [s * itemsize for s in x.stride()], itemsize)
 
 
 def _run(kind: str, tensors: tuple, static: tuple, training: bool) -> list[torch.Tensor]:
@@ -302,11 +324,12 @@ def _run(kind: str, tensors: tuple, static: tuple, training: bool) -> list[torch
     first = known is None
     if first:
         known = _first_call(kind, tensors, static, training)
-    if type(known) is _Direct:
+    if type(known) is _Direct and known.takes(tensors):
         results = known.launch(tensors[:3] if kind == FWD else tensors[:6], static[5],
                                tensors[5] if kind == FWD else None)
     else:
-        results = _general(kind, known.config, tensors, static, training)
+        results = _general(kind, known.prepared.config if type(known) is _Direct else known.config, tensors, static,
+                           training)
     if first:
         calls.remember(key, known)
     return results
@@ -567,6 +590,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.static = (scale, causal, bottom_right, window, dropout_rate, seed, layout)
     ctx.training = training
     ctx.mark_non_differentiable(logsumexp)
+    ctx.set_materialize_grads(False)          # no zero-filled gradient of the logsumexp, a kernel per call
 
 
 def _backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any) -> tuple:
@@ -574,6 +598,8 @@ def _backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any) -> tuple
         raise RuntimeError("cudnn_attn::attention: the forward ran with training=False (no logsumexp kept); "
                            "call it with training=True to differentiate it (cudnn_attn.torch.attention decides "
                            "from torch.is_grad_enabled() and requires_grad)")
+    if grad_output is None:                   # the output was not used
+        return (None,) * 15
     query, key, value, out, logsumexp, q_lengths, kv_lengths, keep, seed_offset = ctx.saved_tensors
     dq, dk, dv = attention_backward_op(query, key, value, out, grad_output, logsumexp, q_lengths, kv_lengths, keep,
                                        *ctx.static, seed_offset)

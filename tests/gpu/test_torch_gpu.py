@@ -212,6 +212,45 @@ def test_dense_calls_launch_directly_into_torch_memory_through_a_growing_cache(r
         _compare(out, _math_sdpa(q, k, v, keep_mask), (q, k, v), rng, "float16")
 
 
+def test_strided_views_launch_directly_and_a_misaligned_view_takes_the_general_path(rng, monkeypatch):
+    """transformers' training call - a BNTH view of a BTNH query, with the dense BNTH key and value its cache
+    concatenated - runs in the query's layout as a direct launch that reads key and value with their strides,
+    forward and backward (the CuPy front never runs), and matches the math SDPA.  A query view of padded memory
+    (dense in neither layout) is read with its strides too; the same view one element further on has the same
+    signature but starts off a 16-byte boundary: the general path copies it, and its values match too."""
+    from cudnn_attn.fronts import cupy as cupy_front
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a call cuDNN reads as given ran the CuPy front")
+
+    B, T, N, K, H = 2, 192, 16, 4, 64
+    q = _random(rng, (B, T, N, H), torch.bfloat16).transpose(1, 2).requires_grad_()
+    k, v = (_random(rng, (B, K, T, H), torch.bfloat16).requires_grad_() for _ in range(2))
+    padded = _random(rng, (B, T, N, H + 8), torch.bfloat16)
+    views = [padded[..., :H].transpose(1, 2), padded[..., 1:H + 1].transpose(1, 2)]
+    with monkeypatch.context() as patched:
+        patched.setattr(cupy_front, "run_forward", refuse)
+        patched.setattr(cupy_front, "run_backward", refuse)
+        for _ in range(2):                                     # the second call repeats the first's signature
+            _poison_pool()
+            out = ct.attention(q, k, v, mask=causal(), layout="BNTH").output
+            assert out.transpose(1, 2).is_contiguous()          # dense in the query's layout
+            _compare(out, _math_sdpa(q, k, v, is_causal=True, layout="BNTH"), (q, k, v), rng, "bfloat16")
+        with torch.no_grad():
+            _poison_pool()
+            aligned = ct.sdpa(views[0], k, v, causal=True, layout="BNTH")[0]
+        assert_close("output (a view of padded memory)", _host(aligned),
+                     _host(_math_sdpa(views[0], k, v, is_causal=True, layout="BNTH")), "bfloat16")
+    general, run_forward = [], cupy_front.run_forward
+    monkeypatch.setattr(cupy_front, "run_forward", lambda *a, **kw: general.append(1) or run_forward(*a, **kw))
+    with torch.no_grad():
+        _poison_pool()
+        shifted = ct.sdpa(views[1], k, v, causal=True, layout="BNTH")[0]
+    assert general, "the misaligned view was launched directly"
+    assert_close("output (the view one element on)", _host(shifted),
+                 _host(_math_sdpa(views[1], k, v, is_causal=True, layout="BNTH")), "bfloat16")
+
+
 @pytest.mark.parametrize("case", ["dense", "transposed views", "copied value", "keep-mask"])
 def test_a_repeated_eager_call_runs_its_remembered_direct_launch(rng, monkeypatch, case):
     """``sdpa`` remembers a signature's direct launch (``api._Decision.direct``) and runs it on the next calls
