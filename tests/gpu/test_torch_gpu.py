@@ -251,16 +251,16 @@ def test_strided_views_launch_directly_and_a_misaligned_view_takes_the_general_p
                  _host(_math_sdpa(views[1], k, v, is_causal=True, layout="BNTH")), "bfloat16")
 
 
-@pytest.mark.parametrize("case", ["dense", "transposed views", "copied value", "keep-mask"])
+@pytest.mark.parametrize("case", ["dense", "transposed views", "strided value", "copied value", "keep-mask"])
 def test_a_repeated_eager_call_runs_its_remembered_direct_launch(rng, monkeypatch, case):
     """``sdpa`` remembers a signature's direct launch (``api._Decision.direct``) and runs it on the next calls
     without the operator's implementation: decode steps of BNTH tensors, of BNTH views of BTNH memory (the addresses
-    are the same), and under a bfloat16 keep-mask (the fold).  A value dense in neither layout is copied on every
-    call, so it never takes that path.  Each call has new random values and matches the math SDPA; a bad seed on a
-    remembered signature still raises ``ValueError``."""
+    are the same), of a value view cuDNN reads with its strides, and under a bfloat16 keep-mask (the fold).  A value
+    whose last dimension is strided is copied on every call, so it never takes that path.  Each call has new random
+    values and matches the math SDPA; a bad seed on a remembered signature still raises ``ValueError``."""
     from cudnn_attn.torch import api, ops
 
-    S = 200 + 8 * ["dense", "transposed views", "copied value", "keep-mask"].index(case)   # a signature per case
+    S = 200 + 8 * ["dense", "transposed views", "strided value", "copied value", "keep-mask"].index(case)   # a signature per case
 
     def inputs():
         q = _random(rng, (4, 1, 16, 64) if case == "transposed views" else (4, 16, 1, 64), torch.bfloat16)
@@ -268,8 +268,10 @@ def test_a_repeated_eager_call_runs_its_remembered_direct_launch(rng, monkeypatc
                 for _ in range(2))
         if case == "transposed views":
             q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-        if case == "copied value":
+        if case == "strided value":                  # dense in neither layout; cuDNN reads its strides
             v = torch.cat([v, v], dim=-1)[..., :64]
+        if case == "copied value":                   # every other element of the last dimension: no cuDNN layout
+            v = torch.cat([v, v], dim=-1)[..., ::2]
         mask = None
         if case == "keep-mask":
             pads = torch.from_numpy(rng.integers(0, S // 2, 4)).cuda()
@@ -286,9 +288,9 @@ def test_a_repeated_eager_call_runs_its_remembered_direct_launch(rng, monkeypatc
             decision = api._decided(signature(q, k, v, mask))
             assert decision is not None
             if case == "copied value":
-                assert not decision.dense and decision.direct is None
+                assert decision.copies == (False, False, True) and decision.direct is None, decision
             else:
-                assert decision.dense and type(decision.direct) is ops._Direct, decision
+                assert decision.as_given and type(decision.direct) is ops._Direct, decision
 
                 def refuse(*args, **kwargs):
                     raise AssertionError("a remembered direct launch ran the operator's implementation")
