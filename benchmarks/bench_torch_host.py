@@ -14,12 +14,14 @@ rounds; the GPU synchronised between rounds, never inside one):
 * ``ours``               - ``cudnn_attn.torch.sdpa(q, k, v, keep=..., layout="BNTH")``, the whole call;
 * ``ours: signature``    - the call's signature and the lookup of its decision (``api._signature``, ``_decided``);
 * ``ours: launch``       - the direct launch of the known call (fold, result, stream, ``launch_into``);
-* ``ours: fold``         - the keep-mask's fold into a bias alone (``ops._folded``, one ``torch.where``);
+* ``ours: fold``         - the keep-mask's fold into a bias alone (``ops._folded``: ``torch.full``, ``masked_fill_``);
 * ``ours: empty``        - torch's allocation of the result alone (``torch.empty``);
 * ``ours: launch_into``  - ``PreparedCall.launch_into`` on fixed addresses (the engine's launch sequence and
                            cuDNN's execute).
 
 What the whole call adds to ``launch`` is the signature and the checks of the fast path (``sdpa``'s own lines).
+``torch sdpa`` and ``ours`` run their rounds alternately, each round in the other order than the last (a drift of
+the host falls on both), and ``ours / torch sdpa`` is the median of the rounds' ratios.
 
 Writes ``bench_torch_host.json`` and ``bench_torch_host.png`` into OUT_DIR and prints the table last.
 """
@@ -50,6 +52,17 @@ def _timed(fn, calls: int, rounds: int) -> float:
         samples.append((time.perf_counter_ns() - start) / calls / 1e3)
     torch.cuda.synchronize()
     return statistics.median(samples)
+
+
+def _paired(theirs, ours, calls: int, rounds: int) -> tuple[float, float, float]:
+    """Rounds of ``theirs`` and ``ours`` alternating, each round in the other order than the last (a drift of the
+    host falls on both): each one's median us per call, and the median of the rounds' ours / theirs."""
+    samples: dict = {theirs: [], ours: []}
+    for r in range(rounds):
+        for fn in (theirs, ours) if r % 2 == 0 else (ours, theirs):
+            samples[fn].append(_timed(fn, calls, 1))
+    ratios = [a / b for a, b in zip(samples[ours], samples[theirs])]
+    return statistics.median(samples[theirs]), statistics.median(samples[ours]), statistics.median(ratios)
 
 
 def measure(calls: int, rounds: int) -> list[dict]:
@@ -89,8 +102,8 @@ def measure(calls: int, rounds: int) -> list[dict]:
             with torch.no_grad():
                 for i in range(2 * len(lengths)):                     # graphs built, signatures known
                     theirs(i), ours(i)
-                row = {"cache": cache, "mask": "keep" if masked else "none",
-                       "torch sdpa": _timed(theirs, calls, rounds), "ours": _timed(ours, calls, rounds)}
+                row = {"cache": cache, "mask": "keep" if masked else "none"}
+                row["torch sdpa"], row["ours"], row["ours / torch sdpa"] = _paired(theirs, ours, calls, rounds)
                 scalars = (None, False, False, 0, 0.0, "BNTH", None)   # sdpa()'s defaults, as ours() passes them
 
                 def signature(i):
@@ -123,7 +136,6 @@ def measure(calls: int, rounds: int) -> list[dict]:
                     row["ours: launch_into"] = _timed(
                         lambda i: direct.prepared.launch_into(list(pointers), stream, 42, replay=False, workspace=0),
                         calls, rounds)
-                row["ours / torch sdpa"] = row["ours"] / row["torch sdpa"]
                 row["profile"] = _profile(ours, calls)
             rows.append(row)
             print("  " + json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()
