@@ -107,8 +107,9 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     decision = _decided(signature)
     if decision is not None and decision.direct is not None and type(seed) is int and 0 <= seed < _SEED_END \
             and _untraced() and decision.direct.takes(tensors):
-        # A repeated inference forward of tensors already dense in the running layout: the direct launch reads
-        # their addresses (a transposed view's is its tensor's), so nothing of the slow path below runs.
+        # A repeated inference forward of tensors the operator reads as given (dense in the running layout, or views
+        # cuDNN reads with their strides): the direct launch reads their addresses (a transposed view's is its
+        # tensor's), so nothing of the slow path below runs.
         output = decision.direct.launch((query, key, value), 0, keep)[0]
         return (output.transpose(1, 2) if decision.transposed else output), decision.empty_lse
     if decision is None:
