@@ -251,7 +251,10 @@ def test_strided_views_launch_directly_and_a_misaligned_view_takes_the_general_p
                  _host(_math_sdpa(views[1], k, v, is_causal=True, layout="BNTH")), "bfloat16")
 
 
-@pytest.mark.parametrize("case", ["dense", "transposed views", "strided value", "copied value", "keep-mask"])
+REPEATED_CASES = ("dense", "transposed views", "strided value", "copied value", "keep-mask")
+
+
+@pytest.mark.parametrize("case", REPEATED_CASES)
 def test_a_repeated_eager_call_runs_its_remembered_direct_launch(rng, monkeypatch, case):
     """``sdpa`` remembers a signature's direct launch (``api._Decision.direct``) and runs it on the next calls
     without the operator's implementation: decode steps of BNTH tensors, of BNTH views of BTNH memory (the addresses
@@ -260,7 +263,7 @@ def test_a_repeated_eager_call_runs_its_remembered_direct_launch(rng, monkeypatc
     values and matches the math SDPA; a bad seed on a remembered signature still raises ``ValueError``."""
     from cudnn_attn.torch import api, ops
 
-    S = 200 + 8 * ["dense", "transposed views", "strided value", "copied value", "keep-mask"].index(case)   # a signature per case
+    S = 200 + 8 * REPEATED_CASES.index(case)                  # a signature per case
 
     def inputs():
         q = _random(rng, (4, 1, 16, 64) if case == "transposed views" else (4, 16, 1, 64), torch.bfloat16)
