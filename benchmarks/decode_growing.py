@@ -247,8 +247,8 @@ def cold(variant: str, st: Steps) -> tuple[Row, Callable[[int], Any] | None]:
 
 def warm(measured: list[tuple[Row, Any]], st: Steps, rounds: int) -> None:
     """``rounds`` warm passes of every variant, in a new order each round (seeded: a slow spell of the host falls on
-    all of them, and no variant always follows the same one); a row's host and latency are the medians over rounds of each pass's median.  Every variant's
-    last output is compared with torch SDPA's of the same kind."""
+    all of them, and no variant always follows the same one); a row's host and latency are the medians over rounds
+    of each pass's median.  Every variant's last output is compared with torch SDPA's of the same kind."""
     live = [(row, call) for row, call in measured if call is not None]
     host: dict = collections.defaultdict(list)
     latency: dict = collections.defaultdict(list)
