@@ -141,11 +141,10 @@ the fast path of :func:`sdpa` meets)."""
 
 class _Decision(NamedTuple):
     """What :func:`sdpa` decided for a call signature: the checked static arguments but the seed, the layout the
-    operator runs in, whether the tensors are transposed views of it, which of them are copied (dense in neither
-    layout and strided beyond what cuDNN reads), ``training``, and for an unrecorded inference forward of tensors
-    read as given its direct launch
-    (:class:`~cudnn_attn.torch.ops._Direct`; ``None`` until one ran, or for other calls) with the empty logsumexp
-    it returns."""
+    operator runs in, whether the tensors are transposed views of it, which of them are copied (not dense in the
+    running layout, and strided in a way cuDNN cannot read), ``training``, and for an unrecorded inference forward
+    of tensors read as given its direct launch (:class:`~cudnn_attn.torch.ops._Direct`; ``None`` until one ran, or
+    for other calls) with the empty logsumexp it returns."""
 
     static: tuple
     running: str
