@@ -10,7 +10,10 @@ of dim 64 (GQA), hidden 1024, causal language-model loss.  Rows: (layers, batch,
 
 Method: each step is forward + backward + optimizer step + ``zero_grad``; *GPU ms* is the time between two CUDA
 events recorded on torch's current stream around the step (host gaps between kernels included), the median of
-``--steps`` steps after ``--warmup``; *wall ms* the host clock of the step with a synchronize at its end.  Both
+``--steps`` steps after ``--warmup``; *wall ms* the host clock of the step with a synchronize at its end; *host ms*
+the host clock until the step is issued (its last event recorded): where it is near the GPU ms, the GPU waited on
+the host.  *ours:* the kinds of attention call the step made and how they ran (``_Direct``: the direct launch;
+``_General``: the CuPy front's path).  Both
 models live side by side and step alternately (each step in the other order than the last), so that a drift of
 the GPU or the host falls on both; the ratio is the median of each step's ours / sdpa GPU ms (below 1: ours
 faster).  The two implementations start from the same
@@ -57,7 +60,7 @@ class _Trainer:
         self.model.set_attn_implementation(implementation)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self.gpu, self.wall, self.losses = [], [], []
+        self.gpu, self.wall, self.host, self.losses = [], [], [], []
 
     def step(self, ids: torch.Tensor, timed: bool) -> None:
         began = time.perf_counter()
@@ -67,14 +70,17 @@ class _Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.end.record()
+        issued = time.perf_counter()
         self.end.synchronize()
         self.losses.append(float(loss))
         if timed:
             self.gpu.append(self.start.elapsed_time(self.end))
             self.wall.append((time.perf_counter() - began) * 1e3)
+            self.host.append((issued - began) * 1e3)
 
     def result(self, ids: torch.Tensor) -> dict:
         result = {"gpu_ms": statistics.median(self.gpu), "wall_ms": statistics.median(self.wall),
+                  "host_ms": statistics.median(self.host),
                   "first_loss": self.losses[0], "gpu_ms_steps": [round(x, 3) for x in self.gpu]}
         result["kernels"] = _kernel_split(lambda: self.step(ids, False))
         return result
@@ -104,8 +110,10 @@ def _kernel_split(step) -> dict:
 
 def measure(layers: int, batch: int, sequence: int, steps: int, warmup: int) -> dict:
     import cudnn_attn.torch as ct
+    from cudnn_attn.torch import ops
 
     name = ct.register_transformers()
+    before = {key for key, _ in ops.calls.items()}
     ids = torch.randint(0, 32000, (batch, sequence), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     row = {"layers": layers, "batch": batch, "sequence": sequence}
     try:
@@ -117,6 +125,8 @@ def measure(layers: int, batch: int, sequence: int, steps: int, warmup: int) -> 
             row[trainer.implementation] = trainer.result(ids)
         ours, theirs = trainers
         row["ratio"] = statistics.median(a / b for a, b in zip(ours.gpu, theirs.gpu))
+        row["paths"] = sorted({f"{key[0]} {type(known).__name__}" for key, known in ops.calls.items()
+                               if key not in before})
     except Exception as error:                        # a row that fails is reported, the others still run
         traceback.print_exc()
         for implementation in (name, "sdpa"):
@@ -129,7 +139,7 @@ def measure(layers: int, batch: int, sequence: int, steps: int, warmup: int) -> 
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'layers B T':16s} {'ours GPU ms':>12s} {'sdpa GPU ms':>12s} {'ratio':>6s} {'ours wall':>10s} "
-             f"{'sdpa wall':>10s}  first loss ours / sdpa"]
+             f"{'sdpa wall':>10s} {'ours host':>10s} {'sdpa host':>10s}  first loss ours / sdpa"]
     for r in rows:
         ours, theirs = r["cudnn_attn"], r["sdpa"]
         label = f"{r['layers']} {r['batch']} {r['sequence']}"
@@ -137,8 +147,9 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{label:16s} FAILED: {ours.get('error') or theirs.get('error')}")
             continue
         lines.append(f"{label:16s} {ours['gpu_ms']:12.2f} {theirs['gpu_ms']:12.2f} {r['ratio']:6.3f} "
-                     f"{ours['wall_ms']:10.2f} {theirs['wall_ms']:10.2f}  {ours['first_loss']:.4f} / "
-                     f"{theirs['first_loss']:.4f}")
+                     f"{ours['wall_ms']:10.2f} {theirs['wall_ms']:10.2f} {ours['host_ms']:10.2f} "
+                     f"{theirs['host_ms']:10.2f}  {ours['first_loss']:.4f} / {theirs['first_loss']:.4f}"
+                     f"  (ours: {', '.join(r.get('paths', [])) or '-'})")
     for r in rows:
         for implementation in ("cudnn_attn", "sdpa"):
             split = r[implementation].get("kernels")

@@ -23,6 +23,13 @@ What the whole call adds to ``launch`` is the signature and the checks of the fa
 ``torch sdpa`` and ``ours`` run their rounds alternately, each round in the other order than the last (a drift of
 the host falls on both), and ``ours / torch sdpa`` is the median of the rounds' ratios.
 
+A second table times one eager training call, forward and ``torch.autograd.grad`` of the query, key and value, as
+transformers' Llama makes it (batch 2, 256 tokens, causal; the query a ``(B, N, T, H)`` view of ``(B, T, N, H)``
+memory, the key and value dense ``(B, K, T, H)``): ``torch sdpa``, ``ours`` (``cudnn_attn.torch.sdpa``:
+``AttentionFunction``, no dispatcher) and ``ours: operator`` (the same call through the custom operators,
+``torch.ops.cudnn_attn.attention`` and its registered backward), the three alternating by rounds.  The problem is
+small enough for its kernels to take less time than the host spends, so each figure is host time.
+
 Writes ``bench_torch_host.json`` and ``bench_torch_host.png`` into OUT_DIR and prints the table last.
 """
 
@@ -38,6 +45,7 @@ import time
 B, N, K, H = 4, 16, 4, 64
 FIXED = 512
 GROWING = range(512, 576)
+TRAIN_B, TRAIN_T = 2, 256
 
 
 def _timed(fn, calls: int, rounds: int) -> float:
@@ -55,14 +63,61 @@ def _timed(fn, calls: int, rounds: int) -> float:
 
 
 def _paired(theirs, ours, calls: int, rounds: int) -> tuple[float, float, float]:
-    """Rounds of ``theirs`` and ``ours`` alternating, each round in the other order than the last (a drift of the
-    host falls on both): each one's median us per call, and the median of the rounds' ours / theirs."""
-    samples: dict = {theirs: [], ours: []}
+    """Rounds of ``theirs`` and ``ours`` alternating (:func:`_alternating`): each one's median us per call, and the
+    median of the rounds' ours / theirs."""
+    (first, second), (ratio,) = _alternating((theirs, ours), calls, rounds)
+    return first, second, ratio
+
+
+def _alternating(fns: tuple, calls: int, rounds: int) -> tuple[list[float], list[float]]:
+    """Rounds of ``fns`` in turn, each round in the other order than the last (a drift of the host falls on all):
+    each one's median us per call, and the median of the rounds' ratios of each later one over the first."""
+    samples: dict = {fn: [] for fn in fns}
     for r in range(rounds):
-        for fn in (theirs, ours) if r % 2 == 0 else (ours, theirs):
+        for fn in fns if r % 2 == 0 else fns[::-1]:
             samples[fn].append(_timed(fn, calls, 1))
-    ratios = [a / b for a, b in zip(samples[ours], samples[theirs])]
-    return statistics.median(samples[theirs]), statistics.median(samples[ours]), statistics.median(ratios)
+    ratios = [statistics.median(a / b for a, b in zip(samples[fn], samples[fns[0]])) for fn in fns[1:]]
+    return [statistics.median(samples[fn]) for fn in fns], ratios
+
+
+def measure_training(calls: int, rounds: int) -> dict:
+    """The training call's row (module doc): host us per forward and backward of each implementation."""
+    import torch
+
+    import cudnn_attn.torch as ct
+    from cudnn_attn.torch import ops
+
+    generator = torch.Generator(device="cuda").manual_seed(1)
+
+    def normal(*shape):
+        return torch.randn(shape, generator=generator, device="cuda", dtype=torch.bfloat16)
+
+    q = normal(TRAIN_B, TRAIN_T, N, H).transpose(1, 2).requires_grad_()
+    k, v = (normal(TRAIN_B, K, TRAIN_T, H).requires_grad_() for _ in range(2))
+    grad = normal(TRAIN_B, TRAIN_T, N, H).transpose(1, 2)         # o_proj's gradient, through the transpose
+    scale = H ** -0.5
+
+    def theirs(i):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return torch.autograd.grad(out, (q, k, v), grad)
+
+    def ours(i):
+        return torch.autograd.grad(ct.sdpa(q, k, v, causal=True, layout="BNTH")[0], (q, k, v), grad)
+
+    def operator(i):          # what sdpa() ran before AttentionFunction: its running layout, BTNH, by the operator
+        out, _ = ops.attention_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, scale,
+                                  True, False, 0, 0.0, 0, "BTNH", True)
+        return torch.autograd.grad(out.transpose(1, 2), (q, k, v), grad)
+
+    before = {key for key, _ in ops.calls.items()}
+    for i in range(3):
+        theirs(i), ours(i), operator(i)
+    paths = sorted(f"{key[0]} {type(known).__name__}" for key, known in ops.calls.items() if key not in before)
+    (sdpa_us, ours_us, operator_us), (ratio, operator_ratio) = _alternating((theirs, ours, operator), calls, rounds)
+    return {"torch sdpa": sdpa_us, "ours": ours_us, "ours: operator": operator_us, "ours / torch sdpa": ratio,
+            "operator / torch sdpa": operator_ratio,
+            "paths": paths,
+            "profile": _profile(ours, calls)}
 
 
 def measure(calls: int, rounds: int) -> list[dict]:
@@ -177,6 +232,20 @@ def table(rows: list[dict], calls: int, rounds: int) -> str:
     return "\n".join(lines)
 
 
+TRAINING_COLUMNS = ("torch sdpa", "ours", "ours: operator", "ours / torch sdpa", "operator / torch sdpa")
+
+
+def training_table(row: dict, calls: int, rounds: int) -> str:
+    lines = [f"== host us per eager training call (forward + autograd.grad of q, k, v): B{TRAIN_B} T=S={TRAIN_T} "
+             f"{N}/{K} heads d{H} bf16 causal; median of {rounds} rounds of {calls} calls",
+             " ".join(f"{c:>22s}" for c in TRAINING_COLUMNS),
+             " ".join(f"{row[c]:22.2f}" for c in TRAINING_COLUMNS),
+             f"paths (kind, how it runs): {', '.join(row['paths']) or '-'}",
+             "profile ours (us per call): " + "; ".join(row["profile"]),
+             "ours: AttentionFunction, no dispatcher; ours: operator: the same call through the custom operators"]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench_out")
@@ -188,11 +257,15 @@ def main(argv: list[str] | None = None) -> int:
         args.calls, args.rounds = 500, 3
     os.makedirs(args.out, exist_ok=True)
     rows = measure(args.calls, args.rounds)
+    training = measure_training(args.calls, args.rounds)
+    print("  " + json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in training.items()
+                             if k != "profile"}), flush=True)
     with open(os.path.join(args.out, "bench_torch_host.json"), "w") as f:
-        json.dump({"calls": args.calls, "rounds": args.rounds, "rows": rows}, f, indent=1)
+        json.dump({"calls": args.calls, "rounds": args.rounds, "rows": rows, "training": training}, f, indent=1)
     plot(os.path.join(args.out, "bench_torch_host.json"), os.path.join(args.out, "bench_torch_host.png"))
     print()
     print(table(rows, args.calls, args.rounds))
+    print(training_table(training, args.calls, args.rounds))
     return 0
 
 
@@ -207,9 +280,10 @@ def plot(report: str, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    rows = json.load(open(report))["rows"]
+    report = json.load(open(report))
+    rows, training = report["rows"], report.get("training")
     bars = [c for c in COLUMNS if c != "ours / torch sdpa"]
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig, (ax, right) = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [4, 1]})
     width = 0.8 / len(bars)
     for i, column in enumerate(bars):
         labelled = False
@@ -226,6 +300,14 @@ def plot(report: str, path: str) -> None:
     ax.set_title("eager torch decode call: torch SDPA against cudnn_attn.torch.sdpa and its stages "
                  "(label: ours / torch sdpa)")
     ax.legend(fontsize=7, ncol=4)
+    if training:
+        names = ("torch sdpa", "ours", "ours: operator")
+        right.bar(range(3), [training[c] for c in names], color=["C0", "C1", "C7"])
+        right.set_xticks(range(3), ["torch sdpa", "ours", "operator"], fontsize=8)
+        right.set_title(f"training call (fwd + bwd), ours {training['ours / torch sdpa']:.2f}x", fontsize=9)
+        right.set_ylabel("host us per call (median)")
+    else:
+        right.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

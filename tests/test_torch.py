@@ -115,7 +115,7 @@ def test_meta_tensors_and_compiled_shapes():
     assert torch.ops.cudnn_attn.attention.default in targets or torch.ops.cudnn_attn.attention in targets
 
 
-# -- which calls skip torch's dispatcher (api.unrecorded) ---------------------------------------------------
+# -- which calls skip torch's dispatcher (api.dispatch_free, api.unrecorded) --------------------------------------
 
 class _OperatorSpy:
     """Counts the calls that reach ``torch.ops.cudnn_attn.attention`` (in place of ``api.attention_op``)."""
@@ -128,20 +128,33 @@ class _OperatorSpy:
         return ct.attention_op(*args)
 
 
-def test_unrecorded_calls_skip_the_dispatcher_and_give_the_operators_result(rng, monkeypatch):
+def test_eager_calls_skip_the_dispatcher_and_give_the_operators_results_and_gradients(rng, monkeypatch):
+    """An eager call runs without the operator: its implementation alone when autograd records nothing, else
+    ``AttentionFunction``, whose values and gradients are the operator's, bit for bit."""
     from cudnn_attn.torch import api
 
     spy = _OperatorSpy()
     monkeypatch.setattr(api, "attention_op", spy)
     q, k, v = _qkv(rng, torch.bfloat16, T=5, S=8, requires_grad=False)
     out, _ = ct.sdpa(q, k, v, causal=True, bottom_right=True)
-    assert spy.calls == 0
     with torch.no_grad():
         ct.sdpa(*(x.requires_grad_(True) for x in (q, k, v)), causal=True, bottom_right=True)
-    assert spy.calls == 0
     want, _ = ct.sdpa(q, k, v, causal=True, bottom_right=True)        # q, k, v require grad: recorded
-    assert spy.calls == 1 and want.requires_grad
+    assert spy.calls == 0
+    assert type(want.grad_fn).__name__ == "AttentionFunctionBackward", want.grad_fn
     assert torch.equal(out, want.detach())
+    grad = _random(rng, want.shape, torch.bfloat16)
+    got = torch.autograd.grad(want, (q, k, v), grad)
+    through_operator, _ = ct.attention_op(q, k, v, None, None, None, 0.25, True, True, 0, 0.0, 0, "BTNH", True)
+    assert "attention" in type(through_operator.grad_fn).__name__.lower(), through_operator.grad_fn
+    assert torch.equal(through_operator, want)
+    expected = torch.autograd.grad(through_operator, (q, k, v), grad, retain_graph=True)
+    for name, a, b in zip("qkv", got, expected):
+        assert torch.equal(a, b), name
+    for output in (ct.sdpa(q, k, v, causal=True, bottom_right=True)[0], through_operator):
+        dq, = torch.autograd.grad(output, q, grad.clone().requires_grad_(), create_graph=True, retain_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice|no autograd formula"):   # neither is twice
+            dq.float().sum().backward()                                                     # differentiable
 
 
 def test_dispatch_modes_and_function_transforms_see_the_operator(rng):
@@ -162,6 +175,11 @@ def test_dispatch_modes_and_function_transforms_see_the_operator(rng):
     with Names() as mode:
         ct.sdpa(q, k, v)
     assert any(name.startswith("cudnn_attn.attention") for name in mode.names), mode.names
+    with Names() as mode:                                       # a call autograd records, and its backward
+        out, _ = ct.sdpa(*(x.detach().requires_grad_() for x in (q, k, v)))
+        out.sum().backward()
+    assert any(name.startswith("cudnn_attn.attention_backward") for name in mode.names), mode.names
+    assert api.dispatch_free(q, k, v) and not api.dispatch_free(q.to("meta"), k, v)
     assert api.unrecorded(q, k, v)
     with Names():
         assert not api.unrecorded(q, k, v)

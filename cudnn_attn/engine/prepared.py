@@ -324,6 +324,11 @@ class Calls:
         with self._lock:
             self._known.clear()
 
+    def items(self) -> list[tuple[tuple, Any]]:
+        """The ``(key, entry)`` pairs remembered, oldest first (a copy)."""
+        with self._lock:
+            return list(self._known.items())
+
     def direct_launches(self) -> list[PreparedCall]:
         """The prepared calls of the direct launches remembered (oldest first): the entries with a launch order."""
         return [known.prepared for known in list(self._known.values()) if getattr(known, "order", None) is not None]

@@ -30,10 +30,10 @@ from cudnn_attn.core.validation import check_seed, checked, default_scale, flag,
 
 from cudnn_attn.engine.call import FWD
 
-from .ops import (NAMES, _Direct, _readable, _shared_empty_lse, attention_op, attention_unrecorded, call_key, calls,
-                  config_of)
+from .ops import (NAMES, AttentionFunction, _Direct, _readable, _shared_empty_lse, attention_op, attention_unrecorded,
+                  call_key, calls, config_of)
 
-__all__ = ["attention", "sdpa", "unrecorded"]
+__all__ = ["attention", "dispatch_free", "sdpa", "unrecorded"]
 
 _OTHER = {"BTNH": "BNTH", "BNTH": "BTNH"}
 
@@ -77,16 +77,27 @@ def _check_tensors(**tensors: Any) -> None:
             raise ValueError(f"{name}: must be 4-D (BTNH or BNTH), got shape {list(tensors[name].shape)}")
 
 
+def dispatch_free(*tensors: Any) -> bool:
+    """Whether nothing of torch but autograd would see a forward call of ``tensors`` through its operator:
+    ``torch.compile`` is not tracing, no ``TorchDispatchMode`` (``make_fx``, ``FlopCounterMode``, fake tensors) or
+    ``torch.func`` transform is active, and every tensor is a plain ``torch.Tensor``, the first on CUDA or the CPU
+    (a meta tensor's call is the operator's fake implementation).  Such a call skips torch's
+    dispatcher: autograd records :class:`~cudnn_attn.torch.ops.AttentionFunction` (the operator's forward and
+    gradient), and a call autograd would not record (:func:`unrecorded`) runs the implementation alone."""
+    return (not torch.compiler.is_compiling() and all(type(x) is torch.Tensor for x in tensors if x is not None)
+            and (tensors[0].is_cuda or tensors[0].is_cpu) and _untraced())
+
+
 def unrecorded(*tensors: Any) -> bool:
-    """Whether nothing of torch would see a forward call of ``tensors`` through its operator: autograd records
-    nothing (grad off, or no input requiring it), ``torch.compile`` is not tracing, no ``TorchDispatchMode``
-    (``make_fx``, ``FlopCounterMode``, fake tensors) or ``torch.func`` transform is active, and every tensor is a
-    plain ``torch.Tensor``.  Such a call runs the operator's implementation directly
-    (:func:`~cudnn_attn.torch.ops.attention_unrecorded`, which says what that saves)."""
-    present = [x for x in tensors if x is not None]
-    return (not (torch.is_grad_enabled() and any(x.requires_grad for x in present))
-            and not torch.compiler.is_compiling() and all(type(x) is torch.Tensor for x in present)
-            and not _python_dispatch.is_in_torch_dispatch_mode() and not torch._C._are_functorch_transforms_active())
+    """Whether nothing of torch would see a forward call of ``tensors`` through its operator: :func:`dispatch_free`,
+    and autograd records nothing (grad off, or no input requiring it).  Such a call runs the operator's
+    implementation directly (:func:`~cudnn_attn.torch.ops.attention_unrecorded`, which says what that saves)."""
+    return not _records(tensors) and dispatch_free(*tensors)
+
+
+def _records(tensors: tuple) -> bool:
+    """Whether autograd records a call of ``tensors``: grad enabled and one of them requiring it."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors if x is not None)
 
 
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool = False,
@@ -120,12 +131,13 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     if not decision.as_given:
         q, k, v = (x.contiguous() if copy else x for x, copy in zip((q, k, v), decision.copies))
     operator = attention_op
-    if not decision.training and unrecorded(q, k, v, q_lengths, kv_lengths, keep):
-        operator = attention_unrecorded
+    if dispatch_free(q, k, v, q_lengths, kv_lengths, keep):
+        operator = AttentionFunction.apply if _records((q, k, v)) else attention_unrecorded
     output, logsumexp = operator(q, k, v, q_lengths, kv_lengths, keep, *static, decision.running,
                                  decision.training, seed_offset)
     if signature is not None:
-        if operator is attention_unrecorded and q.is_cuda and decision.as_given and decision.direct is None:
+        if operator is attention_unrecorded and not decision.training and q.is_cuda and decision.as_given \
+                and decision.direct is None:
             known = calls.get(call_key(FWD, (q, k, v, q_lengths, kv_lengths, keep), static + (decision.running,),
                                        decision.training))
             if type(known) is _Direct and not known.prepared.dropout:

@@ -68,7 +68,7 @@ from cudnn_attn.fronts import cupy as cupy_front
 from cudnn_attn.reference import dot_product_attention as reference_forward
 from cudnn_attn.reference import dot_product_attention_bwd as reference_backward
 
-__all__ = ["CaptureWarmupError", "attention_backward_op", "attention_op", "attention_unrecorded", "call_key", "calls"]
+__all__ = ["AttentionFunction", "CaptureWarmupError", "attention_backward_op", "attention_op", "attention_unrecorded", "call_key", "calls"]
 
 # What validation's messages call an argument, and what the operators call it.
 NAMES = {"q_seqlen": "q_lengths", "kv_seqlen": "kv_lengths", "mask": "keep", "qkv_layout": "layout",
@@ -549,6 +549,14 @@ def attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients ``(dq, dk, dv)`` of :func:`attention_op` (called with the same arguments and ``training``;
     ``seed_offset`` holding the forward's values) given its ``output``, ``logsumexp`` and the output's gradient."""
+    return _backward_implementation(query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep,
+                                    scale, causal, bottom_right, window, dropout_rate, seed, layout, seed_offset)
+
+
+def _backward_implementation(query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep, scale,
+                             causal, bottom_right, window, dropout_rate, seed, layout, seed_offset=None):
+    """:func:`attention_backward_op`'s implementation (its arguments), which :class:`AttentionFunction`'s backward
+    calls without the dispatcher."""
     with renamed_arguments(NAMES):
         return _backward_grads(query, key, value, output, grad_output.contiguous(), logsumexp, q_lengths, kv_lengths,
                                keep, (scale, causal, bottom_right, window, dropout_rate, _seed(seed, seed_offset),
@@ -559,8 +567,8 @@ def _backward_grads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     grad_output: torch.Tensor, logsumexp: torch.Tensor, q_lengths: Any, kv_lengths: Any, keep: Any,
                     static: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if query.device.type == "cuda":
-        grads = _run(BWD, _detached(query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep),
-                     static, True)
+        grads = _run(BWD, (query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep), static,
+                     True)               # the general path detaches them (``_general``); a direct launch reads addresses
         return grads[0], grads[1], grads[2]
     arguments = _seed_arguments(_to_numpy(q_lengths), _to_numpy(kv_lengths), _to_numpy(keep), *_numpy_seed(static))
     grads = reference_backward(*(_to_numpy(x) for x in (query, key, value, output, grad_output,
@@ -593,7 +601,10 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.set_materialize_grads(False)          # no zero-filled gradient of the logsumexp, a kernel per call
 
 
-def _backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any) -> tuple:
+def _backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any,
+              backward: Callable[..., tuple] = attention_backward_op) -> tuple:
+    """The forward's 15 gradients: ``(dq, dk, dv)`` from ``backward`` (the backward operator, or its
+    implementation for :class:`AttentionFunction`), ``None`` for the other inputs."""
     if not ctx.training:
         raise RuntimeError("cudnn_attn::attention: the forward ran with training=False (no logsumexp kept); "
                            "call it with training=True to differentiate it (cudnn_attn.torch.attention decides "
@@ -601,9 +612,33 @@ def _backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any) -> tuple
     if grad_output is None:                   # the output was not used
         return (None,) * 15
     query, key, value, out, logsumexp, q_lengths, kv_lengths, keep, seed_offset = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(query, key, value, out, grad_output, logsumexp, q_lengths, kv_lengths, keep,
-                                       *ctx.static, seed_offset)
+    dq, dk, dv = backward(query, key, value, out, grad_output, logsumexp, q_lengths, kv_lengths, keep, *ctx.static,
+                          seed_offset)
     return (dq, dk, dv) + (None,) * 12
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class AttentionFunction(torch.autograd.Function):
+    """:func:`attention_op` and its gradient as an ``autograd.Function`` over the operators' implementations: what
+    an eager call that autograd records runs when nothing else of torch would see the operator (no
+    ``torch.compile`` tracing, dispatch mode or ``torch.func`` transform: :func:`cudnn_attn.torch.api.dispatch_free`).
+    The same arguments, results, residuals and gradients as the operator's, without torch's dispatcher on the way in
+    and the way back: a custom operator with autograd costs a forward and backward call 125 us of host time more
+    (176 against 51 us per call pair with the implementations stubbed out, torch 2.13 on a CPU host), which a
+    host-bound training step waits for.  Not twice differentiable, as the operator is not."""
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window, dropout_rate, seed, \
+            layout, training, seed_offset = inputs
+        output = _forward(query, key, value, q_lengths, kv_lengths, keep,
+                          (scale, causal, bottom_right, window, dropout_rate, _seed(seed, seed_offset), layout), training)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any) -> tuple:
+        return _backward(ctx, grad_output, grad_logsumexp, _backward_implementation)

@@ -309,6 +309,51 @@ def test_a_repeated_eager_call_runs_its_remembered_direct_launch(rng, monkeypatc
             ct.sdpa(q, k, v, keep=mask, layout="BNTH", seed=seed)
 
 
+EAGER_CASES = ("dense causal", "transposed views", "lengths", "keep-mask", "device-seed dropout")
+
+
+@pytest.mark.parametrize("case", EAGER_CASES)
+def test_an_eager_training_call_gives_the_operators_values_and_gradients(rng, case):
+    """An eager call autograd records runs ``AttentionFunction`` (no dispatcher) with the operator's results and
+    gradients, bit for bit, on the direct launch (dense, transposed views) and the general path (lengths, a keep-mask,
+    a device dropout seed); both against the math SDPA where the mask is deterministic."""
+    from cudnn_attn.torch import ops
+
+    B, T, N, K, H = 2, 128, 8, 2, 64
+    q, k, v = _qkv(rng, torch.bfloat16, B=B, T=T, S=T, N=N, K=K, H=H)
+    layout, lengths, mask, seed, rate = "BTNH", None, None, 0, 0.0
+    if case == "transposed views":
+        layout = "BNTH"
+        q, k, v = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    if case == "lengths":
+        lengths = torch.tensor([T, T - 37], dtype=torch.int32, device="cuda")
+    if case == "keep-mask":
+        mask = torch.from_numpy(rng.random((B, 1, T, T)) < 0.7).cuda() | torch.eye(T, dtype=torch.bool, device="cuda")
+    if case == "device-seed dropout":
+        rate, seed = 0.25, torch.tensor([int(rng.integers(1 << 40)), 0], dtype=torch.int64, device="cuda")
+    causal_ = mask is None
+    grad = _random(rng, q.shape, torch.bfloat16)
+    results = []
+    for operator in ("function", "operator"):
+        _poison_pool()
+        if operator == "function":
+            out, _ = ct.sdpa(q, k, v, causal=causal_, q_lengths=lengths, kv_lengths=lengths, keep=mask,
+                             dropout_rate=rate, seed=seed, layout=layout)
+            assert type(out.grad_fn).__name__ in ("AttentionFunctionBackward", "TransposeBackward0"), out.grad_fn
+        else:
+            running = layout if case != "transposed views" else "BTNH"
+            views = [x.transpose(1, 2) if case == "transposed views" else x for x in (q, k, v)]
+            out, _ = ops.attention_op(*views, lengths, lengths, mask, 1 / math.sqrt(H), causal_, False, 0, rate,
+                                      0, running, True, seed if rate else None)
+            out = out.transpose(1, 2) if case == "transposed views" else out
+        results.append((out.detach().clone(), *torch.autograd.grad(out, (q, k, v), grad)))
+    for name, a, b in zip(("output", "dq", "dk", "dv"), *results):
+        assert torch.equal(a, b), f"{case}: {name} differs between AttentionFunction and the operator"
+    if rate == 0 and lengths is None:
+        assert_close(f"output ({case})", _host(results[0][0]),
+                     _host(_math_sdpa(q, k, v, mask, is_causal=causal_, layout=layout)), "bfloat16")
+
+
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 def test_torch_compile_fullgraph_forward_and_backward(rng, dtype_name):
     q, k, v = _qkv(rng, DTYPES[dtype_name])
