@@ -30,7 +30,7 @@ from cudnn_attn.core.validation import check_seed, checked, default_scale, flag,
 
 from cudnn_attn.engine.call import FWD
 
-from .ops import (NAMES, AttentionFunction, _Direct, _readable, _shared_empty_lse, attention_op, attention_unrecorded,
+from .ops import (NAMES, AttentionFunction, EagerCall, _Direct, _readable, _shared_empty_lse, attention_op, attention_unrecorded,
                   call_key, calls, config_of)
 
 __all__ = ["attention", "dispatch_free", "sdpa", "unrecorded"]
@@ -123,16 +123,25 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
         # tensor's), so nothing of the slow path below runs.
         output = decision.direct.launch((query, key, value), 0, keep)[0]
         return (output.transpose(1, 2) if decision.transposed else output), decision.empty_lse
-    if decision is None:
+    new = decision is None
+    if new:
         decision = _decide(tensors, scale, causal, bottom_right, window, dropout_rate, seed, layout, training)
     seed_offset = seed if isinstance(seed, torch.Tensor) else None       # a device seed (the operators' doc)
-    static = decision.static + (0 if seed_offset is not None else check_seed(seed),)
+    seed = 0 if seed_offset is not None else check_seed(seed)
+    if _records((query, key, value)) and dispatch_free(*tensors):
+        # Eager autograd: one AttentionFunction node, which makes the running layout's views itself.
+        output, logsumexp = AttentionFunction.apply(query, key, value, q_lengths, kv_lengths, keep, seed, seed_offset,
+                                                    decision.eager)
+        if new and signature is not None:
+            _remember(signature, decision)
+        return output, logsumexp
+    static = decision.static + (seed,)
     q, k, v = (x.transpose(1, 2) if decision.transposed else x for x in (query, key, value))
     if not decision.as_given:
         q, k, v = (x.contiguous() if copy else x for x, copy in zip((q, k, v), decision.copies))
     operator = attention_op
-    if dispatch_free(q, k, v, q_lengths, kv_lengths, keep):
-        operator = AttentionFunction.apply if _records((q, k, v)) else attention_unrecorded
+    if not _records((q, k, v)) and dispatch_free(q, k, v, q_lengths, kv_lengths, keep):
+        operator = attention_unrecorded
     output, logsumexp = operator(q, k, v, q_lengths, kv_lengths, keep, *static, decision.running,
                                  decision.training, seed_offset)
     if signature is not None:
@@ -141,8 +150,9 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
             known = calls.get(call_key(FWD, (q, k, v, q_lengths, kv_lengths, keep), static + (decision.running,),
                                        decision.training))
             if type(known) is _Direct and not known.prepared.dropout:
-                decision = decision._replace(direct=known, empty_lse=_shared_empty_lse(q))
-        _remember(signature, decision)
+                decision, new = decision._replace(direct=known, empty_lse=_shared_empty_lse(q)), True
+        if new:
+            _remember(signature, decision)
     return (output.transpose(1, 2) if decision.transposed else output), logsumexp
 
 
@@ -154,9 +164,10 @@ the fast path of :func:`sdpa` meets)."""
 class _Decision(NamedTuple):
     """What :func:`sdpa` decided for a call signature: the checked static arguments but the seed, the layout the
     operator runs in, whether the tensors are transposed views of it, which of them are copied (not dense in the
-    running layout, and strided in a way cuDNN cannot read), ``training``, and for an unrecorded inference forward
+    running layout, and strided in a way cuDNN cannot read), ``training``, for an unrecorded inference forward
     of tensors read as given its direct launch (:class:`~cudnn_attn.torch.ops._Direct`; ``None`` until one ran, or
-    for other calls) with the empty logsumexp it returns."""
+    for other calls) with the empty logsumexp it returns, and the same fields as the
+    :class:`~cudnn_attn.torch.ops.EagerCall` of an eager call autograd records."""
 
     static: tuple
     running: str
@@ -165,11 +176,13 @@ class _Decision(NamedTuple):
     training: bool
     direct: Any = None
     empty_lse: Any = None
+    eager: Any = None                  # the EagerCall of AttentionFunction (these fields, made once)
 
     @property
     def as_given(self) -> bool:
         """No tensor is copied: the operator reads all three as the caller gave them."""
         return not any(self.copies)
+
 
 
 _decisions: dict[tuple, _Decision] = {}
@@ -247,7 +260,9 @@ def _decide(tensors: tuple, scale: Any, causal: Any, bottom_right: Any, window: 
         config_of(query, key, value, q_lengths, kv_lengths, keep, static + (seed if isinstance(seed, torch.Tensor)
                                                                              else check_seed(seed), asked),
                   bool(training))
-    return _Decision(static, running, transposed, copies, bool(training))
+    training = bool(training)
+    return _Decision(static, running, transposed, copies, training,
+                     eager=EagerCall(static, running, training, transposed, copies))
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any = None, *,

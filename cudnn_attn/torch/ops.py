@@ -68,7 +68,7 @@ from cudnn_attn.fronts import cupy as cupy_front
 from cudnn_attn.reference import dot_product_attention as reference_forward
 from cudnn_attn.reference import dot_product_attention_bwd as reference_backward
 
-__all__ = ["AttentionFunction", "CaptureWarmupError", "attention_backward_op", "attention_op", "attention_unrecorded", "call_key", "calls"]
+__all__ = ["AttentionFunction", "CaptureWarmupError", "EagerCall", "attention_backward_op", "attention_op", "attention_unrecorded", "call_key", "calls"]
 
 # What validation's messages call an argument, and what the operators call it.
 NAMES = {"q_seqlen": "q_lengths", "kv_seqlen": "kv_lengths", "mask": "keep", "qkv_layout": "layout",
@@ -566,7 +566,7 @@ def _backward_implementation(query, key, value, output, grad_output, logsumexp, 
 def _backward_grads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
                     grad_output: torch.Tensor, logsumexp: torch.Tensor, q_lengths: Any, kv_lengths: Any, keep: Any,
                     static: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if query.device.type == "cuda":
+    if query.is_cuda:
         grads = _run(BWD, (query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep), static,
                      True)               # the general path detaches them (``_general``); a direct launch reads addresses
         return grads[0], grads[1], grads[2]
@@ -620,25 +620,56 @@ def _backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any,
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class EagerCall(NamedTuple):
+    """What :class:`AttentionFunction` runs besides its tensors and seed, fixed per call signature: the operator's
+    static arguments but the seed (``scale, causal, bottom_right, window, dropout_rate``), the layout it runs in,
+    ``training``, whether the caller's query, key and value are transposed views of that layout, and which of them
+    are copied (:class:`cudnn_attn.torch.api._Decision`'s fields)."""
+
+    static: tuple
+    running: str
+    training: bool
+    transposed: bool
+    copies: tuple
+
+
 class AttentionFunction(torch.autograd.Function):
     """:func:`attention_op` and its gradient as an ``autograd.Function`` over the operators' implementations: what
     an eager call that autograd records runs when nothing else of torch would see the operator (no
     ``torch.compile`` tracing, dispatch mode or ``torch.func`` transform: :func:`cudnn_attn.torch.api.dispatch_free`).
-    The same arguments, results, residuals and gradients as the operator's, without torch's dispatcher on the way in
-    and the way back: a custom operator with autograd costs a forward and backward call 125 us of host time more
-    (176 against 51 us per call pair with the implementations stubbed out, torch 2.13 on a CPU host), which a
-    host-bound training step waits for.  Not twice differentiable, as the operator is not."""
+
+    ``apply(query, key, value, q_lengths, kv_lengths, keep, seed, seed_offset, call)`` takes the caller's tensors
+    and an :class:`EagerCall`; the forward makes the running layout's views (and copies) itself and returns the
+    output in the caller's layout, and the backward returns the gradients in it, so autograd records one node per
+    call, not one more per transposed view.  The same results, residuals and gradients as the operator's, without
+    torch's dispatcher on the way in and the way back: through the custom operators an eager training call
+    (forward and ``autograd.grad``, B2 T=S=256 16/4 heads d64 bf16, causal) took 789 us of host time, through this
+    function 493 us with the views outside it (``benchmarks/bench_torch_host.py``, H200 host), and torch SDPA 176.
+    Not twice differentiable, as the operator is not."""
 
     @staticmethod
-    def forward(ctx: Any, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window, dropout_rate, seed, \
-            layout, training, seed_offset = inputs
-        output = _forward(query, key, value, q_lengths, kv_lengths, keep,
-                          (scale, causal, bottom_right, window, dropout_rate, _seed(seed, seed_offset), layout), training)
-        _setup_context(ctx, inputs, output)
-        return output
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any,
+                kv_lengths: Any, keep: Any, seed: int, seed_offset: Any, call: EagerCall) -> tuple:
+        views = (query, key, value)
+        if call.transposed:
+            views = (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+        if any(call.copies):
+            views = tuple(x.contiguous() if copy else x for x, copy in zip(views, call.copies))
+        static = (*call.static, seed, call.running)
+        output, logsumexp = _forward(*views, q_lengths, kv_lengths, keep, static[:5] + (_seed(seed, seed_offset),
+                                                                                      call.running), call.training)
+        ctx.save_for_backward(*views, output, logsumexp, q_lengths, kv_lengths, keep, seed_offset)
+        ctx.static, ctx.training, ctx.transposed = static, call.training, call.transposed
+        ctx.mark_non_differentiable(logsumexp)
+        ctx.set_materialize_grads(False)          # no zero-filled gradient of the logsumexp, a kernel per call
+        return (output.transpose(1, 2) if call.transposed else output), logsumexp
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any) -> tuple:
-        return _backward(ctx, grad_output, grad_logsumexp, _backward_implementation)
+        if grad_output is not None and ctx.transposed:
+            grad_output = grad_output.transpose(1, 2)
+        grads = _backward(ctx, grad_output, grad_logsumexp, _backward_implementation)[:3]
+        if ctx.transposed and grads[0] is not None:
+            grads = tuple(g.transpose(1, 2) for g in grads)
+        return (*grads, None, None, None, None, None, None)
