@@ -157,6 +157,19 @@ def test_eager_calls_skip_the_dispatcher_and_give_the_operators_results_and_grad
             dq.float().sum().backward()                                                     # differentiable
 
 
+def test_torch_jit_trace_records_the_operator(rng):
+    """``torch.jit.trace`` records the operator, so the trace computes attention for new inputs (a call that skipped
+    the dispatcher would be a constant of the trace, its first result)."""
+    def attend(q, k, v):
+        return ct.sdpa(q, k, v, causal=True)[0]
+
+    with torch.no_grad():
+        traced = torch.jit.trace(attend, _qkv(rng, torch.float16, requires_grad=False), check_trace=False)
+        assert "cudnn_attn::attention" in str(traced.graph), traced.graph
+        fresh = _qkv(rng, torch.float16, requires_grad=False)
+        assert torch.equal(traced(*fresh), attend(*fresh))
+
+
 def test_dispatch_modes_and_function_transforms_see_the_operator(rng):
     from torch.utils._python_dispatch import TorchDispatchMode
 

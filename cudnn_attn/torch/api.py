@@ -79,8 +79,8 @@ def _check_tensors(**tensors: Any) -> None:
 
 def dispatch_free(*tensors: Any) -> bool:
     """Whether nothing of torch but autograd would see a forward call of ``tensors`` through its operator:
-    ``torch.compile`` is not tracing, no ``TorchDispatchMode`` (``make_fx``, ``FlopCounterMode``, fake tensors) or
-    ``torch.func`` transform is active, and every tensor is a plain ``torch.Tensor``, the first on CUDA or the CPU
+    ``torch.compile`` and ``torch.jit.trace`` are not tracing, no ``TorchDispatchMode`` (``make_fx``,
+    ``FlopCounterMode``, fake tensors) or ``torch.func`` transform is active, and every tensor is a plain ``torch.Tensor``, the first on CUDA or the CPU
     (a meta tensor's call is the operator's fake implementation).  Such a call skips torch's
     dispatcher: autograd records :class:`~cudnn_attn.torch.ops.AttentionFunction` (the operator's forward and
     gradient), and a call autograd would not record (:func:`unrecorded`) runs the implementation alone."""
@@ -228,9 +228,11 @@ def _signature(tensors: tuple, *scalars: Any) -> tuple | None:
 
 
 def _untraced() -> bool:
-    """No dispatch mode or ``torch.func`` transform is active: the state :func:`unrecorded` reads that no call
-    signature holds."""
-    return not _python_dispatch.is_in_torch_dispatch_mode() and not torch._C._are_functorch_transforms_active()
+    """No dispatch mode or ``torch.func`` transform is active and ``torch.jit.trace`` is not tracing (it records the
+    operator, where a call without it would be a constant of the trace): the state :func:`dispatch_free` reads that
+    no call signature holds."""
+    return not _python_dispatch.is_in_torch_dispatch_mode() and not torch._C._are_functorch_transforms_active() \
+        and not torch.jit.is_tracing()
 
 
 def _decide(tensors: tuple, scale: Any, causal: Any, bottom_right: Any, window: Any, dropout_rate: Any, seed: Any,
