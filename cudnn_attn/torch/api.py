@@ -30,7 +30,7 @@ from cudnn_attn.core.validation import check_seed, checked, default_scale, flag,
 
 from cudnn_attn.engine.call import FWD
 
-from .ops import (NAMES, AttentionFunction, EagerCall, _Direct, _readable, _shared_empty_lse, attention_op, attention_unrecorded,
+from .ops import (NAMES, AttentionFunction, DirectLaunches, EagerCall, _Direct, _readable, _shared_empty_lse, attention_op, attention_unrecorded,
                   call_key, calls, config_of)
 
 __all__ = ["attention", "dispatch_free", "sdpa", "unrecorded"]
@@ -264,7 +264,7 @@ def _decide(tensors: tuple, scale: Any, causal: Any, bottom_right: Any, window: 
                   bool(training))
     training = bool(training)
     return _Decision(static, running, transposed, copies, training,
-                     eager=EagerCall(static, running, training, transposed, copies))
+                     eager=EagerCall(static, running, training, transposed, copies, DirectLaunches()))
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any = None, *,

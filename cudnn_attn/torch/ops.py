@@ -68,7 +68,7 @@ from cudnn_attn.fronts import cupy as cupy_front
 from cudnn_attn.reference import dot_product_attention as reference_forward
 from cudnn_attn.reference import dot_product_attention_bwd as reference_backward
 
-__all__ = ["AttentionFunction", "CaptureWarmupError", "EagerCall", "attention_backward_op", "attention_op", "attention_unrecorded", "call_key", "calls"]
+__all__ = ["AttentionFunction", "CaptureWarmupError", "DirectLaunches", "EagerCall", "attention_backward_op", "attention_op", "attention_unrecorded", "call_key", "calls"]
 
 # What validation's messages call an argument, and what the operators call it.
 NAMES = {"q_seqlen": "q_lengths", "kv_seqlen": "kv_lengths", "mask": "keep", "qkv_layout": "layout",
@@ -601,36 +601,52 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.set_materialize_grads(False)          # no zero-filled gradient of the logsumexp, a kernel per call
 
 
-def _backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any,
-              backward: Callable[..., tuple] = attention_backward_op) -> tuple:
-    """The forward's 15 gradients: ``(dq, dk, dv)`` from ``backward`` (the backward operator, or its
-    implementation for :class:`AttentionFunction`), ``None`` for the other inputs."""
+def _backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any) -> tuple:
+    """The forward's 15 gradients: ``(dq, dk, dv)`` from the backward operator, ``None`` for the other inputs."""
+    _check_trained(ctx)
+    if grad_output is None:                   # the output was not used
+        return (None,) * 15
+    query, key, value, out, logsumexp, q_lengths, kv_lengths, keep, seed_offset = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(query, key, value, out, grad_output, logsumexp, q_lengths, kv_lengths, keep,
+                                       *ctx.static, seed_offset)
+    return (dq, dk, dv) + (None,) * 12
+
+
+def _check_trained(ctx: Any) -> None:
     if not ctx.training:
         raise RuntimeError("cudnn_attn::attention: the forward ran with training=False (no logsumexp kept); "
                            "call it with training=True to differentiate it (cudnn_attn.torch.attention decides "
                            "from torch.is_grad_enabled() and requires_grad)")
-    if grad_output is None:                   # the output was not used
-        return (None,) * 15
-    query, key, value, out, logsumexp, q_lengths, kv_lengths, keep, seed_offset = ctx.saved_tensors
-    dq, dk, dv = backward(query, key, value, out, grad_output, logsumexp, q_lengths, kv_lengths, keep, *ctx.static,
-                          seed_offset)
-    return (dq, dk, dv) + (None,) * 12
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class DirectLaunches:
+    """The direct launches (:class:`_Direct`) of one eager training signature's forward and backward, found by the
+    first call of each through :data:`calls` and kept here, so that a repeated :class:`AttentionFunction` call
+    launches without building its :func:`call_key` (``None``: not found yet, or the call runs the general path).
+    Two threads that find one at once store the same entry."""
+
+    __slots__ = ("forward", "backward")
+
+    def __init__(self) -> None:
+        self.forward: _Direct | None = None
+        self.backward: _Direct | None = None
+
+
 class EagerCall(NamedTuple):
     """What :class:`AttentionFunction` runs besides its tensors and seed, fixed per call signature: the operator's
     static arguments but the seed (``scale, causal, bottom_right, window, dropout_rate``), the layout it runs in,
-    ``training``, whether the caller's query, key and value are transposed views of that layout, and which of them
-    are copied (:class:`cudnn_attn.torch.api._Decision`'s fields)."""
+    ``training``, whether the caller's query, key and value are transposed views of that layout, which of them
+    are copied (:class:`cudnn_attn.torch.api._Decision`'s fields), and the signature's :class:`DirectLaunches`."""
 
     static: tuple
     running: str
     training: bool
     transposed: bool
     copies: tuple
+    launches: DirectLaunches
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -641,11 +657,11 @@ class AttentionFunction(torch.autograd.Function):
     ``apply(query, key, value, q_lengths, kv_lengths, keep, seed, seed_offset, call)`` takes the caller's tensors
     and an :class:`EagerCall`; the forward makes the running layout's views (and copies) itself and returns the
     output in the caller's layout, and the backward returns the gradients in it, so autograd records one node per
-    call, not one more per transposed view.  The same results, residuals and gradients as the operator's, without
-    torch's dispatcher on the way in and the way back: through the custom operators an eager training call
-    (forward and ``autograd.grad``, B2 T=S=256 16/4 heads d64 bf16, causal) took 789 us of host time, through this
-    function 493 us with the views outside it (``benchmarks/bench_torch_host.py``, H200 host), and torch SDPA 176.
-    Not twice differentiable, as the operator is not."""
+    call, not one more per transposed view.  A repeated call of a direct launch runs it from ``call.launches``.
+    The same results, residuals and gradients as the operator's, without torch's dispatcher on the way in and the
+    way back: through the custom operators an eager training call (forward and ``autograd.grad``, B2 T=S=256 16/4
+    heads d64 bf16, causal) took 884 us of host time, through this function 489 us, and torch SDPA 208
+    (``benchmarks/bench_torch_host.py``, H200 host).  Not twice differentiable, as the operator is not."""
 
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any,
@@ -656,10 +672,19 @@ class AttentionFunction(torch.autograd.Function):
         if any(call.copies):
             views = tuple(x.contiguous() if copy else x for x, copy in zip(views, call.copies))
         static = (*call.static, seed, call.running)
-        output, logsumexp = _forward(*views, q_lengths, kv_lengths, keep, static[:5] + (_seed(seed, seed_offset),
-                                                                                      call.running), call.training)
+        launches = call.launches
+        direct = launches.forward
+        if direct is not None and seed_offset is None and direct.takes(views):
+            output, logsumexp = direct.launch(views, seed, keep)
+        else:
+            output, logsumexp = _forward(*views, q_lengths, kv_lengths, keep,
+                                         static[:5] + (_seed(seed, seed_offset), call.running), call.training)
+            if direct is None and call.training and seed_offset is None and query.is_cuda:
+                known = calls.get(call_key(FWD, (*views, q_lengths, kv_lengths, keep), static, True))
+                if type(known) is _Direct:
+                    launches.forward = known
         ctx.save_for_backward(*views, output, logsumexp, q_lengths, kv_lengths, keep, seed_offset)
-        ctx.static, ctx.training, ctx.transposed = static, call.training, call.transposed
+        ctx.static, ctx.training, ctx.transposed, ctx.launches = static, call.training, call.transposed, launches
         ctx.mark_non_differentiable(logsumexp)
         ctx.set_materialize_grads(False)          # no zero-filled gradient of the logsumexp, a kernel per call
         return (output.transpose(1, 2) if call.transposed else output), logsumexp
@@ -667,9 +692,23 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any) -> tuple:
-        if grad_output is not None and ctx.transposed:
+        _check_trained(ctx)
+        if grad_output is None:                   # the output was not used
+            return (None,) * 9
+        query, key, value, out, logsumexp, q_lengths, kv_lengths, keep, seed_offset = ctx.saved_tensors
+        if ctx.transposed:
             grad_output = grad_output.transpose(1, 2)
-        grads = _backward(ctx, grad_output, grad_logsumexp, _backward_implementation)[:3]
-        if ctx.transposed and grads[0] is not None:
-            grads = tuple(g.transpose(1, 2) for g in grads)
-        return (*grads, None, None, None, None, None, None)
+        tensors = (query, key, value, out, grad_output.contiguous(), logsumexp)
+        launches = ctx.launches
+        direct = launches.backward
+        if direct is not None and seed_offset is None and direct.takes(tensors):
+            grads = direct.launch(tensors, ctx.static[5])
+        else:
+            grads = _backward_implementation(*tensors, q_lengths, kv_lengths, keep, *ctx.static, seed_offset)
+            if direct is None and launches.forward is not None and seed_offset is None:
+                known = calls.get(call_key(BWD, (*tensors, q_lengths, kv_lengths, keep), ctx.static, True))
+                if type(known) is _Direct:
+                    launches.backward = known
+        if ctx.transposed:
+            return (grads[0].transpose(1, 2), grads[1].transpose(1, 2), grads[2].transpose(1, 2)) + (None,) * 6
+        return (grads[0], grads[1], grads[2]) + (None,) * 6

@@ -310,16 +310,18 @@ def test_a_repeated_eager_call_runs_its_remembered_direct_launch(rng, monkeypatc
 
 
 EAGER_CASES = ("dense causal", "transposed views", "lengths", "keep-mask", "device-seed dropout")
+EAGER_DIRECT = ("dense causal", "transposed views")
 
 
 @pytest.mark.parametrize("case", EAGER_CASES)
-def test_an_eager_training_call_gives_the_operators_values_and_gradients(rng, case):
+def test_an_eager_training_call_gives_the_operators_values_and_gradients(rng, monkeypatch, case):
     """An eager call autograd records runs ``AttentionFunction`` (no dispatcher) with the operator's results and
     gradients, bit for bit, on the direct launch (dense, transposed views) and the general path (lengths, a keep-mask,
-    a device dropout seed); both against the math SDPA where the mask is deterministic."""
+    a device dropout seed); both against the math SDPA where the mask is deterministic.  A repeated call of a direct
+    launch runs it from its signature's ``DirectLaunches`` without the implementations."""
     from cudnn_attn.torch import ops
 
-    B, T, N, K, H = 2, 128, 8, 2, 64
+    B, T, N, K, H = 2, 128 + 8 * EAGER_CASES.index(case), 8, 2, 64           # a signature per case
     q, k, v = _qkv(rng, torch.bfloat16, B=B, T=T, S=T, N=N, K=K, H=H)
     layout, lengths, mask, seed, rate = "BTNH", None, None, 0, 0.0
     if case == "transposed views":
@@ -333,13 +335,20 @@ def test_an_eager_training_call_gives_the_operators_values_and_gradients(rng, ca
         rate, seed = 0.25, torch.tensor([int(rng.integers(1 << 40)), 0], dtype=torch.int64, device="cuda")
     causal_ = mask is None
     grad = _random(rng, q.shape, torch.bfloat16)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a repeated direct launch ran the operator's implementation")
+
     results = []
-    for operator in ("function", "operator"):
+    for run in ("first", "repeated", "operator"):
         _poison_pool()
-        if operator == "function":
+        if run == "repeated" and case in EAGER_DIRECT:
+            monkeypatch.setattr(ops, "_forward", refuse)
+            monkeypatch.setattr(ops, "_backward_implementation", refuse)
+        if run != "operator":
             out, _ = ct.sdpa(q, k, v, causal=causal_, q_lengths=lengths, kv_lengths=lengths, keep=mask,
                              dropout_rate=rate, seed=seed, layout=layout)
-            assert type(out.grad_fn).__name__ in ("AttentionFunctionBackward", "TransposeBackward0"), out.grad_fn
+            assert type(out.grad_fn).__name__ == "AttentionFunctionBackward", out.grad_fn
         else:
             running = layout if case != "transposed views" else "BTNH"
             views = [x.transpose(1, 2) if case == "transposed views" else x for x in (q, k, v)]
@@ -347,8 +356,10 @@ def test_an_eager_training_call_gives_the_operators_values_and_gradients(rng, ca
                                       0, running, True, seed if rate else None)
             out = out.transpose(1, 2) if case == "transposed views" else out
         results.append((out.detach().clone(), *torch.autograd.grad(out, (q, k, v), grad)))
-    for name, a, b in zip(("output", "dq", "dk", "dv"), *results):
-        assert torch.equal(a, b), f"{case}: {name} differs between AttentionFunction and the operator"
+        monkeypatch.undo()
+    for run, result in zip(("first", "repeated"), results):
+        for name, a, b in zip(("output", "dq", "dk", "dv"), result, results[-1]):
+            assert torch.equal(a, b), f"{case}, {run} call: {name} differs between AttentionFunction and the operator"
     if rate == 0 and lengths is None:
         assert_close(f"output ({case})", _host(results[0][0]),
                      _host(_math_sdpa(q, k, v, mask, is_causal=causal_, layout=layout)), "bfloat16")
