@@ -1,4 +1,5 @@
-"""Host time of one eager torch decode call, by stage: ``cudnn_attn.torch.sdpa`` against torch's SDPA (not a test).
+"""Host time of one eager torch decode call, by stage, and of a training call: ``cudnn_attn.torch.sdpa`` against
+torch's SDPA (not a test).
 
     python benchmarks/bench_torch_host.py [--out OUT_DIR] [--quick] [--calls 2000] [--rounds 5]
 

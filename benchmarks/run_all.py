@@ -15,7 +15,7 @@ Phases (default: ``tests train host jax attention``):
                  GPU, Triton) in jitted chains; ``small``: where a B1 N8 T=S=256 D64 forward's time goes;
                  ``decode``: the paged cache and the growing cache; ``generate``: transformers ``generate()``,
                  torch SDPA against ours; ``torch``: a transformers Llama training step, cudnn_attn.torch vs
-                 torch's SDPA; ``torch_host``: an eager torch decode call's host time by stage.  A benchmark
+                 torch's SDPA; ``torch_host``: an eager torch decode call's host time by stage, and a training call's.  A benchmark
                  with ``--max-seconds`` is given the phase's time less 45 s, so that
                  it writes its report before the phase's limit;
 * ``host_ab``    - ``bench_host.py --quick`` of a base tree (``$AB_BASE``: a source checkout, ``git archive`` of the
