@@ -4,7 +4,8 @@
   ``keep(bool_tensor)``; named results), differentiable with ``torch.autograd``, traceable by
   ``torch.compile(fullgraph=True)``; :func:`sdpa` - the same with the mask as plain arguments.
 * ``torch.ops.cudnn_attn.attention`` / ``attention_backward`` - the custom operators underneath
-  (:mod:`cudnn_attn.torch.ops`).
+  (:mod:`cudnn_attn.torch.ops`), and :class:`~cudnn_attn.torch.eager.AttentionFunction`, the same forward and
+  gradient for eager autograd without torch's dispatcher (:mod:`cudnn_attn.torch.eager`).
 * :func:`register_transformers` - registers the attention and its mask with Hugging Face transformers
   (``attn_implementation="cudnn_attn"``).
 

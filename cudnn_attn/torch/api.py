@@ -30,8 +30,9 @@ from cudnn_attn.core.validation import check_seed, checked, default_scale, flag,
 
 from cudnn_attn.engine.call import FWD
 
-from .ops import (NAMES, AttentionFunction, DirectLaunches, EagerCall, _Direct, _readable, _shared_empty_lse, attention_op, attention_unrecorded,
-                  call_key, calls, config_of)
+from .eager import AttentionFunction, DirectLaunches, EagerCall
+from .ops import (NAMES, _Direct, _readable, _shared_empty_lse, attention_op, attention_unrecorded, call_key, calls,
+                  config_of)
 
 __all__ = ["attention", "dispatch_free", "sdpa", "unrecorded"]
 
@@ -82,7 +83,7 @@ def dispatch_free(*tensors: Any) -> bool:
     ``torch.compile`` and ``torch.jit.trace`` are not tracing, no ``TorchDispatchMode`` (``make_fx``,
     ``FlopCounterMode``, fake tensors) or ``torch.func`` transform is active, and every tensor is a plain ``torch.Tensor``, the first on CUDA or the CPU
     (a meta tensor's call is the operator's fake implementation).  Such a call skips torch's
-    dispatcher: autograd records :class:`~cudnn_attn.torch.ops.AttentionFunction` (the operator's forward and
+    dispatcher: autograd records :class:`~cudnn_attn.torch.eager.AttentionFunction` (the operator's forward and
     gradient), and a call autograd would not record (:func:`unrecorded`) runs the implementation alone."""
     return (not torch.compiler.is_compiling() and all(type(x) is torch.Tensor for x in tensors if x is not None)
             and (tensors[0].is_cuda or tensors[0].is_cpu) and _untraced())
@@ -167,7 +168,7 @@ class _Decision(NamedTuple):
     running layout, and strided in a way cuDNN cannot read), ``training``, for an unrecorded inference forward
     of tensors read as given its direct launch (:class:`~cudnn_attn.torch.ops._Direct`; ``None`` until one ran, or
     for other calls) with the empty logsumexp it returns, and the same fields as the
-    :class:`~cudnn_attn.torch.ops.EagerCall` of an eager call autograd records."""
+    :class:`~cudnn_attn.torch.eager.EagerCall` of an eager call autograd records."""
 
     static: tuple
     running: str

@@ -1,0 +1,112 @@
+"""Eager autograd without torch's dispatcher: :class:`AttentionFunction`, the custom operators' forward and gradient
+(:mod:`cudnn_attn.torch.ops`) as a ``torch.autograd.Function`` over their implementations.
+
+:func:`cudnn_attn.torch.api.sdpa` runs it for an eager call that autograd records and nothing else of torch would
+see (:func:`cudnn_attn.torch.api.dispatch_free`); ``torch.compile``, ``torch.jit.trace``, dispatch modes and
+``torch.func`` transforms see the operators instead.  Its results, residuals and gradients are the operators', bit
+for bit; it is not twice differentiable, as the operators are not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from cudnn_attn.engine.call import BWD, FWD
+
+from .ops import _Direct, _backward_implementation, _check_trained, _forward, _seed, call_key, calls
+
+__all__ = ["AttentionFunction", "DirectLaunches", "EagerCall"]
+
+
+class DirectLaunches:
+    """The direct launches (:class:`_Direct`) of one eager training signature's forward and backward, found by the
+    first call of each through :data:`calls` and kept here, so that a repeated :class:`AttentionFunction` call
+    launches without building its :func:`call_key` (``None``: not found yet, or the call runs the general path).
+    Two threads that find one at once store the same entry."""
+
+    __slots__ = ("forward", "backward")
+
+    def __init__(self) -> None:
+        self.forward: _Direct | None = None
+        self.backward: _Direct | None = None
+
+
+class EagerCall(NamedTuple):
+    """What :class:`AttentionFunction` runs besides its tensors and seed, fixed per call signature: the operator's
+    static arguments but the seed (``scale, causal, bottom_right, window, dropout_rate``), the layout it runs in,
+    ``training``, whether the caller's query, key and value are transposed views of that layout, which of them
+    are copied (:class:`cudnn_attn.torch.api._Decision`'s fields), and the signature's :class:`DirectLaunches`."""
+
+    static: tuple
+    running: str
+    training: bool
+    transposed: bool
+    copies: tuple
+    launches: DirectLaunches
+
+
+class AttentionFunction(torch.autograd.Function):
+    """:func:`attention_op` and its gradient as an ``autograd.Function`` over the operators' implementations: what
+    an eager call that autograd records runs when nothing else of torch would see the operator (no
+    ``torch.compile`` tracing, dispatch mode or ``torch.func`` transform: :func:`cudnn_attn.torch.api.dispatch_free`).
+
+    ``apply(query, key, value, q_lengths, kv_lengths, keep, seed, seed_offset, call)`` takes the caller's tensors
+    and an :class:`EagerCall`; the forward makes the running layout's views (and copies) itself and returns the
+    output in the caller's layout, and the backward returns the gradients in it, so autograd records one node per
+    call, not one more per transposed view.  A repeated call of a direct launch runs it from ``call.launches``.
+    The same results, residuals and gradients as the operator's, without torch's dispatcher on the way in and the
+    way back: through the custom operators an eager training call (forward and ``autograd.grad``, B2 T=S=256 16/4
+    heads d64 bf16, causal) took 1017.6 us of host time, through this function 450.6 us, and torch SDPA's 233.2
+    (``benchmarks/bench_torch_host.py``, H200 host).  Not twice differentiable, as the operator is not."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any,
+                kv_lengths: Any, keep: Any, seed: int, seed_offset: Any, call: EagerCall) -> tuple:
+        views = (query, key, value)
+        if call.transposed:
+            views = (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+        if any(call.copies):
+            views = tuple(x.contiguous() if copy else x for x, copy in zip(views, call.copies))
+        static = (*call.static, seed, call.running)
+        launches = call.launches
+        direct = launches.forward
+        if direct is not None and seed_offset is None and direct.takes(views):
+            output, logsumexp = direct.launch(views, seed, keep)
+        else:
+            output, logsumexp = _forward(*views, q_lengths, kv_lengths, keep,
+                                         static[:5] + (_seed(seed, seed_offset), call.running), call.training)
+            if direct is None and call.training and seed_offset is None and query.is_cuda:
+                known = calls.get(call_key(FWD, (*views, q_lengths, kv_lengths, keep), static, True))
+                if type(known) is _Direct:
+                    launches.forward = known
+        ctx.save_for_backward(*views, output, logsumexp, q_lengths, kv_lengths, keep, seed_offset)
+        ctx.static, ctx.training, ctx.transposed, ctx.launches = static, call.training, call.transposed, launches
+        ctx.mark_non_differentiable(logsumexp)
+        ctx.set_materialize_grads(False)          # no zero-filled gradient of the logsumexp, a kernel per call
+        return (output.transpose(1, 2) if call.transposed else output), logsumexp
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any) -> tuple:
+        _check_trained(ctx)
+        if grad_output is None:                   # the output was not used
+            return (None,) * 9
+        query, key, value, out, logsumexp, q_lengths, kv_lengths, keep, seed_offset = ctx.saved_tensors
+        if ctx.transposed:
+            grad_output = grad_output.transpose(1, 2)
+        tensors = (query, key, value, out, grad_output.contiguous(), logsumexp)
+        launches = ctx.launches
+        direct = launches.backward
+        if direct is not None and seed_offset is None and direct.takes(tensors):
+            grads = direct.launch(tensors, ctx.static[5])
+        else:
+            grads = _backward_implementation(*tensors, q_lengths, kv_lengths, keep, *ctx.static, seed_offset)
+            if direct is None and launches.forward is not None and seed_offset is None:
+                known = calls.get(call_key(BWD, (*tensors, q_lengths, kv_lengths, keep), ctx.static, True))
+                if type(known) is _Direct:
+                    launches.backward = known
+        if ctx.transposed:
+            return (grads[0].transpose(1, 2), grads[1].transpose(1, 2), grads[2].transpose(1, 2)) + (None,) * 6
+        return (grads[0], grads[1], grads[2]) + (None,) * 6
