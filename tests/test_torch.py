@@ -157,6 +157,24 @@ def test_eager_calls_skip_the_dispatcher_and_give_the_operators_results_and_grad
             dq.float().sum().backward()                                                     # differentiable
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing_gives_the_same_gradients(rng, reentrant):
+    """``torch.utils.checkpoint`` (both kinds; the non-reentrant one recomputes through saved-tensor hooks) around an
+    eager call gives the gradients of the call without it, bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = _qkv(rng, torch.float16)
+    grad = _random(rng, q.shape, torch.float16)
+
+    def loss(q, k, v):
+        return (ct.sdpa(q, k, v, causal=True)[0].float() * grad.float()).sum()
+
+    want = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    checkpoint(loss, q, k, v, use_reentrant=reentrant).backward()      # the reentrant kind takes no autograd.grad
+    for name, a, b in zip("qkv", (q.grad, k.grad, v.grad), want):
+        assert torch.equal(a, b), name
+
+
 def test_torch_jit_trace_records_the_operator(rng):
     """``torch.jit.trace`` records the operator, so the trace computes attention for new inputs (a call that skipped
     the dispatcher would be a constant of the trace, its first result)."""
