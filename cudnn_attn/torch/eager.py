@@ -49,8 +49,9 @@ class EagerCall(NamedTuple):
 
 class AttentionFunction(torch.autograd.Function):
     """:func:`attention_op` and its gradient as an ``autograd.Function`` over the operators' implementations: what
-    an eager call that autograd records runs when nothing else of torch would see the operator (no
-    ``torch.compile`` tracing, dispatch mode or ``torch.func`` transform: :func:`cudnn_attn.torch.api.dispatch_free`).
+    an eager call that autograd records runs when nothing else of torch would see the operator (no ``torch.compile``
+    or ``torch.jit.trace`` tracing, dispatch mode or ``torch.func`` transform:
+    :func:`cudnn_attn.torch.api.dispatch_free`).
 
     ``apply(query, key, value, q_lengths, kv_lengths, keep, seed, seed_offset, call)`` takes the caller's tensors
     and an :class:`EagerCall`; the forward makes the running layout's views (and copies) itself and returns the
