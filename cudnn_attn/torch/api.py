@@ -30,7 +30,7 @@ from cudnn_attn.core.validation import check_seed, checked, default_scale, flag,
 
 from cudnn_attn.engine.call import FWD
 
-from .eager import AttentionFunction, DirectLaunches, EagerCall
+from .eager import AttentionFunction, DirectLaunches
 from .ops import (NAMES, _Direct, _readable, _shared_empty_lse, attention_op, attention_unrecorded, call_key, calls,
                   config_of)
 
@@ -81,10 +81,11 @@ def _check_tensors(**tensors: Any) -> None:
 def dispatch_free(*tensors: Any) -> bool:
     """Whether nothing of torch but autograd would see a forward call of ``tensors`` through its operator:
     ``torch.compile`` and ``torch.jit.trace`` are not tracing, no ``TorchDispatchMode`` (``make_fx``,
-    ``FlopCounterMode``, fake tensors) or ``torch.func`` transform is active, and every tensor is a plain ``torch.Tensor``, the first on CUDA or the CPU
-    (a meta tensor's call is the operator's fake implementation).  Such a call skips torch's
-    dispatcher: autograd records :class:`~cudnn_attn.torch.eager.AttentionFunction` (the operator's forward and
-    gradient), and a call autograd would not record (:func:`unrecorded`) runs the implementation alone."""
+    ``FlopCounterMode``, fake tensors) or ``torch.func`` transform is active, and every tensor is a plain
+    ``torch.Tensor``, the first on CUDA or the CPU (a meta tensor's call is the operator's fake implementation).
+    Such a call skips torch's dispatcher: autograd records :class:`~cudnn_attn.torch.eager.AttentionFunction` (the
+    operator's forward and gradient), and a call autograd would not record (:func:`unrecorded`) runs the
+    implementation alone."""
     return (not torch.compiler.is_compiling() and all(type(x) is torch.Tensor for x in tensors if x is not None)
             and (tensors[0].is_cuda or tensors[0].is_cpu) and _untraced())
 
@@ -129,10 +130,11 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
         decision = _decide(tensors, scale, causal, bottom_right, window, dropout_rate, seed, layout, training)
     seed_offset = seed if isinstance(seed, torch.Tensor) else None       # a device seed (the operators' doc)
     seed = 0 if seed_offset is not None else check_seed(seed)
-    if _records((query, key, value)) and dispatch_free(*tensors):
+    recorded, free = _records((query, key, value)), dispatch_free(*tensors)
+    if recorded and free:
         # Eager autograd: one AttentionFunction node, which makes the running layout's views itself.
         output, logsumexp = AttentionFunction.apply(query, key, value, q_lengths, kv_lengths, keep, seed, seed_offset,
-                                                    decision.eager)
+                                                    decision)
         if new and signature is not None:
             _remember(signature, decision)
         return output, logsumexp
@@ -140,9 +142,8 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     q, k, v = (x.transpose(1, 2) if decision.transposed else x for x in (query, key, value))
     if not decision.as_given:
         q, k, v = (x.contiguous() if copy else x for x, copy in zip((q, k, v), decision.copies))
-    operator = attention_op
-    if not _records((q, k, v)) and dispatch_free(q, k, v, q_lengths, kv_lengths, keep):
-        operator = attention_unrecorded
+    # A recorded call without the dispatcher returned above: a dispatch-free one here is one autograd does not record.
+    operator = attention_unrecorded if free else attention_op
     output, logsumexp = operator(q, k, v, q_lengths, kv_lengths, keep, *static, decision.running,
                                  decision.training, seed_offset)
     if signature is not None:
@@ -167,8 +168,8 @@ class _Decision(NamedTuple):
     operator runs in, whether the tensors are transposed views of it, which of them are copied (not dense in the
     running layout, and strided in a way cuDNN cannot read), ``training``, for an unrecorded inference forward
     of tensors read as given its direct launch (:class:`~cudnn_attn.torch.ops._Direct`; ``None`` until one ran, or
-    for other calls) with the empty logsumexp it returns, and the same fields as the
-    :class:`~cudnn_attn.torch.eager.EagerCall` of an eager call autograd records."""
+    for other calls) with the empty logsumexp it returns, and the direct launches of an eager call autograd records
+    (an :class:`~cudnn_attn.torch.eager.EagerCall`: what :class:`~cudnn_attn.torch.eager.AttentionFunction` reads)."""
 
     static: tuple
     running: str
@@ -177,7 +178,7 @@ class _Decision(NamedTuple):
     training: bool
     direct: Any = None
     empty_lse: Any = None
-    eager: Any = None                  # the EagerCall of AttentionFunction (these fields, made once)
+    launches: Any = None               # a DirectLaunches, made once per signature
 
     @property
     def as_given(self) -> bool:
@@ -264,8 +265,7 @@ def _decide(tensors: tuple, scale: Any, causal: Any, bottom_right: Any, window: 
                                                                              else check_seed(seed), asked),
                   bool(training))
     training = bool(training)
-    return _Decision(static, running, transposed, copies, training,
-                     eager=EagerCall(static, running, training, transposed, copies, DirectLaunches()))
+    return _Decision(static, running, transposed, copies, training, launches=DirectLaunches())
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any = None, *,

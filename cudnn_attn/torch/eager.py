@@ -9,13 +9,13 @@ for bit; it is not twice differentiable, as the operators are not.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Protocol
 
 import torch
 
 from cudnn_attn.engine.call import BWD, FWD
 
-from .ops import _Direct, _backward_implementation, _check_trained, _forward, _seed, call_key, calls
+from .ops import _Direct, _backward_implementation, _check_trained, _forward, call_key, calls
 
 __all__ = ["AttentionFunction", "DirectLaunches", "EagerCall"]
 
@@ -33,11 +33,12 @@ class DirectLaunches:
         self.backward: _Direct | None = None
 
 
-class EagerCall(NamedTuple):
-    """What :class:`AttentionFunction` runs besides its tensors and seed, fixed per call signature: the operator's
-    static arguments but the seed (``scale, causal, bottom_right, window, dropout_rate``), the layout it runs in,
-    ``training``, whether the caller's query, key and value are transposed views of that layout, which of them
-    are copied (:class:`cudnn_attn.torch.api._Decision`'s fields), and the signature's :class:`DirectLaunches`."""
+class EagerCall(Protocol):
+    """What :class:`AttentionFunction` reads of a call besides its tensors and seed, fixed per call signature (the
+    decision :func:`cudnn_attn.torch.api.sdpa` remembers, ``api._Decision``): the operator's static arguments but
+    the seed (``scale, causal, bottom_right, window, dropout_rate``), the layout it runs in, ``training``, whether
+    the caller's query, key and value are transposed views of that layout, which of them are copied, and the
+    signature's :class:`DirectLaunches`."""
 
     static: tuple
     running: str
@@ -70,14 +71,14 @@ class AttentionFunction(torch.autograd.Function):
             views = (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
         if any(call.copies):
             views = tuple(x.contiguous() if copy else x for x, copy in zip(views, call.copies))
-        static = (*call.static, seed, call.running)
+        static = (*call.static, seed, call.running)           # the backward's; the forward's seed may be a tensor
         launches = call.launches
         direct = launches.forward
         if direct is not None and seed_offset is None and direct.takes(views):
             output, logsumexp = direct.launch(views, seed, keep)
         else:
-            output, logsumexp = _forward(*views, q_lengths, kv_lengths, keep,
-                                         static[:5] + (_seed(seed, seed_offset), call.running), call.training)
+            running = static if seed_offset is None else (*call.static, seed_offset, call.running)
+            output, logsumexp = _forward(*views, q_lengths, kv_lengths, keep, running, call.training)
             if direct is None and call.training and seed_offset is None and query.is_cuda:
                 known = calls.get(call_key(FWD, (*views, q_lengths, kv_lengths, keep), static, True))
                 if type(known) is _Direct:

@@ -568,9 +568,9 @@ def _backward_implementation(query, key, value, output, grad_output, logsumexp, 
 def _backward_grads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
                     grad_output: torch.Tensor, logsumexp: torch.Tensor, q_lengths: Any, kv_lengths: Any, keep: Any,
                     static: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if query.is_cuda:
+    if query.is_cuda:         # the general path detaches the tensors (``_general``); a direct launch reads addresses
         grads = _run(BWD, (query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep), static,
-                     True)               # the general path detaches them (``_general``); a direct launch reads addresses
+                     True)
         return grads[0], grads[1], grads[2]
     arguments = _seed_arguments(_to_numpy(q_lengths), _to_numpy(kv_lengths), _to_numpy(keep), *_numpy_seed(static))
     grads = reference_backward(*(_to_numpy(x) for x in (query, key, value, output, grad_output,
