@@ -15,7 +15,7 @@ rounds; the GPU synchronised between rounds, never inside one):
 * ``ours``               - ``cudnn_attn.torch.sdpa(q, k, v, keep=..., layout="BNTH")``, the whole call;
 * ``ours: signature``    - the call's signature and the lookup of its decision (``api._signature``, ``_decided``);
 * ``ours: launch``       - the direct launch of the known call (fold, result, stream, ``launch_into``);
-* ``ours: fold``         - the keep-mask's fold into a bias alone (``ops._folded``: ``torch.full``, ``masked_fill_``);
+* ``ours: fold``         - the keep-mask's fold into a bias alone (``ops._folded``: one ``torch.add``);
 * ``ours: empty``        - torch's allocation of the result alone (``torch.empty``);
 * ``ours: launch_into``  - ``PreparedCall.launch_into`` on fixed addresses (the engine's launch sequence and
                            cuDNN's execute).

@@ -258,6 +258,45 @@ def test_padding_and_keep_mask_match_math_sdpa(rng):
     assert _error(out[valid], ref[valid]) <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("mask_layout", ["dense", "transposed", "broadcast_rows", "two_dims"])
+def test_the_direct_launchs_keep_mask_fold_is_validations_fold_in_one_operation(rng, dtype, mask_layout):
+    """``ops._folded`` (the keep-mask's bias on the direct launch) equals validation's fold of the same mask, bit
+    for bit, dense in ``config.bias``'s shape, whatever the mask's strides; a dense mask of the bias's shape is
+    folded by one torch operation (``aten.add``, no copy to the device: a CUDA graph holds it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cudnn_attn.core.validation import validate_call
+    from cudnn_attn.torch import ops
+
+    B, T, S, N = 2, 3, 40, 4
+    drawn = torch.from_numpy(rng.random((B, 1, S, T)) > 0.3)
+    keep_mask = {"dense": drawn.transpose(2, 3).contiguous(), "transposed": drawn.transpose(2, 3),
+                 "broadcast_rows": drawn[:, :, :1, :1].expand(B, 1, T, S), "two_dims": drawn[0, 0].T}[mask_layout]
+    q, k, v = _qkv(rng, dtype, B=B, T=T, S=S, N=N, K=N, requires_grad=False)
+    config = ops.config_of(q, k, v, None, None, keep_mask, (0.25, False, False, 0, 0.0, 0, "BTNH"), False)
+
+    class Operations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Operations() as operations:
+        bias = ops._folded(keep_mask, config)
+    numpy_dtype = ops._NUMPY_DTYPES[dtype]
+    stand_ins = [np.zeros(x.shape, numpy_dtype) for x in (q, k, v)]
+    _, operands = validate_call(*stand_ins, mask=keep_mask.numpy(), scale=0.25, xp=np)
+    want = np.ascontiguousarray(operands.bias).view(np.int16)
+    assert bias.dtype == dtype and tuple(bias.shape) == config.bias.shape == want.shape and bias.is_contiguous()
+    assert np.array_equal(bias.view(torch.int16).numpy(), want), f"repro: mask_layout={mask_layout} {dtype}"
+    if mask_layout == "dense":
+        assert operations.seen == [torch.ops.aten.add.Tensor]
+
+
 def test_window_and_logsumexp(rng):
     q, k, v = _qkv(rng, torch.bfloat16, requires_grad=False)
     result = ct.attention(q, k, v, mask=window(2, 0), return_aux=AuxRequest(logsumexp=True))

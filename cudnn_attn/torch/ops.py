@@ -234,17 +234,26 @@ class _General(NamedTuple):
 def _folded(keep: torch.Tensor, config: Any) -> torch.Tensor:
     """The bias cuDNN reads for a boolean ``keep`` mask, validation's fold (``validate_call``): 0 where kept,
     :data:`~cudnn_attn.core.validation.LARGE_NEGATIVE` elsewhere, in the io dtype, dense in the shape of
-    ``config.bias`` (batch and heads as the mask broadcasts them)."""
-    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[config.dtype]
-    # Two kernels with host scalars as arguments.  A cached device constant made while torch records a CUDA graph
-    # would stay in the graph's pool untracked, and a CPU tensor operand is a host-to-device copy, which torch
-    # refuses during capture (``torch.where`` of zero-dimensional CPU tensors: 33.6 us under cProfile, and no capture).
-    bias = torch.full(keep.shape, LARGE_NEGATIVE[config.dtype], dtype=dtype, device=keep.device)
-    bias.masked_fill_(keep, 0.0)
+    ``config.bias`` (batch and heads as the mask broadcasts them).
+
+    One kernel, ``large + (-large) * keep`` computed in float32 (exact: ``large`` is a power of two), whose
+    ``large`` is a zero-dimensional CPU tensor of the io dtype: torch passes it to the kernel as an argument, so
+    nothing is copied to the device and a CUDA graph holds the call, and being a tensor of the io dtype (not a
+    Python number) it makes the result that dtype.  A cached device constant instead would stay in a CUDA graph
+    tree's pool untracked, and ``torch.where`` copies zero-dimensional CPU operands to the device, which torch
+    refuses during capture."""
+    large = _LARGE_NEGATIVE[config.dtype]
+    bias = torch.add(large, keep, alpha=-LARGE_NEGATIVE[config.dtype])
     shape = config.bias.shape
-    if tuple(bias.shape) != shape:
+    if tuple(bias.shape) != shape or not bias.is_contiguous():     # the result follows a strided mask's layout
         bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).expand(shape).contiguous()
     return bias
+
+
+_LARGE_NEGATIVE = {name: torch.tensor(LARGE_NEGATIVE[name], dtype=dtype)
+                   for name, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16))}
+""":data:`~cudnn_attn.core.validation.LARGE_NEGATIVE` of each io dtype as a zero-dimensional CPU tensor
+(:func:`_folded`'s kernel argument)."""
 
 
 calls = prepared_calls
