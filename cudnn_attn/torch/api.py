@@ -118,13 +118,16 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     tensors = (query, key, value, q_lengths, kv_lengths, keep)
     signature = _signature(tensors, scale, causal, bottom_right, window, dropout_rate, layout, training)
     decision = _decided(signature)
-    if decision is not None and decision.direct is not None and type(seed) is int and 0 <= seed < _SEED_END \
-            and _untraced() and decision.direct.takes(tensors):
-        # A repeated inference forward of tensors the operator reads as given (dense in the running layout, or views
-        # cuDNN reads with their strides): the direct launch reads their addresses (a transposed view's is its
-        # tensor's), so nothing of the slow path below runs.
-        output = decision.direct.launch((query, key, value), 0, keep)[0]
-        return (output.transpose(1, 2) if decision.transposed else output), decision.empty_lse
+    if decision is not None and type(seed) is int and 0 <= seed < _SEED_END and _untraced():
+        if decision.direct is not None and decision.direct.takes(tensors):
+            # A repeated inference forward of tensors the operator reads as given (dense in the running layout, or
+            # views cuDNN reads with their strides): the direct launch reads their addresses (a transposed view's
+            # is its tensor's) and allocates the output in the caller's layout, so nothing of the slow path below
+            # runs.
+            return decision.direct.launch((query, key, value), 0, keep, decision.transposed)[0], decision.empty_lse
+        if decision.autograd:
+            # A repeated call that autograd records and nothing else of torch sees (its signature fixes both).
+            return AttentionFunction.apply(query, key, value, q_lengths, kv_lengths, keep, seed, None, decision)
     new = decision is None
     if new:
         decision = _decide(tensors, scale, causal, bottom_right, window, dropout_rate, seed, layout, training)
@@ -168,8 +171,10 @@ class _Decision(NamedTuple):
     operator runs in, whether the tensors are transposed views of it, which of them are copied (not dense in the
     running layout, and strided in a way cuDNN cannot read), ``training``, for an unrecorded inference forward
     of tensors read as given its direct launch (:class:`~cudnn_attn.torch.ops._Direct`; ``None`` until one ran, or
-    for other calls) with the empty logsumexp it returns, and the direct launches of an eager call autograd records
-    (an :class:`~cudnn_attn.torch.eager.EagerCall`: what :class:`~cudnn_attn.torch.eager.AttentionFunction` reads)."""
+    for other calls) with the empty logsumexp it returns, the direct launches of an eager call autograd records
+    (an :class:`~cudnn_attn.torch.eager.EagerCall`: what :class:`~cudnn_attn.torch.eager.AttentionFunction` reads),
+    and whether autograd records a call of the signature whose tensors are plain CUDA or CPU tensors (what
+    :func:`dispatch_free` and :func:`_records` read but :func:`_untraced`'s state)."""
 
     static: tuple
     running: str
@@ -179,6 +184,8 @@ class _Decision(NamedTuple):
     direct: Any = None
     empty_lse: Any = None
     launches: Any = None               # a DirectLaunches, made once per signature
+    autograd: bool = False             # autograd records the call, of plain CUDA or CPU tensors (dispatch_free
+                                       # but for the state no signature holds: _untraced)
 
     @property
     def as_given(self) -> bool:
@@ -265,7 +272,9 @@ def _decide(tensors: tuple, scale: Any, causal: Any, bottom_right: Any, window: 
                                                                              else check_seed(seed), asked),
                   bool(training))
     training = bool(training)
-    return _Decision(static, running, transposed, copies, training, launches=DirectLaunches())
+    autograd = _records((query, key, value)) and (query.is_cuda or query.is_cpu) \
+        and all(type(x) is torch.Tensor for x in tensors if x is not None)
+    return _Decision(static, running, transposed, copies, training, launches=DirectLaunches(), autograd=autograd)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any = None, *,

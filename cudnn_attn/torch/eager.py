@@ -55,9 +55,10 @@ class AttentionFunction(torch.autograd.Function):
     :func:`cudnn_attn.torch.api.dispatch_free`).
 
     ``apply(query, key, value, q_lengths, kv_lengths, keep, seed, seed_offset, call)`` takes the caller's tensors
-    and an :class:`EagerCall`; the forward makes the running layout's views (and copies) itself and returns the
-    output in the caller's layout, and the backward returns the gradients in it, so autograd records one node per
-    call, not one more per transposed view.  A repeated call of a direct launch runs it from ``call.launches``.
+    and an :class:`EagerCall`; the forward returns the output in the caller's layout and the backward the gradients
+    in it, so autograd records one node per call, not one more per transposed view.  A repeated call of a direct
+    launch runs it from ``call.launches`` on the caller's tensors, read by address, into results allocated in the
+    caller's layout; the general path makes the running layout's views (and copies) itself.
     The same results, residuals and gradients as the operator's, without torch's dispatcher on the way in and the
     way back: through the custom operators an eager training call (forward and ``autograd.grad``, B2 T=S=256 16/4
     heads d64 bf16, causal) took 1017.6 us of host time, through this function 450.6 us, and torch SDPA's 233.2
@@ -66,49 +67,75 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any,
                 kv_lengths: Any, keep: Any, seed: int, seed_offset: Any, call: EagerCall) -> tuple:
-        views = (query, key, value)
-        if call.transposed:
-            views = (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
-        if any(call.copies):
-            views = tuple(x.contiguous() if copy else x for x, copy in zip(views, call.copies))
         static = (*call.static, seed, call.running)           # the backward's; the forward's seed may be a tensor
-        launches = call.launches
+        transposed, launches, copied = call.transposed, call.launches, any(call.copies)
         direct = launches.forward
-        if direct is not None and seed_offset is None and direct.takes(views):
-            output, logsumexp = direct.launch(views, seed, keep)
+        if direct is not None and seed_offset is None and not copied and direct.takes((query, key, value)):
+            # The direct launch reads addresses alone (a transposed view's is its tensor's) and allocates the output
+            # in the caller's layout: no view of the running layout is made, here or in the backward.
+            output, logsumexp = direct.launch((query, key, value), seed, keep, transposed)
+            used = (query, key, value)
         else:
+            views = (query, key, value)
+            if transposed:
+                views = (query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+            if copied:
+                views = tuple(x.contiguous() if copy else x for x, copy in zip(views, call.copies))
             running = static if seed_offset is None else (*call.static, seed_offset, call.running)
             output, logsumexp = _forward(*views, q_lengths, kv_lengths, keep, running, call.training)
             if direct is None and call.training and seed_offset is None and query.is_cuda:
                 known = calls.get(call_key(FWD, (*views, q_lengths, kv_lengths, keep), static, True))
                 if type(known) is _Direct:
                     launches.forward = known
-        ctx.save_for_backward(*views, output, logsumexp, q_lengths, kv_lengths, keep, seed_offset)
-        ctx.static, ctx.training, ctx.transposed, ctx.launches = static, call.training, call.transposed, launches
+            if transposed:
+                output = output.transpose(1, 2)
+            used = views if copied else (query, key, value)
+        # Residuals: the query, key and value the launch read (the caller's, or their copies in the running layout)
+        # and the output in the caller's layout.
+        ctx.save_for_backward(*used, output, logsumexp, q_lengths, kv_lengths, keep, seed_offset)
+        ctx.call = (static, call.training, transposed, launches, not copied)
         ctx.mark_non_differentiable(logsumexp)
         ctx.set_materialize_grads(False)          # no zero-filled gradient of the logsumexp, a kernel per call
-        return (output.transpose(1, 2) if call.transposed else output), logsumexp
+        return output, logsumexp
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any) -> tuple:
-        _check_trained(ctx)
-        if grad_output is None:                   # the output was not used
-            return (None,) * 9
-        query, key, value, out, logsumexp, q_lengths, kv_lengths, keep, seed_offset = ctx.saved_tensors
-        if ctx.transposed:
+        if torch.is_grad_enabled():              # create_graph: once_differentiable refuses a second derivative
+            return _once_differentiable_backward(ctx, grad_output, grad_logsumexp)
+        return _backward(ctx, grad_output)
+
+
+def _backward(ctx: Any, grad_output: torch.Tensor | None, _: Any = None) -> tuple:
+    """:meth:`AttentionFunction.backward` with grad mode off (what ``once_differentiable`` runs it under)."""
+    static, training, transposed, launches, given = ctx.call
+    _check_trained(training)
+    if grad_output is None:                       # the output was not used
+        return (None,) * 9
+    query, key, value, out, logsumexp, q_lengths, kv_lengths, keep, seed_offset = ctx.saved_tensors
+    # The output's gradient dense in the running layout: as given where its strides are the output's.
+    if grad_output.stride() != out.stride():
+        grad_output = (grad_output.transpose(1, 2) if transposed else grad_output).contiguous()
+        if transposed:
             grad_output = grad_output.transpose(1, 2)
-        tensors = (query, key, value, out, grad_output.contiguous(), logsumexp)
-        launches = ctx.launches
-        direct = launches.backward
-        if direct is not None and seed_offset is None and direct.takes(tensors):
-            grads = direct.launch(tensors, ctx.static[5])
-        else:
-            grads = _backward_implementation(*tensors, q_lengths, kv_lengths, keep, *ctx.static, seed_offset)
-            if direct is None and launches.forward is not None and seed_offset is None:
-                known = calls.get(call_key(BWD, (*tensors, q_lengths, kv_lengths, keep), ctx.static, True))
-                if type(known) is _Direct:
-                    launches.backward = known
-        if ctx.transposed:
-            return (grads[0].transpose(1, 2), grads[1].transpose(1, 2), grads[2].transpose(1, 2)) + (None,) * 6
+    direct = launches.backward
+    if direct is not None and seed_offset is None and direct.takes((query, key, value)):
+        grads = direct.launch((query, key, value, out, grad_output, logsumexp), static[5], None, transposed)
         return (grads[0], grads[1], grads[2]) + (None,) * 6
+    tensors = (query, key, value, out, grad_output)
+    if transposed:
+        tensors = tuple(x.transpose(1, 2) if given or i >= 3 else x for i, x in enumerate(tensors))
+    tensors = (*tensors, logsumexp)
+    grads = _backward_implementation(*tensors, q_lengths, kv_lengths, keep, *static, seed_offset)
+    if direct is None and launches.forward is not None and seed_offset is None:
+        known = calls.get(call_key(BWD, (*tensors, q_lengths, kv_lengths, keep), static, True))
+        if type(known) is _Direct:
+            launches.backward = known
+    if transposed:
+        return (grads[0].transpose(1, 2), grads[1].transpose(1, 2), grads[2].transpose(1, 2)) + (None,) * 6
+    return (grads[0], grads[1], grads[2]) + (None,) * 6
+
+
+_once_differentiable_backward = torch.autograd.function.once_differentiable(_backward)
+"""The backward under grad mode (``create_graph=True``): ``once_differentiable``'s, which runs it without grad and
+makes a second derivative through it an error.  Without grad mode the backward runs directly, which saves the
+decorator's grad-mode switch."""

@@ -193,6 +193,7 @@ class _Direct(NamedTuple):
     workspace: int
     device: torch.device
     strided: bool                      # some of Q, K and V are views read with their strides (config.strides)
+    transposed_results: tuple = ()     # (shape, strides, dtype) of each result as the other layout's view of it
 
     def takes(self, tensors: tuple) -> bool:
         """Whether this launch serves ``tensors`` of its signature: the views of a strided one must start 16-byte
@@ -200,13 +201,21 @@ class _Direct(NamedTuple):
         general path copies the others, as the CuPy front does)."""
         return not self.strided or not any(x.data_ptr() & 15 for x in tensors[:3])
 
-    def launch(self, tensors: tuple, seed: int, keep: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def launch(self, tensors: tuple, seed: int, keep: torch.Tensor | None = None,
+               transposed: bool = False) -> list[torch.Tensor]:
+        """The results of one launch on ``tensors`` (read by address alone, so a transposed view of the running
+        layout serves as its tensor).  ``transposed``: the results in the layout (the output, or dq, dk and dv) come
+        back as the other layout's views of their dense memory, allocated so (:attr:`transposed_results`), not
+        transposed afterwards."""
         call = self.prepared
         device = self.device
         if keep is not None:
             tensors = (*tensors, _folded(keep, call.config))
-        # The sizes as separate arguments: torch parses them faster than one tuple (2.7 against 3.7 us, H200 host).
-        results = [torch.empty(*shape, dtype=dtype, device=device) for shape, dtype in self.results]
+        if transposed:
+            results = [torch.empty_strided(shape, strides, dtype=dtype, device=device)
+                       for shape, strides, dtype in self.transposed_results]
+        else:       # the sizes as separate arguments: torch parses them faster than one tuple (2.7 against 3.7 us)
+            results = [torch.empty(*shape, dtype=dtype, device=device) for shape, dtype in self.results]
         pointers = [x.data_ptr() for x in self.order(tensors)]
         pointers += [r.data_ptr() for r in results]
         # The workspace tensor lives until the launch is enqueued: freed earlier, torch's allocator could hand its
@@ -311,9 +320,21 @@ def _first_call(kind: str, tensors: tuple, static: tuple, training: bool) -> _Di
     if not call.direct_capable:
         return _General(config)
     names = _FWD_NAMES + (("bias",) if keep is not None else ()) if kind == FWD else _BWD_NAMES
-    return _Direct(call, call.direct_order(names),
-                   tuple((shape, _TORCH_DTYPES[dtype]) for shape, dtype in call.result_layout()), call.workspace_size,
-                   tensors[0].device, bool(strided))
+    results = tuple((shape, _TORCH_DTYPES[dtype]) for shape, dtype in call.result_layout())
+    in_layout = 1 if kind == FWD else 3                  # the output, or dq, dk and dv; not the logsumexp
+    return _Direct(call, call.direct_order(names), results, call.workspace_size, tensors[0].device, bool(strided),
+                   tuple((*_transposed_view(shape, i < in_layout), dtype) for i, (shape, dtype) in enumerate(results)))
+
+
+def _transposed_view(shape: tuple, transposed: bool) -> tuple[tuple, tuple]:
+    """``(shape, strides)`` of a dense tensor of ``shape``, viewed with dimensions 1 and 2 swapped when
+    ``transposed``."""
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * max(shape[i + 1], 1)          # torch's rule for dense strides
+    if transposed:
+        shape, strides = (shape[0], shape[2], shape[1], *shape[3:]), (strides[0], strides[2], strides[1], *strides[3:])
+    return tuple(shape), tuple(strides)
 
 
 def _readable(x: torch.Tensor) -> bool:
@@ -614,7 +635,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any) -> tuple:
     """The forward's 15 gradients: ``(dq, dk, dv)`` from the backward operator, ``None`` for the other inputs."""
-    _check_trained(ctx)
+    _check_trained(ctx.training)
     if grad_output is None:                   # the output was not used
         return (None,) * 15
     query, key, value, out, logsumexp, q_lengths, kv_lengths, keep, seed_offset = ctx.saved_tensors
@@ -623,8 +644,9 @@ def _backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any) -> tuple
     return (dq, dk, dv) + (None,) * 12
 
 
-def _check_trained(ctx: Any) -> None:
-    if not ctx.training:
+def _check_trained(training: bool) -> None:
+    """A backward of a forward that kept no logsumexp is refused."""
+    if not training:
         raise RuntimeError("cudnn_attn::attention: the forward ran with training=False (no logsumexp kept); "
                            "call it with training=True to differentiate it (cudnn_attn.torch.attention decides "
                            "from torch.is_grad_enabled() and requires_grad)")

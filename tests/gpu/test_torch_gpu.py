@@ -309,16 +309,19 @@ def test_a_repeated_eager_call_runs_its_remembered_direct_launch(rng, monkeypatc
             ct.sdpa(q, k, v, keep=mask, layout="BNTH", seed=seed)
 
 
-EAGER_CASES = ("dense causal", "transposed views", "lengths", "keep-mask", "device-seed dropout")
-EAGER_DIRECT = ("dense causal", "transposed views")
+EAGER_CASES = ("dense causal", "transposed views", "mixed layouts", "lengths", "keep-mask", "device-seed dropout")
+EAGER_DIRECT = ("dense causal", "transposed views", "mixed layouts")
+TRANSPOSED = ("transposed views", "mixed layouts")         # the call runs in the other layout than it is given in
 
 
 @pytest.mark.parametrize("case", EAGER_CASES)
 def test_an_eager_training_call_gives_the_operators_values_and_gradients(rng, monkeypatch, case):
     """An eager call autograd records runs ``AttentionFunction`` (no dispatcher) with the operator's results and
-    gradients, bit for bit, on the direct launch (dense, transposed views) and the general path (lengths, a keep-mask,
-    a device dropout seed); both against the math SDPA where the mask is deterministic.  A repeated call of a direct
-    launch runs it from its signature's ``DirectLaunches`` without the implementations."""
+    gradients, bit for bit, on the direct launch (dense, transposed views, and transformers' training call: a BNTH
+    view of BTNH query memory with a dense BNTH key and value, which runs in BTNH) and the general path (lengths, a
+    keep-mask, a device dropout seed); both against the math SDPA where the mask is deterministic.  A repeated call of
+    a direct launch runs it from its signature's ``DirectLaunches`` without the implementations, its results and
+    gradients allocated in the caller's layout."""
     from cudnn_attn.torch import eager, ops
 
     B, T, N, K, H = 2, 128 + 8 * EAGER_CASES.index(case), 8, 2, 64           # a signature per case
@@ -327,6 +330,10 @@ def test_an_eager_training_call_gives_the_operators_values_and_gradients(rng, mo
     if case == "transposed views":
         layout = "BNTH"
         q, k, v = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    if case == "mixed layouts":
+        layout = "BNTH"
+        q = q.detach().transpose(1, 2).requires_grad_()
+        k, v = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (k, v))
     if case == "lengths":
         lengths = torch.tensor([T, T - 37], dtype=torch.int32, device="cuda")
     if case == "keep-mask":
@@ -335,6 +342,8 @@ def test_an_eager_training_call_gives_the_operators_values_and_gradients(rng, mo
         rate, seed = 0.25, torch.tensor([int(rng.integers(1 << 40)), 0], dtype=torch.int64, device="cuda")
     causal_ = mask is None
     grad = _random(rng, q.shape, torch.bfloat16)
+    if case == "mixed layouts":            # o_proj's gradient, through transformers' transpose: dense BTNH memory
+        grad = _random(rng, (B, T, N, H), torch.bfloat16).transpose(1, 2)
 
     def refuse(*args, **kwargs):
         raise AssertionError("a repeated direct launch ran the operator's implementation")
@@ -350,16 +359,17 @@ def test_an_eager_training_call_gives_the_operators_values_and_gradients(rng, mo
                              dropout_rate=rate, seed=seed, layout=layout)
             assert type(out.grad_fn).__name__ == "AttentionFunctionBackward", out.grad_fn
         else:
-            running = layout if case != "transposed views" else "BTNH"
-            views = [x.transpose(1, 2) if case == "transposed views" else x for x in (q, k, v)]
+            running = layout if case not in TRANSPOSED else "BTNH"
+            views = [x.transpose(1, 2) if case in TRANSPOSED else x for x in (q, k, v)]
             out, _ = ops.attention_op(*views, lengths, lengths, mask, 1 / math.sqrt(H), causal_, False, 0, rate,
                                       0, running, True, seed if rate else None)
-            out = out.transpose(1, 2) if case == "transposed views" else out
+            out = out.transpose(1, 2) if case in TRANSPOSED else out
         results.append((out.detach().clone(), *torch.autograd.grad(out, (q, k, v), grad)))
         monkeypatch.undo()
     for run, result in zip(("first", "repeated"), results):
         for name, a, b in zip(("output", "dq", "dk", "dv"), result, results[-1]):
             assert torch.equal(a, b), f"{case}, {run} call: {name} differs between AttentionFunction and the operator"
+            assert a.stride() == b.stride(), f"{case}, {run} call: {name} strides {a.stride()} against {b.stride()}"
     if rate == 0 and lengths is None:
         assert_close(f"output ({case})", _host(results[0][0]),
                      _host(_math_sdpa(q, k, v, mask, is_causal=causal_, layout=layout)), "bfloat16")
