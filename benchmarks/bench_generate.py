@@ -21,8 +21,11 @@ Every name gets transformers' ``sdpa_mask``.  Caches: ``dynamic``; ``static+comp
 ``generate(cache_implementation="static")`` runs it by default (transformers compiles the decoding forward with
 ``torch.compile``, CUDA graphs included); ``static``, the same with ``generation_config.disable_compile`` (eager).
 Under compile each implementation runs unwrapped (a timing wrapper would break the graph: no ``attn us`` there),
-and ``ours segments`` does not run (the CuPy front is not traceable).  Per cache and prompt: a cold ``generate()`` of each implementation (graphs built), then ``--rounds`` warm ones of
-each in a rotating order (``run_group``): ms per generated token (the median of wall / tokens,
+and ``ours segments`` does not run (the CuPy front is not traceable).  Per cache and prompt: a cold ``generate()``
+of each implementation (graphs built), then ``--rounds`` warm ones of each (``--compiled-rounds`` for the compiled
+cache, whose token is mostly ``generate()``'s own loop: 2.49-2.92 ms from one run to the next for torch SDPA on the
+H200's host) in a rotating order
+(``run_group``): ms per generated token (the median of wall / tokens,
 prefill included), attention calls and the host time inside the attention function per call, graph-cache hits
 and misses of the warm run, and the share of generated tokens equal to sdpa's (random weights: near-ties may
 flip a greedy choice).  Each ``static+compile`` row also profiles one more warm run (``kernel_profile``): GPU
@@ -381,9 +384,10 @@ def _f(x, digits=2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def table(rows: list[Row], tokens: int, rounds: int, source: str) -> str:
+def table(rows: list[Row], tokens: int, rounds: int, source: str, compiled_rounds: int | None = None) -> str:
+    runs = f"{rounds}" if compiled_rounds in (None, rounds) else f"{rounds} ({compiled_rounds} compiled)"
     lines = [f"== generate(): random Llama {LAYERS} layers, {HEADS}/{KV_HEADS} heads, d={HEAD_DIM}, batch {BATCH}, "
-             f"{PROMPT}-token prompt, {tokens} tokens, median of {rounds} warm runs in rotating order (ours' "
+             f"{PROMPT}-token prompt, {tokens} tokens, median of {runs} warm runs in rotating order (ours' "
              f"keep-mask function: {source})",
              f"{'cache':14s} {'prompt':7s} {'impl':15s} {'ms/token':>8s} {'x sdpa':>6s} {'attn us':>8s} {'calls':>6s} "
              f"{'hits':>5s} {'miss':>5s} {'same':>5s} {'cold s':>6s}"]
@@ -426,9 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="no GPU: the table's rows, not run")
     parser.add_argument("--tokens", type=int, default=None, help="generated tokens (default 64, quick 16)")
     parser.add_argument("--rounds", type=int, default=15, help="timed generate() runs per implementation (median)")
+    parser.add_argument("--compiled-rounds", type=int, default=None,
+                        help="the same for the compiled static cache (default 45, quick --rounds)")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     tokens = args.tokens or (16 if args.quick else 64)
+    compiled_rounds = args.compiled_rounds or (args.rounds if args.quick else 45)
     rows = [Row(cache, padded, impl) for cache in CACHES for padded in (False, True) for impl in IMPLS
             if not (cache == COMPILED and impl == "ours segments")]
     source = "-"
@@ -448,19 +455,21 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             groups.setdefault((r.cache, r.padded), []).append(r)
         for group in groups.values() if model is not None else ():
-            run_group(group, model, timed, tokens, args.rounds)
+            compiled = group[0].cache == COMPILED
+            run_group(group, model, timed, tokens, compiled_rounds if compiled else args.rounds)
             for r in group:
                 print(f"  {r.cache:14s} {'padded' if r.padded else 'plain':7s} {r.impl:15s} {_f(r.ms_per_token)} "
                       f"ms/token (rounds {[round(t, 2) for t in r.notes.get('ms_per_token_rounds', [])]})"
                       + (f"  ERROR {r.error}" if r.error else ""), flush=True)
     with open(os.path.join(args.out, "bench_generate.json"), "w") as f:
-        json.dump({"dry_run": args.dry_run, "tokens": tokens, "rounds": args.rounds, "source": source,
+        json.dump({"dry_run": args.dry_run, "tokens": tokens, "rounds": args.rounds,
+                   "compiled_rounds": compiled_rounds, "source": source,
                    "rows": [asdict(r) for r in rows]},
                   f, indent=1)
     if not args.dry_run:
         plot(os.path.join(args.out, "bench_generate.json"), os.path.join(args.out, "bench_generate.png"))
     print()
-    print(table(rows, tokens, args.rounds, source))
+    print(table(rows, tokens, args.rounds, source, compiled_rounds))
     return 0
 
 
