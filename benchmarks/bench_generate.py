@@ -24,9 +24,8 @@ Under compile each implementation runs unwrapped (a timing wrapper would break t
 and ``ours segments`` does not run (the CuPy front is not traceable).  Per cache and prompt: a cold ``generate()``
 of each implementation (graphs built), then ``--rounds`` warm ones of each (``--compiled-rounds`` for the compiled
 cache, whose token is mostly ``generate()``'s own loop: 2.49-2.92 ms from one run to the next for torch SDPA on the
-H200's host) in a rotating order
-(``run_group``): ms per generated token (the median of wall / tokens,
-prefill included), attention calls and the host time inside the attention function per call, graph-cache hits
+H200's host) in a rotating order (``run_group``): ms per generated token (the median of wall / tokens, prefill
+included), attention calls and the host time inside the attention function per call, graph-cache hits
 and misses of the warm run, and the share of generated tokens equal to sdpa's (random weights: near-ties may
 flip a greedy choice).  Each ``static+compile`` row also profiles one more warm run (``kernel_profile``): GPU
 time per token of attention kernels and of the rest, kernels and CUDA graph launches per token, and inductor's

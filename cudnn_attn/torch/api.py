@@ -86,8 +86,13 @@ def dispatch_free(*tensors: Any) -> bool:
     Such a call skips torch's dispatcher: autograd records :class:`~cudnn_attn.torch.eager.AttentionFunction` (the
     operator's forward and gradient), and a call autograd would not record (:func:`unrecorded`) runs the
     implementation alone."""
-    return (not torch.compiler.is_compiling() and all(type(x) is torch.Tensor for x in tensors if x is not None)
-            and (tensors[0].is_cuda or tensors[0].is_cpu) and _untraced())
+    return not torch.compiler.is_compiling() and _plain(tensors) and _untraced()
+
+
+def _plain(tensors: tuple) -> bool:
+    """Every tensor a plain ``torch.Tensor`` (no subclass), the first on CUDA or the CPU: what :func:`dispatch_free`
+    reads of the tensors, which a call signature fixes."""
+    return all(type(x) is torch.Tensor for x in tensors if x is not None) and (tensors[0].is_cuda or tensors[0].is_cpu)
 
 
 def unrecorded(*tensors: Any) -> bool:
@@ -272,8 +277,7 @@ def _decide(tensors: tuple, scale: Any, causal: Any, bottom_right: Any, window: 
                                                                              else check_seed(seed), asked),
                   bool(training))
     training = bool(training)
-    autograd = _records((query, key, value)) and (query.is_cuda or query.is_cpu) \
-        and all(type(x) is torch.Tensor for x in tensors if x is not None)
+    autograd = _records((query, key, value)) and _plain(tensors)
     return _Decision(static, running, transposed, copies, training, launches=DirectLaunches(), autograd=autograd)
 
 

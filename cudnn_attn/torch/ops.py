@@ -327,14 +327,12 @@ def _first_call(kind: str, tensors: tuple, static: tuple, training: bool) -> _Di
 
 
 def _transposed_view(shape: tuple, transposed: bool) -> tuple[tuple, tuple]:
-    """``(shape, strides)`` of a dense tensor of ``shape``, viewed with dimensions 1 and 2 swapped when
-    ``transposed``."""
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        strides[i] = strides[i + 1] * max(shape[i + 1], 1)          # torch's rule for dense strides
+    """``(shape, strides)`` of a dense tensor of ``shape`` (torch's strides for it), viewed with dimensions 1 and 2
+    swapped when ``transposed``."""
+    view = torch.empty(shape, device="meta")
     if transposed:
-        shape, strides = (shape[0], shape[2], shape[1], *shape[3:]), (strides[0], strides[2], strides[1], *strides[3:])
-    return tuple(shape), tuple(strides)
+        view = view.transpose(1, 2)
+    return tuple(view.shape), view.stride()
 
 
 def _readable(x: torch.Tensor) -> bool:
