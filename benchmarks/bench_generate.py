@@ -12,7 +12,8 @@ Implementations, on the same model (its weights shared; ``set_attn_implementatio
 
 * ``sdpa``            - transformers' ``sdpa_attention_forward`` (torch SDPA), wrapped to count and time calls;
 * ``ours keep-mask``  - ``cudnn_attn.torch.register_transformers`` when that module exists, else the minimal
-                        function here: no mask -> bottom-right causal; a boolean mask -> ``attention(mask=keep(m))``;
+                        function here: no mask -> causal over the first T keys (sdpa's rule; one query: every key);
+                        a boolean mask -> ``attention(mask=keep(m))``;
                         a float mask -> ``bias``; BNTH layout, torch tensors in and out through DLPack;
 * ``ours segments``   - the minimal function, with a one-query step's boolean mask turned into one segment per
                         row (its first kept key and the number kept; the mask's kept keys must be one run).
@@ -110,6 +111,8 @@ def ours(segmented: bool):
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         T = query.shape[2]
         if attention_mask is None:
+            if T > 1:       # sdpa's rule: causal over the first T keys (a static cache's prefill: the rest are empty)
+                key, value = key[:, :, :T], value[:, :, :T]
             out = cudnn_attn.dot_product_attention(query, key, value, scale=scaling, mask_type=MaskType.CAUSAL,
                                                    diagonal_alignment="bottom_right", qkv_layout="BNTH")
         elif attention_mask.dtype != torch.bool:
