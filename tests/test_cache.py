@@ -90,6 +90,29 @@ def test_least_recently_used_is_evicted():
     assert len(builder.calls) == 4
 
 
+def test_resize_evicts_the_least_recently_used_and_keeps_the_new_bound():
+    builder = CountingBuilder()
+    cache = GraphCache(maxsize=4, builder=builder)
+    a, b, c, d = (key(config(q_len=n)) for n in (64, 128, 192, 256))
+    for k in (a, b, c, d, a):             # a is the most recent: b and c go first
+        cache.entry(k)
+    cache.resize(2)
+    assert cache.maxsize == 2 and len(cache) == 2 and a in cache and d in cache
+    assert cache.stats().evictions == 2 and cache.stats().maxsize == 2
+    cache.resize(3)                       # a larger bound evicts nothing and holds one more
+    cache.entry(b)
+    assert len(cache) == 3 and all(k in cache for k in (a, b, d)) and cache.stats().evictions == 2
+    assert len(builder.calls) == 5        # b built twice: evicted by the smaller bound
+
+
+@pytest.mark.parametrize("maxsize", [0, -1, 2.5, None, True])
+def test_resize_must_be_positive_int(maxsize):
+    cache = GraphCache(maxsize=2, builder=CountingBuilder())
+    with pytest.raises(ValueError, match="maxsize: must be a positive int"):
+        cache.resize(maxsize)
+    assert cache.maxsize == 2
+
+
 def test_failed_build_is_not_cached_and_propagates():
     calls = []
 

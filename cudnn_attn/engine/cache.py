@@ -352,14 +352,7 @@ class GraphCache:
             self._misses_kept.append(miss._replace(number=entry.number, outcome=_origin(entry), seconds=seconds))
             self._entries[key] = entry
             self._evicted.pop(key, None)
-            evicted = []
-            while len(self._entries) > self._maxsize:
-                gone = self._entries.popitem(last=False)
-                evicted.append(gone[1])
-                self._evictions += 1
-                self._evicted[gone[0]] = None
-            while len(self._evicted) > EVICTED_KEPT:
-                self._evicted.popitem(last=False)
+            evicted = self._evict_beyond_bound()
             del self._pending[key]
         pending.entry = entry
         pending.done.set()
@@ -369,6 +362,32 @@ class GraphCache:
         logger.info("built cuDNN %s graph in %.3f s (plan %s, workspace %s): %s", key.kind, seconds,
                     _plan_label(entry), _bytes(_workspace(entry.graph)), key.config.describe())
         return entry
+
+    def _evict_beyond_bound(self) -> list[CacheEntry]:
+        """Drop the least recently used entries beyond ``maxsize`` (the lock held); the caller frees them."""
+        evicted = []
+        while len(self._entries) > self._maxsize:
+            gone = self._entries.popitem(last=False)
+            evicted.append(gone[1])
+            self._evictions += 1
+            self._evicted[gone[0]] = None
+        while len(self._evicted) > EVICTED_KEPT:
+            self._evicted.popitem(last=False)
+        return evicted
+
+    def resize(self, maxsize: int) -> None:
+        """Keep at most ``maxsize`` graphs from now on; a smaller bound evicts the least recently used at once.
+
+        The fronts share :data:`graph_cache`: a program whose calls cycle through more signatures than it holds
+        (misses that say "evicted earlier") gives it room with ``cudnn_attn.graph_cache.resize(n)``."""
+        if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
+            raise ValueError(f"maxsize: must be a positive int, got {maxsize!r}")
+        with self._lock:
+            self._maxsize = maxsize
+            evicted = self._evict_beyond_bound()
+        if evicted:
+            del evicted                           # the last references: their graphs are freed here
+            trim_host_memory()
 
     # -- inspection -------------------------------------------------------------------------------
     @property
