@@ -249,6 +249,8 @@ def warm(measured: list[tuple[Row, Any]], st: Steps, rounds: int) -> None:
     """``rounds`` warm passes of every variant, in a new order each round (seeded: a slow spell of the host falls on
     all of them, and no variant always follows the same one); a row's host and latency are the medians over rounds
     of each pass's median.  Every variant's last output is compared with torch SDPA's of the same kind."""
+    import cudnn_attn
+
     live = [(row, call) for row, call in measured if call is not None]
     host: dict = collections.defaultdict(list)
     latency: dict = collections.defaultdict(list)
@@ -259,7 +261,10 @@ def warm(measured: list[tuple[Row, Any]], st: Steps, rounds: int) -> None:
             if row.error:
                 continue
             try:
+                before = cudnn_attn.graph_cache.stats().misses
                 h, lat, outputs[row.variant] = one_pass(call, st.steps)
+                rebuilt = cudnn_attn.graph_cache.stats().misses - before     # 0 unless a graph was evicted
+                row.notes["warm_graph_misses"] = row.notes.get("warm_graph_misses", 0) + rebuilt
                 host[row.variant].append(statistics.median(h))
                 latency[row.variant].append(statistics.median(lat))
             except Exception as exc:
@@ -393,6 +398,9 @@ def table(rows: list[Row], stage_rows: dict, profiles: dict, steps: int) -> str:
     lines.append("graph builds in the cold pass (misses, ms each): " + "; ".join(
         f"{r.variant} {r.notes['cold_graph_misses']} x {r.notes.get('build_ms_per_miss', '-')}" for r in rows
         if "cold_graph_misses" in r.notes))
+    rebuilt = [f"{r.variant} {r.notes['warm_graph_misses']}" for r in rows if r.notes.get("warm_graph_misses")]
+    lines.append("graph builds in the warm passes (evicted graphs; their rows are not warm): "
+                 + ("; ".join(rebuilt) if rebuilt else "none"))
     lines.append("stages of a new-signature call, each alone (us): " + "; ".join(f"{k} {v}" for k, v in
                                                                                 stage_rows.items()))
     for variant, p in profiles.items():
@@ -412,6 +420,11 @@ def main(out_dir: str, steps: int, dry_run: bool) -> list[Row]:
         for r in rows:
             r.error = "not run (--dry-run)"
     else:
+        import cudnn_attn
+
+        # The warm passes must find every variant's graphs: the full set (48 lengths) builds about 290, more than
+        # the shared cache's default 128, and a warm call that rebuilds an evicted graph took 10-14 ms.
+        cudnn_attn.graph_cache.resize(max(cudnn_attn.graph_cache.maxsize, len(VARIANTS) * (steps + 1)))
         st = Steps(steps)
         measured = [cold(variant, st) for variant in VARIANTS]
         warm(measured, st, WARM_ROUNDS)
@@ -452,14 +465,16 @@ def plot(report: str, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    rows = [r for r in json.load(open(report))["rows"] if r.get("host_us")]
+    data = json.load(open(report))
+    rows = [r for r in data["rows"] if r.get("host_us")]
     fig, ax = plt.subplots(figsize=(10, 0.32 * len(rows) + 1.2))
     colors = ["tab:orange" if r["variant"].startswith("torch") else "tab:blue" for r in rows]
     ax.barh([r["variant"] for r in rows], [r["host_us"] for r in rows], color=colors)
     ax.set_xscale("log")
     ax.invert_yaxis()
     ax.set_xlabel("host us per call (warm pass, log scale)")
-    ax.set_title("decode through a growing cache: one query against S = 128..143 keys")
+    s0 = data["shape"]["S0"]
+    ax.set_title(f"decode through a growing cache: one query against S = {s0}..{s0 + data['steps'] - 1} keys")
     for i, r in enumerate(rows):
         ax.text(r["host_us"], i, f" {r['host_us']:.0f}", va="center", fontsize=7)
     fig.tight_layout()
