@@ -423,7 +423,7 @@ def main(out_dir: str, steps: int, dry_run: bool) -> list[Row]:
         import cudnn_attn
 
         # The warm passes must find every variant's graphs: the full set (48 lengths) builds about 290, more than
-        # the shared cache's default 128, and a warm call that rebuilds an evicted graph took 10-14 ms.
+        # the shared cache's default 128, and a warm call that rebuilds an evicted graph took 10-15 ms.
         cudnn_attn.graph_cache.resize(max(cudnn_attn.graph_cache.maxsize, len(VARIANTS) * (steps + 1)))
         st = Steps(steps)
         measured = [cold(variant, st) for variant in VARIANTS]

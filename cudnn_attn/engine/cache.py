@@ -217,6 +217,11 @@ class BuildThreads:
 build_threads = BuildThreads()
 
 
+def _check_maxsize(maxsize: object) -> None:
+    if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
+        raise ValueError(f"maxsize: must be a positive int, got {maxsize!r}")
+
+
 class GraphCache:
     """Bounded, thread-safe LRU of built graphs (see the module doc).
 
@@ -226,8 +231,7 @@ class GraphCache:
     """
 
     def __init__(self, maxsize: int = 128, builder: Builder | None = None):
-        if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
-            raise ValueError(f"maxsize: must be a positive int, got {maxsize!r}")
+        _check_maxsize(maxsize)
         self._maxsize = maxsize
         self._builder = builder or build_plan
         self._lock = threading.Lock()
@@ -380,8 +384,7 @@ class GraphCache:
 
         The fronts share :data:`graph_cache`: a program whose calls cycle through more signatures than it holds
         (misses that say "evicted earlier") gives it room with ``cudnn_attn.graph_cache.resize(n)``."""
-        if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
-            raise ValueError(f"maxsize: must be a positive int, got {maxsize!r}")
+        _check_maxsize(maxsize)
         with self._lock:
             self._maxsize = maxsize
             evicted = self._evict_beyond_bound()
