@@ -124,12 +124,13 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     signature = _signature(tensors, scale, causal, bottom_right, window, dropout_rate, layout, training)
     decision = _decided(signature)
     if decision is not None and type(seed) is int and 0 <= seed < _SEED_END and _untraced():
-        if decision.direct is not None and decision.direct.takes(tensors):
+        direct = decision.direct
+        if direct is not None and direct.takes(tensors):
             # A repeated inference forward of tensors the operator reads as given (dense in the running layout, or
             # views cuDNN reads with their strides): the direct launch reads their addresses (a transposed view's
             # is its tensor's) and allocates the output in the caller's layout, so nothing of the slow path below
             # runs.
-            return decision.direct.launch((query, key, value), 0, keep, decision.transposed)[0], decision.empty_lse
+            return direct.launch((query, key, value), 0, keep, decision.transposed)[0], decision.empty_lse
         if decision.autograd:
             # A repeated call that autograd records and nothing else of torch sees (its signature fixes both).
             return AttentionFunction.apply(query, key, value, q_lengths, kv_lengths, keep, seed, None, decision)
@@ -205,10 +206,8 @@ _DECISIONS_MAX = 1024
 
 def _decided(signature: tuple | None) -> _Decision | None:
     """The decision remembered for ``signature`` (``None``: none, or no signature)."""
-    if signature is None:
-        return None
     try:
-        return _decisions.get(signature)
+        return _decisions.get(signature)          # None for None: no signature is remembered as None
     except TypeError:                     # an unhashable argument: the call is decided afresh and not remembered
         return None
 
