@@ -18,7 +18,13 @@ rounds; the GPU synchronised between rounds, never inside one):
 * ``ours: fold``         - the keep-mask's fold into a bias alone (``ops._folded``: one ``torch.add``);
 * ``ours: empty``        - torch's allocation of the result alone (``torch.empty``);
 * ``ours: launch_into``  - ``PreparedCall.launch_into`` on fixed addresses (the engine's launch sequence and
-                           cuDNN's execute).
+                           cuDNN's execute);
+* ``torch sdpa: cuDNN``  - torch SDPA's call with its cuDNN backend alone (``sdpa_kernel``; ``-`` where it refuses);
+* ``ours: execute``      - cuDNN's execute alone on the same addresses (the launcher's raw launch under the device
+                           lock): what no Python of ours can remove.
+
+The stages on fixed addresses cycle through the lengths as the calls do.  Each row also lists the CUDA kernels one
+call of each runs (``torch.profiler``): which backend torch SDPA chose.
 
 What the whole call adds to ``launch`` is the signature and the checks of the fast path (``sdpa``'s own lines).
 ``torch sdpa`` and ``ours`` run their rounds alternately, each round in the other order than the last (a drift of
@@ -29,7 +35,10 @@ transformers' Llama makes it (batch 2, 256 tokens, causal; the query a ``(B, N, 
 memory, the key and value dense ``(B, K, T, H)``): ``torch sdpa``, ``ours`` (``cudnn_attn.torch.sdpa``:
 ``AttentionFunction``, no dispatcher) and ``ours: operator`` (the same call through the custom operators,
 ``torch.ops.cudnn_attn.attention`` and its registered backward), the three alternating by rounds.  The problem is
-small enough for its kernels to take less time than the host spends, so each figure is host time.
+small enough for its kernels to take less time than the host spends, so each figure is host time.  Its stages:
+``ours: forward`` and ``ours: backward``, ``AttentionFunction``'s forward (on the caller's thread) and backward
+(on autograd's device thread) timed in place, and ``ours: autograd``, the rest of the call (``torch.autograd.grad``,
+the node, the handoff between the threads).
 
 Writes ``bench_torch_host.json`` and ``bench_torch_host.png`` into OUT_DIR and prints the table last.
 """
@@ -115,9 +124,15 @@ def measure_training(calls: int, rounds: int) -> dict:
         theirs(i), ours(i), operator(i)
     paths = sorted(f"{key[0]} {type(known).__name__}" for key, known in ops.calls.items() if key not in before)
     (sdpa_us, ours_us, operator_us), (ratio, operator_ratio) = _alternating((theirs, ours, operator), calls, rounds)
+    with _stage_timers() as spent:
+        whole = _timed(ours, calls, 1)
+    forward_us, backward_us = (spent[part] / calls / 1e3 for part in ("forward", "backward"))
     return {"torch sdpa": sdpa_us, "ours": ours_us, "ours: operator": operator_us, "ours / torch sdpa": ratio,
             "operator / torch sdpa": operator_ratio,
+            "ours: forward": forward_us, "ours: backward": backward_us,
+            "ours: autograd": whole - forward_us - backward_us,
             "paths": paths,
+            "kernels": {"torch sdpa": _kernels(theirs), "ours": _kernels(ours)},
             "profile": _profile(ours, calls)}
 
 
@@ -171,7 +186,7 @@ def measure(calls: int, rounds: int) -> list[dict]:
                 if all(d is not None and type(d.direct) is ops._Direct for d in known.values()):
                     direct = known[lengths[0]].direct
                     shape, dtype = direct.results[0]
-                    row["ours: empty"] = _timed(lambda i: torch.empty(shape, dtype=dtype, device=direct.device),
+                    row["ours: empty"] = _timed(lambda i: torch.empty(*shape, dtype=dtype, device=direct.device),
                                                 calls, rounds)
                     if masked:
                         row["ours: fold"] = _timed(lambda i: ops._folded(keep_of(length(i)),
@@ -183,20 +198,116 @@ def measure(calls: int, rounds: int) -> list[dict]:
                         return known[S].direct.launch((q, *caches[S]), 0, keep_of(S))
 
                     row["ours: launch"] = _timed(launch, calls, rounds)
-                    tensors = (q, *caches[lengths[0]])
-                    if masked:
-                        tensors = (*tensors, ops._folded(keep_of(lengths[0]), direct.prepared.config))
-                    results = [torch.empty(shape, dtype=dtype, device="cuda") for shape, dtype in direct.results]
-                    pointers = [x.data_ptr() for x in direct.order(tensors)] + [r.data_ptr() for r in results]
+                    # Each length's launch on fixed addresses (its cache, one result buffer), cycling as the calls do.
                     stream = torch.cuda.current_stream().cuda_stream
+                    fixed = {}
+                    for S in lengths:
+                        tensors = (q, *caches[S])
+                        if masked:
+                            tensors = (*tensors, ops._folded(keep_of(S), known[S].direct.prepared.config))
+                        results = [torch.empty(*shape, dtype=dtype, device="cuda")
+                                   for shape, dtype in known[S].direct.results]
+                        fixed[S] = (known[S].direct.prepared, [x.data_ptr() for x in known[S].direct.order(tensors)]
+                                    + [r.data_ptr() for r in results], (tensors, results))
                     row["ours: launch_into"] = _timed(
-                        lambda i: direct.prepared.launch_into(list(pointers), stream, 42, replay=False, workspace=0),
+                        lambda i: fixed[length(i)][0].launch_into(list(fixed[length(i)][1]), stream, 42, replay=False,
+                                                                  workspace=0),
                         calls, rounds)
+                    row["ours: execute"] = _execute_alone([fixed[S][:2] for S in lengths], stream, calls, rounds)
+                row["kernels"] = {"torch sdpa": _kernels(theirs), "ours": _kernels(ours)}
+                row["torch sdpa: cuDNN"] = _on_cudnn(theirs, calls, rounds)
                 row["profile"] = _profile(ours, calls)
             rows.append(row)
             print("  " + json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()
                                      if k != "profile"}), flush=True)
     return rows
+
+
+def _execute_alone(launches: list, stream: int, calls: int, rounds: int) -> float | None:
+    """Host us of cuDNN's execute alone: call ``i`` runs ``launches[i % len(launches)]``, a ``(prepared call,
+    addresses)`` pair, through its launcher's raw launch (``Launcher.bound``) under the device lock with the handle on
+    ``stream``: the floor under ``launch_into``.  ``None`` where a launcher has no raw launch (the frontend's public
+    execute, ``Launcher.path == "frontend"``)."""
+    from cudnn_attn.engine import runtime
+
+    context = runtime.device_context(launches[0][0].device)
+    runs = [(prepared.plan().launcher.bound(context), pointers) for prepared, pointers in launches]
+    if any(run is None for run, _ in runs):
+        return None
+    with context.lock:
+        context.bind_stream(stream)
+    lock, count = context.lock, len(runs)
+
+    def execute(i):
+        run, pointers = runs[i % count]
+        with lock:
+            run(pointers, 0)
+
+    return _timed(execute, calls, rounds)
+
+
+def _on_cudnn(fn, calls: int, rounds: int) -> float | None:
+    """Host us per call of torch SDPA's call ``fn`` with its cuDNN backend alone (``sdpa_kernel``); ``None`` where
+    torch's cuDNN backend refuses the call."""
+    import warnings
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            fn(0)
+            torch.cuda.synchronize()
+        except RuntimeError:
+            return None
+        return _timed(fn, calls, rounds)
+
+
+def _kernels(fn) -> list[str]:
+    """The CUDA kernels one call of ``fn`` runs (``torch.profiler``): which backend torch SDPA chose."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as profiled:
+        fn(0)
+        torch.cuda.synchronize()
+    return [event.name[:80] for event in profiled.events() if event.device_type.name == "CUDA"]
+
+
+def _stage_timers():
+    """Timers around :class:`~cudnn_attn.torch.eager.AttentionFunction`'s forward (the caller's thread) and its
+    backward (autograd's device thread), as a context manager yielding ``{"forward": ns, "backward": ns}``
+    accumulated over the calls inside it; the library's functions are restored on leaving."""
+    import contextlib
+
+    from cudnn_attn.torch import eager
+
+    @contextlib.contextmanager
+    def timers():
+        spent = {"forward": 0, "backward": 0}
+        forward, backward = eager.AttentionFunction.forward, eager._backward
+        clock = time.perf_counter_ns
+
+        def timed_forward(ctx, *arguments):
+            start = clock()
+            result = forward(ctx, *arguments)
+            spent["forward"] += clock() - start
+            return result
+
+        def timed_backward(ctx, *arguments):
+            start = clock()
+            result = backward(ctx, *arguments)
+            spent["backward"] += clock() - start
+            return result
+
+        eager.AttentionFunction.forward, eager._backward = staticmethod(timed_forward), timed_backward
+        try:
+            yield spent
+        finally:
+            eager.AttentionFunction.forward, eager._backward = staticmethod(forward), backward
+
+    return timers()
 
 
 def _profile(fn, calls: int) -> list[str]:
@@ -215,8 +326,8 @@ def _profile(fn, calls: int) -> list[str]:
             for where, (_, _, own, _, _) in stats]
 
 
-COLUMNS = ("torch sdpa", "ours", "ours / torch sdpa", "ours: signature", "ours: launch", "ours: fold", "ours: empty",
-           "ours: launch_into")
+COLUMNS = ("torch sdpa", "torch sdpa: cuDNN", "ours", "ours / torch sdpa", "ours: signature", "ours: launch",
+           "ours: fold", "ours: empty", "ours: launch_into", "ours: execute")
 
 
 def table(rows: list[dict], calls: int, rounds: int) -> str:
@@ -228,12 +339,16 @@ def table(rows: list[dict], calls: int, rounds: int) -> str:
             f"{'-' if r.get(c) is None else format(r[c], '.2f'):>18s}" for c in COLUMNS))
     for r in rows:
         lines.append(f"profile {r['cache']} {r['mask']} (us per call): " + "; ".join(r.get("profile", [])))
+    for r in rows:
+        for who, names in r.get("kernels", {}).items():
+            lines.append(f"kernels {r['cache']} {r['mask']} {who}: " + ", ".join(names))
     lines.append("ours / torch sdpa: the whole call's host time over torch SDPA's (target <= 1.00); the 'ours:' "
                  "columns are parts of ours' call timed alone")
     return "\n".join(lines)
 
 
-TRAINING_COLUMNS = ("torch sdpa", "ours", "ours: operator", "ours / torch sdpa", "operator / torch sdpa")
+TRAINING_COLUMNS = ("torch sdpa", "ours", "ours: operator", "ours / torch sdpa", "operator / torch sdpa",
+                    "ours: forward", "ours: backward", "ours: autograd")
 
 
 def training_table(row: dict, calls: int, rounds: int) -> str:
@@ -243,7 +358,11 @@ def training_table(row: dict, calls: int, rounds: int) -> str:
              " ".join(f"{row[c]:22.2f}" for c in TRAINING_COLUMNS),
              f"paths (kind, how it runs): {', '.join(row['paths']) or '-'}",
              "profile ours (us per call): " + "; ".join(row["profile"]),
-             "ours: AttentionFunction, no dispatcher; ours: operator: the same call through the custom operators"]
+             *(f"kernels {who}: " + ", ".join(names) for who, names in row.get("kernels", {}).items()),
+             "ours: AttentionFunction, no dispatcher; ours: operator: the same call through the custom operators; "
+             "ours: forward / backward: AttentionFunction's forward (the caller's thread) and backward (autograd's "
+             "device thread) timed in place; ours: autograd: the rest of ours' call (torch.autograd.grad, the "
+             "node, the threads' handoff)"]
     return "\n".join(lines)
 
 
