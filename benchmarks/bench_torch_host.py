@@ -46,6 +46,7 @@ Writes ``bench_torch_host.json`` and ``bench_torch_host.png`` into OUT_DIR and p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -275,39 +276,34 @@ def _kernels(fn) -> list[str]:
     return [event.name[:80] for event in profiled.events() if event.device_type.name == "CUDA"]
 
 
+@contextlib.contextmanager
 def _stage_timers():
     """Timers around :class:`~cudnn_attn.torch.eager.AttentionFunction`'s forward (the caller's thread) and its
-    backward (autograd's device thread), as a context manager yielding ``{"forward": ns, "backward": ns}``
-    accumulated over the calls inside it; the library's functions are restored on leaving."""
-    import contextlib
-
+    backward (autograd's device thread): yields ``{"forward": ns, "backward": ns}`` accumulated over the calls inside
+    the block; the library's functions are restored on leaving."""
     from cudnn_attn.torch import eager
 
-    @contextlib.contextmanager
-    def timers():
-        spent = {"forward": 0, "backward": 0}
-        forward, backward = eager.AttentionFunction.forward, eager._backward
-        clock = time.perf_counter_ns
+    spent = {"forward": 0, "backward": 0}
+    forward, backward = eager.AttentionFunction.forward, eager._backward
+    clock = time.perf_counter_ns
 
-        def timed_forward(ctx, *arguments):
-            start = clock()
-            result = forward(ctx, *arguments)
-            spent["forward"] += clock() - start
-            return result
+    def timed_forward(ctx, *arguments):
+        start = clock()
+        result = forward(ctx, *arguments)
+        spent["forward"] += clock() - start
+        return result
 
-        def timed_backward(ctx, *arguments):
-            start = clock()
-            result = backward(ctx, *arguments)
-            spent["backward"] += clock() - start
-            return result
+    def timed_backward(ctx, *arguments):
+        start = clock()
+        result = backward(ctx, *arguments)
+        spent["backward"] += clock() - start
+        return result
 
-        eager.AttentionFunction.forward, eager._backward = staticmethod(timed_forward), timed_backward
-        try:
-            yield spent
-        finally:
-            eager.AttentionFunction.forward, eager._backward = staticmethod(forward), backward
-
-    return timers()
+    eager.AttentionFunction.forward, eager._backward = staticmethod(timed_forward), timed_backward
+    try:
+        yield spent
+    finally:
+        eager.AttentionFunction.forward, eager._backward = staticmethod(forward), backward
 
 
 def _profile(fn, calls: int) -> list[str]:

@@ -360,15 +360,14 @@ class GraphCache:
             del self._pending[key]
         pending.entry = entry
         pending.done.set()
-        if evicted:
-            del evicted                           # the last references: their graphs are freed here
-            trim_host_memory()
+        _free(evicted)
         logger.info("built cuDNN %s graph in %.3f s (plan %s, workspace %s): %s", key.kind, seconds,
                     _plan_label(entry), _bytes(_workspace(entry.graph)), key.config.describe())
         return entry
 
     def _evict_beyond_bound(self) -> list[CacheEntry]:
-        """Drop the least recently used entries beyond ``maxsize`` (the lock held); the caller frees them."""
+        """Drop the least recently used entries beyond ``maxsize`` (the lock held); the caller frees them outside
+        the lock (:func:`_free`)."""
         evicted = []
         while len(self._entries) > self._maxsize:
             gone = self._entries.popitem(last=False)
@@ -388,9 +387,7 @@ class GraphCache:
         with self._lock:
             self._maxsize = maxsize
             evicted = self._evict_beyond_bound()
-        if evicted:
-            del evicted                           # the last references: their graphs are freed here
-            trim_host_memory()
+        _free(evicted)
 
     # -- inspection -------------------------------------------------------------------------------
     @property
@@ -506,6 +503,14 @@ class GraphCache:
                            entry.key.device, _plan_label(entry), _engine(graph), _workspace(graph),
                            entry.build_seconds, _origin(entry), entry.hits,
                            tuple(self._held().get(id(entry.plan), ())), _graph_text(entry))
+
+
+def _free(evicted: list) -> None:
+    """Free evicted entries (the last references to their graphs, held by the list) and give their host memory
+    back; nothing when none were evicted."""
+    if evicted:
+        evicted.clear()
+        trim_host_memory()
 
 
 def trim_host_memory() -> None:
