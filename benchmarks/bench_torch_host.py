@@ -266,14 +266,16 @@ def _on_cudnn(fn, calls: int, rounds: int) -> float | None:
 
 
 def _kernels(fn) -> list[str]:
-    """The CUDA kernels one call of ``fn`` runs (``torch.profiler``): which backend torch SDPA chose."""
+    """The CUDA kernels one call of ``fn`` runs, each with its device us (``torch.profiler``): which backend torch
+    SDPA chose, and whether a call's kernels take longer than its host time (then the host waits for the GPU)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as profiled:
         fn(0)
         torch.cuda.synchronize()
-    return [event.name[:80] for event in profiled.events() if event.device_type.name == "CUDA"]
+    return [f"{event.name[:80]} {event.time_range.elapsed_us():.1f} us" for event in profiled.events()
+            if event.device_type.name == "CUDA"]
 
 
 @contextlib.contextmanager
