@@ -24,7 +24,8 @@ rounds; the GPU synchronised between rounds, never inside one):
                            lock): what no Python of ours can remove.
 
 The stages on fixed addresses cycle through the lengths as the calls do.  Each row also lists the CUDA kernels one
-call of each runs (``torch.profiler``): which backend torch SDPA chose.
+call of each runs with their device us (``torch.profiler``): which backend torch SDPA chose, and whether the host
+waits for the GPU.
 
 What the whole call adds to ``launch`` is the signature and the checks of the fast path (``sdpa``'s own lines).
 ``torch sdpa`` and ``ours`` run their rounds alternately, each round in the other order than the last (a drift of
