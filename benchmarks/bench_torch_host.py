@@ -209,13 +209,15 @@ def measure(calls: int, rounds: int) -> list[dict]:
                             tensors = (*tensors, ops._folded(keep_of(S), known[S].direct.prepared.config))
                         results = [torch.empty(*shape, dtype=dtype, device="cuda")
                                    for shape, dtype in known[S].direct.results]
+                        workspace = torch.empty(max(known[S].direct.workspace, 1), dtype=torch.uint8, device="cuda")
                         fixed[S] = (known[S].direct.prepared, [x.data_ptr() for x in known[S].direct.order(tensors)]
-                                    + [r.data_ptr() for r in results], (tensors, results))
+                                    + [r.data_ptr() for r in results], workspace.data_ptr(),
+                                    (tensors, results, workspace))
                     row["ours: launch_into"] = _timed(
                         lambda i: fixed[length(i)][0].launch_into(list(fixed[length(i)][1]), stream, 42, replay=False,
-                                                                  workspace=0),
+                                                                  workspace=fixed[length(i)][2]),
                         calls, rounds)
-                    row["ours: execute"] = _execute_alone([fixed[S][:2] for S in lengths], stream, calls, rounds)
+                    row["ours: execute"] = _execute_alone([fixed[S][:3] for S in lengths], stream, calls, rounds)
                 row["kernels"] = {"torch sdpa": _kernels(theirs), "ours": _kernels(ours)}
                 row["torch sdpa: cuDNN"] = _on_cudnn(theirs, calls, rounds)
                 row["profile"] = _profile(ours, calls)
@@ -227,23 +229,24 @@ def measure(calls: int, rounds: int) -> list[dict]:
 
 def _execute_alone(launches: list, stream: int, calls: int, rounds: int) -> float | None:
     """Host us of cuDNN's execute alone: call ``i`` runs ``launches[i % len(launches)]``, a ``(prepared call,
-    addresses)`` pair, through its launcher's raw launch (``Launcher.bound``) under the device lock with the handle on
+    addresses, workspace address)`` triple, through its launcher's raw launch (``Launcher.bound``) under the device lock with the handle on
     ``stream``: the floor under ``launch_into``.  ``None`` where a launcher has no raw launch (the frontend's public
     execute, ``Launcher.path == "frontend"``)."""
     from cudnn_attn.engine import runtime
 
     context = runtime.device_context(launches[0][0].device)
-    runs = [(prepared.plan().launcher.bound(context), pointers) for prepared, pointers in launches]
-    if any(run is None for run, _ in runs):
+    runs = [(prepared.plan().launcher.bound(context), pointers, workspace)
+            for prepared, pointers, workspace in launches]
+    if any(run is None for run, _, _ in runs):
         return None
     with context.lock:
         context.bind_stream(stream)
     lock, count = context.lock, len(runs)
 
     def execute(i):
-        run, pointers = runs[i % count]
+        run, pointers, workspace = runs[i % count]
         with lock:
-            run(pointers, 0)
+            run(pointers, workspace)
 
     return _timed(execute, calls, rounds)
 
