@@ -379,6 +379,22 @@ def test_compiled_forward_and_backward_match_eager(rng, dynamic):
             assert torch.equal(g, w)
 
 
+def test_traced_calls_guard_no_memo_table(rng):
+    """A call ``torch.compile`` traces reads none of the eager path's memo tables (the remembered decisions, the
+    validated configurations, the table of calls, the shared empty logsumexps): the compiled code would be guarded on
+    them, and every step of a compiled decode loop evaluates its guards."""
+    import re
+
+    q, k, v = _qkv(rng, torch.float16, requires_grad=False)
+    keep_mask = torch.ones(2, 1, 8, 8, dtype=torch.bool)
+    ct.sdpa(q, k, v, keep=keep_mask)                   # an eager call first: the tables hold its entries
+    explanation = torch._dynamo.explain(lambda q, k, v, m: ct.sdpa(q, k, v, keep=m)[0])(q, k, v, keep_mask)
+    guarded = " ".join(guard.name for guard in explanation.out_guards)
+    assert "cudnn_attn" in guarded                     # the traced library code is guarded at all
+    for table in ("_decisions", "_validated_configs", "calls", "_empty_lses"):
+        assert not re.search(rf"\.{table}\b", guarded), (table, guarded)
+
+
 def test_dropout_is_reproducible_by_seed(rng):
     q, k, v = _qkv(rng, torch.float16, requires_grad=False)
     first = ct.attention(q, k, v, dropout_rate=0.5, seed=7).output

@@ -205,9 +205,12 @@ _DECISIONS_MAX = 1024
 
 
 def _decided(signature: tuple | None) -> _Decision | None:
-    """The decision remembered for ``signature`` (``None``: none, or no signature)."""
+    """The decision remembered for ``signature`` (``None``: none, or no signature).  A traced call (no signature)
+    never reads the table: ``torch.compile`` would guard the compiled code on it."""
+    if signature is None:
+        return None
     try:
-        return _decisions.get(signature)          # None for None: no signature is remembered as None
+        return _decisions.get(signature)
     except TypeError:                     # an unhashable argument: the call is decided afresh and not remembered
         return None
 
@@ -229,7 +232,7 @@ def _signature(tensors: tuple, *scalars: Any) -> tuple | None:
     remembered) while ``torch.compile`` traces or for anything but plain tensors.  An unhashable argument makes a
     signature that :func:`_decided` finds nothing for.  Written out for the three tensors every call has: 1.96 us
     against 2.35 for a loop over all six (a decode call's signature, CPU host, ``timeit``)."""
-    if _is_compiling():
+    if torch.compiler.is_compiling():
         return None
     query, key, value, q_lengths, kv_lengths, keep = tensors
     if type(query) is not torch.Tensor or type(key) is not torch.Tensor or type(value) is not torch.Tensor:
@@ -255,8 +258,6 @@ def _described(x: Any) -> tuple | bool | None:
         return False
     return x.shape, x.stride(), x.dtype, x.get_device(), x.requires_grad
 
-
-_is_compiling = torch.compiler.is_compiling
 
 
 def _untraced() -> bool:
