@@ -229,9 +229,9 @@ def measure(calls: int, rounds: int) -> list[dict]:
 
 def _execute_alone(launches: list, stream: int, calls: int, rounds: int) -> float | None:
     """Host us of cuDNN's execute alone: call ``i`` runs ``launches[i % len(launches)]``, a ``(prepared call,
-    addresses, workspace address)`` triple, through its launcher's raw launch (``Launcher.bound``) under the device lock with the handle on
-    ``stream``: the floor under ``launch_into``.  ``None`` where a launcher has no raw launch (the frontend's public
-    execute, ``Launcher.path == "frontend"``)."""
+    addresses, workspace address)`` triple, through its launcher's raw launch (``Launcher.bound``) under the device
+    lock with the handle on ``stream``: the floor under ``launch_into``.  ``None`` where a launcher has no raw launch
+    (the frontend's public execute, ``Launcher.path == "frontend"``)."""
     from cudnn_attn.engine import runtime
 
     context = runtime.device_context(launches[0][0].device)

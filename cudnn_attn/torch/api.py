@@ -259,7 +259,6 @@ def _described(x: Any) -> tuple | bool | None:
     return x.shape, x.stride(), x.dtype, x.get_device(), x.requires_grad
 
 
-
 def _untraced() -> bool:
     """No dispatch mode or ``torch.func`` transform is active and ``torch.jit.trace`` is not tracing (it records the
     operator, where a call without it would be a constant of the trace): the state :func:`dispatch_free` reads that
