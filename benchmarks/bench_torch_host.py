@@ -13,10 +13,12 @@ rounds; the GPU synchronised between rounds, never inside one):
 
 * ``torch sdpa``         - ``torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask, enable_gqa=True)``;
 * ``ours``               - ``cudnn_attn.torch.sdpa(q, k, v, keep=..., layout="BNTH")``, the whole call;
-* ``ours: signature``    - the call's signature and the lookup of its decision (``api._signature``, ``_decided``);
-* ``ours: launch``       - the direct launch of the known call (fold, result, stream, ``launch_into``);
+* ``ours: guard``        - the known call's tensor guard alone (``api._Fast.matches``: the query's, key's, value's
+                           and keep-mask's type, shape, strides, dtype, device and ``requires_grad``);
+* ``ours: launch``       - the direct launch of the known call (``api._Fast.launch``: fold, result, stream,
+                           ``launch_into``);
 * ``ours: fold``         - the keep-mask's fold into a bias alone (``ops._folded``: one ``torch.add``);
-* ``ours: empty``        - torch's allocation of the result alone (``torch.empty``);
+* ``ours: empty``        - torch's allocation of the result alone (the launch's: ``torch.empty_like`` of the query);
 * ``ours: launch_into``  - ``PreparedCall.launch_into`` on fixed addresses (the engine's launch sequence and
                            cuDNN's execute);
 * ``torch sdpa: cuDNN``  - torch SDPA's call with its cuDNN backend alone (``sdpa_kernel``; ``-`` where it refuses);
@@ -27,7 +29,8 @@ The stages on fixed addresses cycle through the lengths as the calls do.  Each r
 call of each runs with their device us (``torch.profiler``): which backend torch SDPA chose, and whether the host
 waits for the GPU.
 
-What the whole call adds to ``launch`` is the signature and the checks of the fast path (``sdpa``'s own lines).
+What the whole call adds to ``guard`` and ``launch`` is the fast key, its lookup and the checks of the fast path
+(``sdpa``'s own lines).
 ``torch sdpa`` and ``ours`` run their rounds alternately, each round in the other order than the last (a drift of
 the host falls on both), and ``ours / torch sdpa`` is the median of the rounds' ratios.
 
@@ -178,18 +181,20 @@ def measure(calls: int, rounds: int) -> list[dict]:
                 row = {"cache": cache, "mask": "keep" if masked else "none"}
                 row["torch sdpa"], row["ours"], row["ours / torch sdpa"] = _paired(theirs, ours, calls, rounds)
                 scalars = (None, False, False, 0, 0.0, "BNTH", None)   # sdpa()'s defaults, as ours() passes them
-
-                def signature(i):
-                    S = length(i)
-                    return api._decided(api._signature((q, *caches[S], None, None, keep_of(S)), *scalars))
-
-                row["ours: signature"] = _timed(signature, calls, rounds)
-                known = {S: signature(j) for j, S in enumerate(lengths)}
-                if all(d is not None and type(d.direct) is ops._Direct for d in known.values()):
+                known = {S: api._decided(api._signature((q, *caches[S], None, None, keep_of(S)), *scalars))
+                         for S in lengths}
+                # Whether ours() ran every length's fast entry (the stages below time its parts).
+                row["fast entries"] = all(d is not None and d.fast is not None
+                                          and any(f is d.fast for f in api._fast.values()) for d in known.values())
+                if all(d is not None and d.fast is not None for d in known.values()):
                     direct = known[lengths[0]].direct
-                    shape, dtype = direct.results[0]
-                    row["ours: empty"] = _timed(lambda i: torch.empty(*shape, dtype=dtype, device=direct.device),
+                    tensors_of = ((lambda S: (q, *caches[S], keep_of(S))) if masked else (lambda S: (q, *caches[S])))
+                    row["ours: guard"] = _timed(lambda i: known[length(i)].fast.matches(*tensors_of(length(i))),
                                                 calls, rounds)
+                    shape, dtype = direct.results[0]
+                    allocate = ops._allocation(q, tuple(shape), torch.empty(shape, device="meta").stride(), dtype,
+                                               direct.device)
+                    row["ours: empty"] = _timed(lambda i: allocate(q), calls, rounds)
                     if masked:
                         row["ours: fold"] = _timed(lambda i: ops._folded(keep_of(length(i)),
                                                                          known[length(i)].direct.prepared.config),
@@ -197,7 +202,7 @@ def measure(calls: int, rounds: int) -> list[dict]:
 
                     def launch(i):
                         S = length(i)
-                        return known[S].direct.launch((q, *caches[S]), 0, keep_of(S))
+                        return known[S].fast.launch(q, *caches[S], keep_of(S))
 
                     row["ours: launch"] = _timed(launch, calls, rounds)
                     # Each length's launch on fixed addresses (its cache, one result buffer), cycling as the calls do.
@@ -328,7 +333,7 @@ def _profile(fn, calls: int) -> list[str]:
             for where, (_, _, own, _, _) in stats]
 
 
-COLUMNS = ("torch sdpa", "torch sdpa: cuDNN", "ours", "ours / torch sdpa", "ours: signature", "ours: launch",
+COLUMNS = ("torch sdpa", "torch sdpa: cuDNN", "ours", "ours / torch sdpa", "ours: guard", "ours: launch",
            "ours: fold", "ours: empty", "ours: launch_into", "ours: execute")
 
 

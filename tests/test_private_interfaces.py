@@ -85,6 +85,18 @@ def test_torch_still_has_the_mode_and_transform_queries():
     assert torch._C._are_functorch_transforms_active() is False
 
 
+def test_torch_still_has_its_tensor_guard():
+    """``torch._C._dynamo.guards.TensorGuards`` with the constructor ``torch.api._tensor_guard`` calls (its public
+    fallback is slower: the guard's doc); ``tests/test_torch.py`` holds what it matches to the public reads'."""
+    torch = pytest.importorskip("torch")
+    from cudnn_attn.torch import api
+
+    x = torch.ones(2, 3)
+    matches = api._tensor_guard((x, x.t()))
+    assert type(getattr(matches, "__self__", None)) is api._TensorGuards is not None
+    assert matches(torch.zeros(2, 3), torch.zeros(2, 3).t()) and not matches(x, x)
+
+
 def test_the_eager_primitive_is_jax_jit():
     """An attention primitive bound outside a trace runs through the public ``jax.jit`` (one per parameters), not
     ``jax._src.dispatch.apply_primitive``: measured on the CI runner, 133.9-136.4 us per eager call against

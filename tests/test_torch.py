@@ -9,6 +9,7 @@ the GPU tier's bounds (``tests/gpu/_checks.py``), several times the rounding of 
 
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -364,6 +365,50 @@ def test_a_call_signature_tells_apart_what_decides_the_call(rng):
     assert torch.equal(first, again)
 
 
+@pytest.mark.parametrize("guard", ["torch's", "public reads"])
+def test_the_fast_entrys_tensor_guard_tells_apart_what_a_signature_does(rng, monkeypatch, guard):
+    """``api._tensor_guard`` (what a known inference forward's fast entry is matched by before any signature) matches
+    tensors of the same type, shape, strides, dtype, device and ``requires_grad`` whatever their values, and no
+    tensor that differs in one of them; torch's private guard and the public reads it falls back to agree.  With
+    this torch, the guard is torch's (``TensorGuards``: 0.49 against 1.50 us for three tensors, ``api._tensor_guard``'s
+    doc): where it is gone or its constructor changed, this test says so."""
+    from cudnn_attn.torch import api
+
+    if guard == "public reads":
+        monkeypatch.setattr(api, "_TensorGuards", None)
+    q, k, v = _qkv(rng, torch.float16, requires_grad=False)
+    mask = torch.ones(2, 1, 8, 8, dtype=torch.bool)
+    matches = api._tensor_guard((q, k, v, mask))
+    if guard == "torch's":
+        assert type(getattr(matches, "__self__", None)) is api._TensorGuards, matches
+    assert matches(q.clone(), torch.randn_like(k), v.clone(), mask.clone())
+
+    class Sub(torch.Tensor):
+        pass
+
+    others = {"shape": (q[:, :4], k, v, mask), "strides": (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, mask),
+              "dtype": (q, k.to(torch.bfloat16), v, mask), "requires_grad": (q, k, v.detach().requires_grad_(), mask),
+              "subclass": (q.as_subclass(Sub), k, v, mask), "device": (q, k, v.to("meta"), mask),
+              "mask's dtype": (q, k, v, mask.to(torch.uint8)), "mask's shape": (q, k, v, mask[:1])}
+    for name, tensors in others.items():
+        assert not matches(*tensors), name
+
+
+def test_a_call_reads_no_fast_entry_that_its_tensors_do_not_match(rng, monkeypatch):
+    """A fast entry (``api._fast``) under a call's fast key whose tensor guard the call's tensors fail is not taken:
+    the call runs as its signature decides (here the NumPy reference, which a CPU call always runs), and gives that
+    call's values."""
+    from cudnn_attn.torch import api
+
+    q, k, v = _qkv(rng, torch.float16, requires_grad=False)
+    taken = []
+    never = api._Fast(lambda *tensors: False, lambda *tensors: taken.append(tensors), None)
+    want, _ = ct.sdpa(q, k, v, causal=True)
+    monkeypatch.setattr(api, "_fast", collections.defaultdict(lambda: never))
+    got, _ = ct.sdpa(q, k, v, causal=True)
+    assert not taken and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static_shapes", "dynamic_shapes"])
 def test_compiled_forward_and_backward_match_eager(rng, dynamic):
     """With dynamic shapes the fake implementation sees symbolic sizes (it then only computes the shapes)."""
@@ -380,10 +425,11 @@ def test_compiled_forward_and_backward_match_eager(rng, dynamic):
 
 
 def test_traced_calls_guard_no_memo_table(rng):
-    """A call ``torch.compile`` traces reads none of the eager path's memo tables (the remembered decisions, the
-    validated configurations, the table of calls, the shared empty logsumexps): the compiled code would be guarded on
-    them, and every step of a compiled decode loop evaluates its guards.  With the decisions' table read, each
-    remembered signature added about 111 guards on its key (4535 guards after 40 eager signatures, 92 without)."""
+    """A call ``torch.compile`` traces reads none of the eager path's memo tables (the remembered decisions, their
+    fast entries, the validated configurations, the table of calls, the shared empty logsumexps): the compiled code
+    would be guarded on them, and every step of a compiled decode loop evaluates its guards.  With the decisions'
+    table read, each remembered signature added about 111 guards on its key (4535 guards after 40 eager signatures,
+    92 without)."""
     import re
 
     for length in (8, 9, 10):                          # eager calls first: the tables hold their entries
@@ -393,7 +439,7 @@ def test_traced_calls_guard_no_memo_table(rng):
     explanation = torch._dynamo.explain(lambda q, k, v, m: ct.sdpa(q, k, v, keep=m)[0])(q, k, v, keep_mask)
     guarded = " ".join(guard.name for guard in explanation.out_guards)
     assert "cudnn_attn" in guarded                     # the traced library code is guarded at all
-    for table in ("_decisions", "_validated_configs", "calls", "_empty_lses"):
+    for table in ("_decisions", "_fast", "_validated_configs", "calls", "_empty_lses"):
         assert not re.search(rf"\.{table}\b", guarded), (table, guarded)
 
 

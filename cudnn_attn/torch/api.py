@@ -16,7 +16,7 @@ are opaque to it: :mod:`cudnn_attn.torch.ops`).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.utils import _python_dispatch
@@ -119,7 +119,26 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
 
     What a call decides - its checked static arguments, the layout it runs in, and for a forward that nothing of
     torch records its direct launch - is remembered by the call's signature (:func:`_signature`), so a repeated
-    eager call checks only its seed and the state of torch that no signature holds (dispatch modes, transforms)."""
+    eager call checks only its seed and the state of torch that no signature holds (dispatch modes, transforms).
+    A repeated inference forward with a direct launch is found before its signature is made: by a key of the
+    scalar arguments and the key's shape, then by the guard of its tensors (:class:`_Fast`)."""
+    if type(key) is torch.Tensor and q_lengths is None and kv_lengths is None and type(seed) is int \
+            and not torch.compiler.is_compiling():
+        # What a known inference forward is found by, with the guard of its tensors (:class:`_Fast`).
+        fast_key = (key.shape, keep is None, scale, causal, bottom_right, window, dropout_rate, layout, training,
+                    type(scale), type(causal), type(bottom_right), type(window), type(dropout_rate), type(layout),
+                    type(training), torch.is_grad_enabled())
+        try:
+            fast = _fast.get(fast_key)
+        except TypeError:                 # an unhashable argument: the slow path decides (and raises)
+            fast = fast_key = None
+        if fast is not None and 0 <= seed < _SEED_END and _untraced() \
+                and (fast.matches(query, key, value) if keep is None else fast.matches(query, key, value, keep)):
+            output = fast.launch(query, key, value, keep)
+            if output is not None:
+                return output, fast.empty_lse
+    else:
+        fast_key = None
     tensors = (query, key, value, q_lengths, kv_lengths, keep)
     signature = _signature(tensors, scale, causal, bottom_right, window, dropout_rate, layout, training)
     decision = _decided(signature)
@@ -130,6 +149,8 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
             # views cuDNN reads with their strides): the direct launch reads their addresses (a transposed view's
             # is its tensor's) and allocates the output in the caller's layout, so nothing of the slow path below
             # runs.
+            if fast_key is not None and decision.fast is not None:
+                _remember_fast(fast_key, decision.fast)
             return direct.launch((query, key, value), 0, keep, decision.transposed)[0], decision.empty_lse
         if decision.autograd:
             # A repeated call that autograd records and nothing else of torch sees (its signature fixes both).
@@ -161,7 +182,14 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
             known = calls.get(call_key(FWD, (q, k, v, q_lengths, kv_lengths, keep), static + (decision.running,),
                                        decision.training))
             if type(known) is _Direct and not known.prepared.dropout:
-                decision, new = decision._replace(direct=known, empty_lse=_shared_empty_lse(q)), True
+                empty_lse = _shared_empty_lse(q)
+                launcher = known.launcher(query, decision.transposed)
+                fast = None if launcher is None else _Fast(_tensor_guard((query, key, value) if keep is None else
+                                                                         (query, key, value, keep)),
+                                                           launcher, empty_lse)
+                decision, new = decision._replace(direct=known, empty_lse=empty_lse, fast=fast), True
+                if fast_key is not None and fast is not None:
+                    _remember_fast(fast_key, fast)
         if new:
             _remember(signature, decision)
     return (output.transpose(1, 2) if decision.transposed else output), logsumexp
@@ -192,6 +220,7 @@ class _Decision(NamedTuple):
     launches: Any = None               # a DirectLaunches, made once per signature
     autograd: bool = False             # autograd records the call, of plain CUDA or CPU tensors (dispatch_free
                                        # but for the state no signature holds: _untraced)
+    fast: Any = None                   # the direct launch's _Fast entry (None without a direct launch)
 
     @property
     def as_given(self) -> bool:
@@ -202,6 +231,62 @@ class _Decision(NamedTuple):
 
 _decisions: dict[tuple, _Decision] = {}
 _DECISIONS_MAX = 1024
+
+
+class _Fast(NamedTuple):
+    """A known inference forward's direct launch as :func:`sdpa` finds it before any signature: by the key's shape,
+    which optional tensors are given, the scalar arguments, their types and whether grad is enabled (the fast key,
+    one tuple made in :func:`sdpa`), and then by ``matches``, the guard of the query's, key's, value's (and
+    keep-mask's) type, shape, strides, dtype, device and ``requires_grad`` (:func:`_tensor_guard`).  Together they
+    fix everything the call's signature does (:func:`_signature`), so a match is a call of a remembered decision
+    whose direct launch ran.  ``launch`` is :meth:`~cudnn_attn.torch.ops._Direct.launcher`; ``empty_lse`` the
+    logsumexp returned with its output."""
+
+    matches: Callable[..., bool]
+    launch: Callable[..., Any]
+    empty_lse: torch.Tensor
+
+
+_fast: dict[tuple, _Fast] = {}
+"""The :class:`_Fast` entries by fast key; one per key (a later decision of the same key replaces it, as a call
+of another query shape against the same cache does)."""
+
+
+def _remember_fast(key: tuple, fast: _Fast) -> None:
+    if _fast.get(key) is not fast:
+        if len(_fast) >= _DECISIONS_MAX:
+            _fast.clear()
+        _fast[key] = fast
+
+
+def _tensor_guard(tensors: tuple) -> Callable[..., bool]:
+    """``matches(*like)``: whether tensors ``like`` have the type, shape, strides, dtype, device and
+    ``requires_grad`` of ``tensors``, in order.  torch's own tensor guard (``torch._C._dynamo.guards.TensorGuards``,
+    private; it also compares the tensors' dispatch keys under the thread's dispatch state, so it matches a subset
+    of what the public reads would) checks three tensors in 0.49 us against 1.50 us for the public reads
+    (``shape``, ``stride()``, ``dtype``, ``get_device()``, ``requires_grad`` of each; CPU host, ``timeit``); where
+    torch lacks it or its constructor changed, the public reads."""
+    if _TensorGuards is not None:
+        try:
+            guard = _TensorGuards(*tensors, dynamic_dims_sizes=[list(x.shape) for x in tensors],
+                                  dynamic_dims_strides=[list(x.stride()) for x in tensors],
+                                  tensor_check_names=[f"tensor{i}" for i in range(len(tensors))])
+            if guard.check(*tensors):
+                return guard.check
+        except (TypeError, RuntimeError, SystemError):
+            pass
+    wanted = tuple(map(_described_fully, tensors))
+    return lambda *like: tuple(map(_described_fully, like)) == wanted
+
+
+def _described_fully(x: Any) -> tuple:
+    return type(x), x.shape, x.stride(), x.dtype, x.device, x.requires_grad
+
+
+try:
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:                    # a torch without it: the public reads
+    _TensorGuards = None
 
 
 def _decided(signature: tuple | None) -> _Decision | None:

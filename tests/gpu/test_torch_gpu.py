@@ -257,9 +257,10 @@ REPEATED_CASES = ("dense", "transposed views", "strided value", "copied value", 
 @pytest.mark.parametrize("case", REPEATED_CASES)
 def test_a_repeated_eager_call_runs_its_remembered_direct_launch(rng, monkeypatch, case):
     """``sdpa`` remembers a signature's direct launch (``api._Decision.direct``) and runs it on the next calls
-    without the operator's implementation: decode steps of BNTH tensors, of BNTH views of BTNH memory (the addresses
-    are the same), of a value view cuDNN reads with its strides, and under a bfloat16 keep-mask (the fold).  A value
-    whose last dimension is strided is copied on every call, so it never takes that path.  Each call has new random
+    from its fast entry (``api._Fast``, found before any signature) without the operator's implementation: decode
+    steps of BNTH tensors, of BNTH views of BTNH memory (the addresses are the same), of a value view cuDNN reads
+    with its strides, and under a bfloat16 keep-mask (the fold).  A value whose last dimension is strided is copied
+    on every call, so it never takes that path.  Each call has new random
     values and matches the math SDPA; a bad seed on a remembered signature still raises ``ValueError``."""
     from cudnn_attn.torch import api, ops
 
@@ -284,7 +285,7 @@ def test_a_repeated_eager_call_runs_its_remembered_direct_launch(rng, monkeypatc
     def signature(q, k, v, mask):
         return api._signature((q, k, v, None, None, mask), None, False, False, 0, 0.0, "BNTH", None)
 
-    implementation = api.attention_unrecorded
+    implementation, fast_launches = api.attention_unrecorded, []
     for call in range(4):
         q, k, v, mask = inputs()
         if call == 2:           # from here on a remembered direct launch must not reach the implementation
@@ -294,6 +295,10 @@ def test_a_repeated_eager_call_runs_its_remembered_direct_launch(rng, monkeypatc
                 assert decision.copies == (False, False, True) and decision.direct is None, decision
             else:
                 assert decision.as_given and type(decision.direct) is ops._Direct, decision
+                keys = [key for key, entry in api._fast.items() if entry is decision.fast]
+                assert decision.fast is not None and len(keys) == 1, (decision.fast, api._fast)
+                monkeypatch.setitem(api._fast, keys[0], decision.fast._replace(
+                    launch=lambda *tensors: fast_launches.append(S) or decision.fast.launch(*tensors)))
 
                 def refuse(*args, **kwargs):
                     raise AssertionError("a remembered direct launch ran the operator's implementation")
@@ -303,10 +308,44 @@ def test_a_repeated_eager_call_runs_its_remembered_direct_launch(rng, monkeypatc
         assert out.shape == q.shape and lse.numel() == 0
         assert_close(f"output ({case}, call {call}, S={S})", _host(out),
                      _host(_math_sdpa(q, k, v, mask, layout="BNTH")), "bfloat16")
+    assert fast_launches == ([] if case == "copied value" else [S, S]), fast_launches
     monkeypatch.setattr(api, "attention_unrecorded", implementation)
     for seed in (-1, True, 1.5):
         with pytest.raises(ValueError, match="seed"):
             ct.sdpa(q, k, v, keep=mask, layout="BNTH", seed=seed)
+
+
+def test_calls_under_one_fast_key_that_differ_in_their_tensors_each_run_their_own(rng):
+    """Decode calls against one cache shape (one fast key: ``api._Fast``) whose query or key differs in what the
+    tensor guard reads - another query length, the query's strides, its dtype with the cache's, ``requires_grad``
+    under ``torch.no_grad`` - alternate, each on fresh random values: every call matches the math SDPA in its own
+    terms, whichever entry the key held before it (a later decision of the key replaces its entry)."""
+    from cudnn_attn.torch import api
+
+    S = 328
+
+    def inputs(variant):
+        dtype = torch.float16 if variant == "float16" else torch.bfloat16
+        q = _random(rng, (4, 2 if variant == "two queries" else 1, 16, 64), dtype)
+        q = q.transpose(1, 2) if variant in ("two queries", "strides") else q.view(4, 16, 1, 64)
+        if variant == "strides":                    # a (4, 16, 1, 64) view of (4, 1, 16, 64) memory
+            assert q.stride() != (1024, 64, 64, 1)
+        k, v = (_random(rng, (4, 4, S, 64), dtype) for _ in range(2))
+        return (q.requires_grad_() if variant == "requires_grad" else q), k, v
+
+    variants = ("plain", "two queries", "strides", "float16", "requires_grad")
+    with torch.no_grad():
+        for round in range(3):
+            for variant in variants:
+                q, k, v = inputs(variant)
+                _poison_pool()
+                out, _ = ct.sdpa(q, k, v, layout="BNTH")
+                assert out.shape == q.shape and out.dtype == q.dtype
+                dtype_name = "float16" if variant == "float16" else "bfloat16"
+                assert_close(f"output ({variant}, round {round})", _host(out),
+                             _host(_math_sdpa(q, k, v, None, layout="BNTH")), dtype_name)
+    keys = {key for key in api._fast if key[0] == (4, 4, S, 64)}
+    assert len(keys) == 1, keys
 
 
 EAGER_CASES = ("dense causal", "transposed views", "mixed layouts", "lengths", "keep-mask", "device-seed dropout")
