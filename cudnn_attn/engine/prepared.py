@@ -230,10 +230,18 @@ class PreparedCall:
         framework allocates its own results and workspace (torch's caching allocator: :mod:`cudnn_attn.torch.ops`)."""
         held = self._sequences[replay]
         run = held() if held is not None else None
-        if run is None:     # the plan's own sequence, held weakly as the plan is; through CallPlan.launch this call
-            run = self.plan().own_sequence(replay=replay)    # took 11.7 us of host time, the sequence alone 8.6 (H200)
-            self._sequences[replay] = weakref.ref(run)
+        if run is None:     # through CallPlan.launch this call took 11.7 us of host time, the sequence alone 8.6 (H200)
+            run = self.own_sequence(replay)
         run(pointers, stream, workspace, True, (seed, 0) if self.dropout else ())
+
+    def own_sequence(self, replay: bool = True) -> Callable[..., None]:
+        """The launch sequence :meth:`launch_into` runs: ``run(pointers, stream, workspace, True, scalars)`` (the
+        plan's own sequence, :meth:`~cudnn_attn.engine.plan.CallPlan.own_sequence`; ``scalars`` ``(seed, 0)`` for a
+        dropout call, else ``()``).  It lives as long as the plan, which this call holds weakly: a caller keeps it by
+        a weak reference (``weakref.ref``) and asks again when that is dead."""
+        run = self.plan().own_sequence(replay=replay)
+        self._sequences[replay] = weakref.ref(run)
+        return run
 
     @property
     def workspace_size(self) -> int:

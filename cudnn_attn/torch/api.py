@@ -122,12 +122,12 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     eager call checks only its seed and the state of torch that no signature holds (dispatch modes, transforms).
     A repeated inference forward with a direct launch is found before its signature is made: by a key of the
     scalar arguments and the key's shape, then by the guard of its tensors (:class:`_Fast`)."""
-    if type(key) is torch.Tensor and q_lengths is None and kv_lengths is None and type(seed) is int \
-            and not torch.compiler.is_compiling():
+    if type(key) is _Tensor and q_lengths is None and kv_lengths is None and type(seed) is int \
+            and not _is_compiling():
         # What a known inference forward is found by, with the guard of its tensors (:class:`_Fast`).
         fast_key = (key.shape, keep is None, scale, causal, bottom_right, window, dropout_rate, layout, training,
                     type(scale), type(causal), type(bottom_right), type(window), type(dropout_rate), type(layout),
-                    type(training), torch.is_grad_enabled())
+                    type(training), _grad_enabled())
         try:
             fast = _fast.get(fast_key)
         except TypeError:                 # an unhashable argument: the slow path decides (and raises)
@@ -348,8 +348,13 @@ def _untraced() -> bool:
     """No dispatch mode or ``torch.func`` transform is active and ``torch.jit.trace`` is not tracing (it records the
     operator, where a call without it would be a constant of the trace): the state :func:`dispatch_free` reads that
     no call signature holds."""
-    return not _python_dispatch.is_in_torch_dispatch_mode() and not torch._C._are_functorch_transforms_active() \
-        and not torch.jit.is_tracing()
+    return not _in_dispatch_mode() and not _transforms_active() and not _tracing()
+
+
+# torch's queries bound once: the fast path of a repeated call reads them without attribute lookups.
+_Tensor, _is_compiling, _grad_enabled = torch.Tensor, torch.compiler.is_compiling, torch.is_grad_enabled
+_in_dispatch_mode = _python_dispatch.is_in_torch_dispatch_mode
+_transforms_active, _tracing = torch._C._are_functorch_transforms_active, torch.jit.is_tracing
 
 
 def _decide(tensors: tuple, scale: Any, causal: Any, bottom_right: Any, window: Any, dropout_rate: Any, seed: Any,

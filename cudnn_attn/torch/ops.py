@@ -49,6 +49,7 @@ The fake implementations validate the same way on stand-ins of the shapes (NumPy
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import cupy
@@ -243,17 +244,21 @@ class _Direct(NamedTuple):
         if len(self.results) != 1:
             return None
         call, device, order, size, strided = self.prepared, self.device, self.order, self.workspace, self.strided
-        config, index, launch_into = call.config, call.device, call.launch_into
+        config, index, scalars = call.config, call.device, (0, 0) if call.dropout else ()
         if transposed:
             shape, strides, dtype = self.transposed_results[0]
         else:
             (shape, dtype), strides = self.results[0], _transposed_view(self.results[0][0], False)[1]
         allocate = _allocation(query, tuple(shape), tuple(strides), dtype, device)
+        # With one device visible it is the current one: its query (cudaGetDevice) is 0.3 us of a call.
+        only_device = torch.cuda.device_count() == 1
+        held = weakref.ref(call.own_sequence(replay=False))     # the engine's sequence, held as launch_into does
 
         def launcher(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      keep: torch.Tensor | None) -> Optional[torch.Tensor]:
+            nonlocal held
             if strided and (query.data_ptr() & 15 or key.data_ptr() & 15 or value.data_ptr() & 15) \
-                    or _current_device() != index:
+                    or not (only_device or _current_device() == index):
                 return None
             output = allocate(query)
             tensors = (query, key, value) if keep is None else (query, key, value, _folded(keep, config))
@@ -261,8 +266,11 @@ class _Direct(NamedTuple):
             pointers.append(output.data_ptr())
             # The workspace tensor lives until the launch is enqueued (launch's comment).
             workspace = torch.empty(size, dtype=torch.uint8, device=device) if size else None
-            launch_into(pointers, _current_stream_of(index), 0, replay=False,
-                        workspace=0 if workspace is None else workspace.data_ptr())
+            run = held()
+            if run is None:                     # the plan was evicted: the call makes it and its sequence again
+                run = call.own_sequence(replay=False)
+                held = weakref.ref(run)
+            run(pointers, _current_stream_of(index), 0 if workspace is None else workspace.data_ptr(), True, scalars)
             return output
 
         return launcher
