@@ -262,8 +262,7 @@ class _Direct(NamedTuple):
                 return None
             output = allocate(query)
             tensors = (query, key, value) if keep is None else (query, key, value, _folded(keep, config))
-            pointers = [x.data_ptr() for x in order(tensors)]
-            pointers.append(output.data_ptr())
+            pointers = [*map(_data_ptr, order(tensors)), output.data_ptr()]
             # The workspace tensor lives until the launch is enqueued (launch's comment).
             workspace = torch.empty(size, dtype=torch.uint8, device=device) if size else None
             run = held()
@@ -274,6 +273,9 @@ class _Direct(NamedTuple):
             return output
 
         return launcher
+
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _allocation(query: torch.Tensor, shape: tuple, strides: tuple, dtype: torch.dtype,
