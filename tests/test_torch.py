@@ -625,3 +625,26 @@ def test_the_max_logit_is_refused_with_its_reason(rng):
     q, k, v = _qkv(rng, torch.float16, B=1, T=4, S=4, N=2, K=2, H=16)
     with pytest.raises(UnsupportedConfigurationError, match="no max logit"):
         ct.attention(q, k, v, return_aux=AuxRequest(max_logit=True))
+
+
+@pytest.mark.parametrize("case", ["dense", "one query, another layout's strides", "transposed view", "another dtype"])
+def test_the_fast_launchers_output_has_the_results_shape_and_strides(case):
+    """``ops._allocation`` (how a fast entry's launcher makes its output from the query): whichever way it chooses
+    (``torch.empty_like`` of the query as it is, or dense, or ``torch.empty_strided``), the output has the result's
+    shape, strides and dtype, for every query of the call's signature."""
+    from cudnn_attn.torch import ops
+
+    dense = torch.empty(4, 16, 1, 64, dtype=torch.bfloat16)
+    query, shape, strides, dtype = {
+        "dense": (dense, (4, 16, 1, 64), (1024, 64, 64, 1), torch.bfloat16),
+        "one query, another layout's strides": (torch.empty(4, 1, 16, 64, dtype=torch.bfloat16).transpose(1, 2),
+                                                (4, 16, 1, 64), (1024, 64, 64, 1), torch.bfloat16),
+        "transposed view": (torch.empty(2, 8, 4, 16, dtype=torch.float16).transpose(1, 2), (2, 4, 8, 16),
+                            (512, 16, 64, 1), torch.float16),
+        "another dtype": (dense, (4, 16, 1, 64), (1024, 64, 64, 1), torch.float16),
+    }[case]
+    allocate = ops._allocation(query, shape, strides, dtype, torch.device("cpu"))
+    for like in (query, query.clone() if query.is_contiguous() else query.transpose(1, 2).clone().transpose(1, 2)):
+        assert like.stride() == query.stride()
+        output = allocate(like)
+        assert (tuple(output.shape), output.stride(), output.dtype) == (shape, strides, dtype), case

@@ -281,13 +281,12 @@ _data_ptr = torch.Tensor.data_ptr
 def _allocation(query: torch.Tensor, shape: tuple, strides: tuple, dtype: torch.dtype,
                 device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     """How :meth:`_Direct.launcher` makes a result of ``shape``, ``strides`` and ``dtype`` for a query like
-    ``query``: ``torch.empty_like`` of the query where that has them (decided on a meta tensor of its
-    layout), else ``torch.empty_strided``."""
-    if query.dtype == dtype:
-        like = torch.empty_strided(query.shape, query.stride(), dtype=dtype, device="meta")
+    ``query``: ``torch.empty_like`` of the query where that has them, else ``torch.empty_strided``.  Decided on
+    ``query`` itself (one allocation of its size, once), not a meta tensor of its layout: for a query dense in two
+    layouts (one token), ``empty_like`` keeps its strides on a device and makes it contiguous on meta."""
+    if query.dtype == dtype and tuple(query.shape) == shape:
         for memory_format in (torch.preserve_format, torch.contiguous_format):
-            made = torch.empty_like(like, memory_format=memory_format)
-            if tuple(made.shape) == shape and made.stride() == strides:
+            if torch.empty_like(query, memory_format=memory_format).stride() == strides:
                 if memory_format is torch.preserve_format:
                     return torch.empty_like
                 return lambda x: torch.empty_like(x, memory_format=torch.contiguous_format)
