@@ -240,11 +240,12 @@ class _Direct(NamedTuple):
         16-byte aligned or another device is current: :meth:`launch` then serves the call).  ``query`` is a
         sample of the caller's query (this launch's signature fixes its shape, strides and dtype): where
         ``torch.empty_like`` of it has the output's strides, the output is made so (0.46 us less than
-        ``torch.empty`` of the shape, CPU host, ``timeit``).  ``None`` for a call with more than one result."""
-        if len(self.results) != 1:
+        ``torch.empty`` of the shape, CPU host, ``timeit``).  ``None`` for a call with more than one result or with
+        dropout (its seed is a per-call argument of :meth:`launch`)."""
+        if len(self.results) != 1 or self.prepared.dropout:
             return None
         call, device, order, size, strided = self.prepared, self.device, self.order, self.workspace, self.strided
-        config, index, scalars = call.config, call.device, (0, 0) if call.dropout else ()
+        config, index = call.config, call.device
         if transposed:
             shape, strides, dtype = self.transposed_results[0]
         else:
@@ -269,7 +270,7 @@ class _Direct(NamedTuple):
             if run is None:                     # the plan was evicted: the call makes it and its sequence again
                 run = call.own_sequence(replay=False)
                 held = weakref.ref(run)
-            run(pointers, _current_stream_of(index), 0 if workspace is None else workspace.data_ptr(), True, scalars)
+            run(pointers, _current_stream_of(index), 0 if workspace is None else workspace.data_ptr(), True, ())
             return output
 
         return launcher
