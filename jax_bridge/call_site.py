@@ -10,7 +10,8 @@ then fails with a clear error rather than guessing).
 
 Lifetime (:class:`Holds`).  A key is held by every live executable that calls it - the FFI targets are
 registered with an *instantiate* stage whose state XLA destroys with the executable
-(:func:`.ffi.make_handler`), which :meth:`Holds.pin` counts - and by the most recent lowerings, so that
+(:func:`.ffi.make_handler`), which :meth:`Holds.pin` counts until the next instantiation (or
+:func:`.ffi.release_destroyed_states`) finds it destroyed - and by the most recent lowerings, so that
 a lowering compiled a little later still resolves.  When neither holds it the entry is released, and a
 later lowering of the same call site gets a new key (keys are never reused).  The GPU target holds its
 cuDNN plans the same way, with the graph cache's bound for recent lowerings (:mod:`.cudnn_target`).

@@ -161,8 +161,10 @@ def pinned_plan(key: int, device: int) -> Any:
 
 
 def held_plans() -> dict[str, int]:
-    """Counts for soaks and notebooks: plans kept for the handler, and what holds them."""
-    return {"plans": len(_launches), **plan_holds.counts(), "executables": ffi.live_states()}
+    """Counts for soaks and notebooks: plans kept for the handler, and what holds them (the executables XLA
+    destroyed since the last compilation are released first)."""
+    executables = ffi.live_states()
+    return {"plans": len(_launches), **plan_holds.counts(), "executables": executables}
 
 
 def _handler(capturable: bool) -> Callable[[ffi.Call], None]:

@@ -23,11 +23,18 @@ Protocol (``c_api.h``, XLA FFI API 0.x; jaxlib 0.11.2 ships minor version 4):
   once per call site when it builds an executable: the Python function returns an object that this
   module keeps as the call site's *state* (``XLA_FFI_State_Set`` with a registered type whose deleter
   XLA calls when the executable is destroyed).  That is the executable-lifetime hook the JAX bridge uses
-  to keep a cuDNN plan exactly as long as a compiled program can run it (:mod:`.call_site`).
+  to keep a cuDNN plan as long as a compiled program can run it (:mod:`.call_site`).  The deleter runs
+  no Python (it posts a semaphore, see :class:`_States`): the objects held for a destroyed executable
+  are dropped at the next instantiation, or by :func:`release_destroyed_states`.
 
 Interpreter exit: a handler needs the GIL, and JAX's own exit hook destroys the backends while holding
 it.  A computation still in flight at exit would then wait for the GIL forever, so an exit hook
-(registered after JAX's, hence run before it) first waits for every live array to be ready.
+(registered after JAX's, hence run before it) first waits for every live array to be ready.  The
+deleter needs no GIL (:class:`_States`).  What no live array names is not waited for: a CPU computation
+dispatched and dropped just before exit whose custom call has not run yet reaches its handler after
+finalization began, and the thread that takes the GIL there is ended, so the exit hangs (JAX's own
+callbacks check for finalization in C++, which a ctypes callback cannot do before taking the GIL).  A
+script blocks on its last result before it ends.
 
 Only structures and functions that exist since API 0.1 are read, except the device ordinal
 (``XLA_FFI_DeviceOrdinal_Get``), which is looked up only when the runtime's table has it.  Every
@@ -131,7 +138,7 @@ _DELETER = C.CFUNCTYPE(None, C.c_void_p)
 
 
 class _TypeInfo(C.Structure):
-    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p), ("deleter", _DELETER)]
+    _fields_ = [("struct_size", C.c_size_t), ("extension_start", C.c_void_p), ("deleter", C.c_void_p)]
 
 
 class _StateSetArgs(C.Structure):
@@ -498,29 +505,120 @@ class Handler(NamedTuple):
 
 # -- executable-lifetime state ----------------------------------------------------------------------
 
-class _States:
-    """Python objects held as XLA FFI execution state.
+class _Semaphores:
+    """libc's unnamed POSIX semaphores, in memory of libc's ``malloc`` (``None`` where libc lacks them)."""
 
-    :meth:`keep` stores an object under a token, which the handler hands to ``XLA_FFI_State_Set`` as the
-    state's pointer; XLA calls the registered type's deleter with that token when it destroys the
-    executable, and the object is dropped (and called, when callable).  The deleter runs on whatever
-    thread destroys the executable (also at interpreter exit), so it never raises.
+    BYTES = 64                      # sem_t: 32 bytes on 64-bit glibc and musl
+
+    def __init__(self, libc: Any):
+        self.malloc, self.free = libc.malloc, libc.free
+        self.malloc.restype, self.malloc.argtypes, self.free.argtypes = C.c_void_p, (C.c_size_t,), (C.c_void_p,)
+        self.init, self.trywait, self.destroy = libc.sem_init, libc.sem_trywait, libc.sem_destroy
+        self.init.argtypes = (C.c_void_p, C.c_int, C.c_uint)
+        self.trywait.argtypes = self.destroy.argtypes = (C.c_void_p,)
+        self.post = C.cast(libc.sem_post, C.c_void_p).value     # int sem_post(sem_t*): XLA's deleter
+
+    @classmethod
+    def load(cls) -> _Semaphores | None:
+        try:
+            semaphores = cls(C.CDLL(None))
+            probe = semaphores.new()
+        except (OSError, AttributeError, TypeError):     # TypeError: Windows has no CDLL(None)
+            return None
+        semaphores.discard(probe)
+        return semaphores
+
+    def new(self) -> int:
+        address = self.malloc(self.BYTES)
+        if not address:
+            raise MemoryError("malloc of a semaphore")
+        if self.init(address, 0, 0) != 0:            # macOS: unnamed semaphores are not implemented
+            self.free(address)
+            raise OSError("sem_init failed")
+        return address
+
+    def posted(self, address: int) -> bool:
+        return self.trywait(address) == 0
+
+    def discard(self, address: int) -> None:
+        self.destroy(address)
+        self.free(address)
+
+
+class _States:
+    """Python objects held as XLA FFI execution state, dropped (and called, when callable) once XLA has
+    destroyed their executable.
+
+    XLA calls a state type's deleter on whichever thread destroys the executable: on the CPU client that
+    is usually a thread of its pool, when an execution that held the last reference ends, and at
+    interpreter exit it can be after Python began finalizing.  A deleter written in Python needs the GIL
+    there, and a thread that takes the GIL once finalization has begun is ended on the spot (Python
+    3.12; 3.14 parks it forever): the pool then never sees that thread finish, and the client's destructor
+    joins it forever.  With a Python deleter, 2 of 100 exits of ``python -m cudnn_attn.tools.demo`` hung
+    that way on a 2-core machine with a third process spinning (0 of 100 with this one), and a script whose
+    last execution outlives the interpreter hung every time (``tests/test_jax_lifetime.py``).
+
+    So the deleter needs no Python: each state is one of libc's semaphores (in ``malloc``-ed memory,
+    which outlives Python's objects at exit) and XLA's deleter is ``sem_post``.  The objects of posted
+    states are dropped by :meth:`release_destroyed`, on the thread of a Python caller: at each
+    instantiation (a compilation made a new executable: what it pinned is held by then, so nothing it
+    needs is dropped and planned again) and by :func:`release_destroyed_states`.  Where libc has no
+    unnamed semaphores (macOS), the deleter is a Python callback that drops the object at once.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
         self._objects: dict[int, Any] = {}
         self._next = 1
-        self._deleter = _DELETER(self._delete)
-        self.info = _TypeInfo(C.sizeof(_TypeInfo), None, self._deleter)
+        self._semaphores = _Semaphores.load()
+        if self._semaphores is None:
+            self._python_deleter = _DELETER(self._delete)
+            deleter = C.cast(self._python_deleter, C.c_void_p).value
+        else:
+            deleter = self._semaphores.post
+        self.info = _TypeInfo(C.sizeof(_TypeInfo), None, deleter)
 
     def keep(self, obj: Any) -> int:
+        """Hold ``obj``; returns the state pointer to hand to ``XLA_FFI_State_Set``."""
+        if self._semaphores is None:
+            with self._lock:
+                token, self._next = self._next, self._next + 1
+                self._objects[token] = obj
+            return token
+        self.release_destroyed()
+        token = self._semaphores.new()
         with self._lock:
-            token, self._next = self._next, self._next + 1
             self._objects[token] = obj
         return token
 
+    def release_destroyed(self) -> int:
+        """Drop (and call) the objects whose executables XLA has destroyed; returns how many."""
+        if self._semaphores is None:
+            return 0
+        posted = self._semaphores.posted
+        with self._lock:
+            tokens = [token for token in self._objects if posted(token)]
+            objects = [self._objects.pop(token) for token in tokens]
+        for token in tokens:
+            self._semaphores.discard(token)
+        for obj in objects:
+            if callable(obj):
+                obj()
+        return len(objects)
+
+    def discard(self, token: int) -> None:
+        """Drop (and call) the object of a state XLA never took."""
+        if self._semaphores is None:
+            self._delete(token)
+            return
+        with self._lock:
+            obj = self._objects.pop(token, None)
+        self._semaphores.discard(token)
+        if callable(obj):
+            obj()
+
     def _delete(self, token: int | None) -> None:
+        """The Python deleter (no semaphores): runs on XLA's thread, so it never raises."""
         try:
             with self._lock:
                 obj = self._objects.pop(token or 0, None)
@@ -536,8 +634,16 @@ class _States:
 _states = _States()
 
 
+def release_destroyed_states() -> int:
+    """Drop the objects held for executables XLA has destroyed since (unpinning their call sites and
+    plans); returns how many.  Each instantiation does it too."""
+    return _states.release_destroyed()
+
+
 def live_states() -> int:
-    """How many executable states are alive (call sites of executables XLA has not destroyed)."""
+    """How many executable states are alive: call sites of executables XLA has not destroyed (the
+    destroyed ones are released first)."""
+    release_destroyed_states()
     return len(_states)
 
 
@@ -550,7 +656,7 @@ def _set_state(frame: int, type_id: Any, obj: Any) -> None:
                          C.pointer(type_id), token)
     error = _STATE_SET(_Api.from_address(api).State_Set)(C.byref(args))
     if error:
-        _states._delete(token)
+        _states.discard(token)
         _raise(_functions(api), error, "XLA_FFI_State_Set")
 
 

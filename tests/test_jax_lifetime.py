@@ -4,8 +4,12 @@ neither holds them.  CPU: the reference target runs the same lowering and instan
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +74,7 @@ def test_executables_hold_their_call_sites_and_release_them_when_destroyed(rng, 
     del sites[0]                                            # the executable of the oldest site dies
     jax.clear_caches()
     gc.collect()
+    assert ffi.release_destroyed_states() >= 1, "XLA posted the state of the destroyed executable"
     assert ffi.live_states() <= live - 1
     assert keys[0] not in registry._calls, "nothing holds the oldest site: released"
     for (f, q), want in zip(sites, expected[1:]):            # the live ones still run
@@ -123,3 +128,47 @@ def test_a_pin_cannot_slip_between_the_decision_to_release_and_the_release():
     events.append(("pinned", 7))
     evict.join()
     assert events == [("release", 7), ("released", 7), ("pinned", 7)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libc's unnamed semaphores: Linux")
+def test_xlas_deleter_of_an_executable_state_runs_no_python():
+    """XLA calls the deleter on whichever thread drops the executable, also after Python began finalizing:
+    it is libc's sem_post, called here as XLA would (a foreign call, the GIL released), and the held object is
+    dropped and called by the next release on a Python thread."""
+    assert ffi._states.info.deleter == ctypes.cast(ctypes.CDLL(None).sem_post, ctypes.c_void_p).value
+    called = []
+    token = ffi._states.keep(lambda: called.append(True))
+    live = ffi.live_states()
+    assert called == [] and ffi.release_destroyed_states() == 0, "an unposted state is held"
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(ffi._states.info.deleter)(token)
+    assert ffi.release_destroyed_states() == 1 and called == [True]
+    assert ffi.live_states() == live - 1
+
+
+def test_an_executable_destroyed_on_xlas_thread_after_the_interpreter_began_exiting_lets_it_exit(tmp_path):
+    """An execution that outlives the interpreter holds its executable's last reference, so XLA destroys the
+    executable on its pool thread during finalization.  With a Python deleter that thread took the GIL there and
+    was ended, and the client's destructor then joined it forever (the CPU demo's exit hung that way under load;
+    this script hung every time).  Watchdog: 120 s."""
+    script = tmp_path / "late_executable.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        import jax, jax.numpy as jnp, numpy as np
+        from cudnn_attn import jax_bridge
+
+        q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 16, 2, 8)), jnp.float16)
+
+        def slow(q):
+            o = jax_bridge.dot_product_attention(q, q, q, scale=0.25)
+            x = jnp.full((1024, 1024), 1e-3, jnp.float32) * o.astype(jnp.float32).sum()
+            return jax.lax.fori_loop(0, 100, lambda i, x: jnp.tanh(x @ x), x).sum()
+
+        jax.jit(slow)(q)      # the result and the jitted function are dropped at once
+        time.sleep(0.3)       # the attention handler runs; the loop goes on past the interpreter's exit
+        print("exiting", flush=True)
+    """))
+    try:
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the interpreter did not exit within 120 s; stdout: {exc.stdout!r}")
+    assert run.returncode == 0 and "exiting" in run.stdout, run.stdout + run.stderr

@@ -340,7 +340,7 @@ def test_executables_hold_the_handlers_plans_until_they_die(cuda_graph, monkeypa
     plan the handler ran is dropped - the graph cache's bound holds on the JAX side."""
     import gc
 
-    from cudnn_attn.jax_bridge import cudnn_target
+    from cudnn_attn.jax_bridge import cudnn_target, ffi
     from cudnn_attn.jax_bridge.call_site import registry
 
     assert cudnn_target.plan_holds.releasing, "the CUDA targets are registered with their instantiate stage"
@@ -361,6 +361,7 @@ def test_executables_hold_the_handlers_plans_until_they_die(cuda_graph, monkeypa
     del fn
     jax.clear_caches()
     gc.collect()
+    assert ffi.release_destroyed_states() >= 1, "XLA posted the state of the destroyed executable"
     assert cudnn_target.plan_holds.pins[key] == 0
     assert (key, 0) not in cudnn_target._launches, "the executable died: its plan is released"
     assert cudnn_target.plan_holds.releasing, "no execution ran without its instantiate stage"
