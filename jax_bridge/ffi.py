@@ -516,7 +516,8 @@ class _Semaphores:
         self.init, self.trywait, self.destroy = libc.sem_init, libc.sem_trywait, libc.sem_destroy
         self.init.argtypes = (C.c_void_p, C.c_int, C.c_uint)
         self.trywait.argtypes = self.destroy.argtypes = (C.c_void_p,)
-        self.post = C.cast(libc.sem_post, C.c_void_p).value     # int sem_post(sem_t*): XLA's deleter
+        # XLA's deleter, void (*)(void*): sem_post's int result is left in a register that XLA never reads
+        self.post = C.cast(libc.sem_post, C.c_void_p).value
 
     @classmethod
     def load(cls) -> _Semaphores | None:

@@ -143,6 +143,21 @@ def test_xlas_deleter_of_an_executable_state_runs_no_python():
     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(ffi._states.info.deleter)(token)
     assert ffi.release_destroyed_states() == 1 and called == [True]
     assert ffi.live_states() == live - 1
+    ffi._states.discard(ffi._states.keep(lambda: called.append("discarded")))    # a state XLA refused
+    assert called[-1] == "discarded" and ffi.live_states() == live - 1
+
+
+def test_without_semaphores_the_deleter_is_python_and_drops_the_object_at_once(monkeypatch):
+    """macOS has no unnamed semaphores: the state's deleter is then a ctypes callback (called here as XLA would)."""
+    monkeypatch.setattr(ffi._Semaphores, "load", classmethod(lambda cls: None))
+    states = ffi._States()
+    called = []
+    token = states.keep(lambda: called.append(token))
+    assert len(states) == 1 and states.info.deleter != ctypes.cast(ctypes.CDLL(None).sem_post, ctypes.c_void_p).value
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(states.info.deleter)(token)
+    assert called == [token] and len(states) == 0 and states.release_destroyed() == 0
+    states.discard(states.keep(lambda: called.append("discarded")))
+    assert called[-1] == "discarded" and len(states) == 0
 
 
 def test_an_executable_destroyed_on_xlas_thread_after_the_interpreter_began_exiting_lets_it_exit(tmp_path):
