@@ -580,15 +580,14 @@ class _States:
         self.info = _TypeInfo(C.sizeof(_TypeInfo), None, deleter)
 
     def keep(self, obj: Any) -> int:
-        """Hold ``obj``; returns the state pointer to hand to ``XLA_FFI_State_Set``."""
-        if self._semaphores is None:
-            with self._lock:
-                token, self._next = self._next, self._next + 1
-                self._objects[token] = obj
-            return token
+        """Hold ``obj``; returns the state pointer to hand to ``XLA_FFI_State_Set`` (a semaphore's address, or a
+        number for the Python deleter)."""
         self.release_destroyed()
-        token = self._semaphores.new()
         with self._lock:
+            if self._semaphores is None:
+                token, self._next = self._next, self._next + 1
+            else:
+                token = self._semaphores.new()
             self._objects[token] = obj
         return token
 
@@ -609,12 +608,10 @@ class _States:
 
     def discard(self, token: int) -> None:
         """Drop (and call) the object of a state XLA never took."""
-        if self._semaphores is None:
-            self._delete(token)
-            return
         with self._lock:
             obj = self._objects.pop(token, None)
-        self._semaphores.discard(token)
+        if self._semaphores is not None:
+            self._semaphores.discard(token)
         if callable(obj):
             obj()
 
