@@ -1,6 +1,6 @@
 """A torch training step through transformers' Llama: ``cudnn_attn.torch`` against torch's default SDPA (not a test).
 
-    python benchmarks/bench_torch.py [--out OUT_DIR] [--quick] [--steps 10] [--warmup 3]
+    python benchmarks/bench_torch.py [--out OUT_DIR] [--quick] [--steps 30] [--warmup 3]
 
 Models: random-init ``LlamaForCausalLM`` (no download), bf16 parameters, AdamW, 16 query heads and 4 key/value heads
 of dim 64 (GQA), hidden 1024, causal language-model loss.  Rows: (layers, batch, sequence) = (4, 8, 1024),
@@ -12,7 +12,8 @@ Method: each step is forward + backward + optimizer step + ``zero_grad``; *GPU m
 events recorded on torch's current stream around the step (host gaps between kernels included), the median of
 ``--steps`` steps after ``--warmup``; *wall ms* the host clock of the step with a synchronize at its end; *host ms*
 the host clock until the step is issued (its last event recorded): where it is near the GPU ms, the GPU waited on
-the host.  *ours:* the kinds of attention call the step made and how they ran (``_Direct``: the direct launch;
+the host; *forward host ms* the host clock until the forward is issued (the loss returned), the part of the step in
+which a small model's GPU waits on the host.  *ours:* the kinds of attention call the step made and how they ran (``_Direct``: the direct launch;
 ``_General``: the CuPy front's path).  Both
 models live side by side and step alternately (each step in the other order than the last), so that a drift of
 the GPU or the host falls on both; the ratio is the median of each step's ours / sdpa GPU ms (below 1: ours
@@ -60,12 +61,13 @@ class _Trainer:
         self.model.set_attn_implementation(implementation)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self.gpu, self.wall, self.host, self.losses = [], [], [], []
+        self.gpu, self.wall, self.host, self.forward, self.losses = [], [], [], [], []
 
     def step(self, ids: torch.Tensor, timed: bool) -> None:
         began = time.perf_counter()
         self.start.record()
         loss = self.model(ids, labels=ids).loss
+        forward = time.perf_counter()
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -77,10 +79,11 @@ class _Trainer:
             self.gpu.append(self.start.elapsed_time(self.end))
             self.wall.append((time.perf_counter() - began) * 1e3)
             self.host.append((issued - began) * 1e3)
+            self.forward.append((forward - began) * 1e3)
 
     def result(self, ids: torch.Tensor) -> dict:
         result = {"gpu_ms": statistics.median(self.gpu), "wall_ms": statistics.median(self.wall),
-                  "host_ms": statistics.median(self.host),
+                  "host_ms": statistics.median(self.host), "forward_host_ms": statistics.median(self.forward),
                   "first_loss": self.losses[0], "gpu_ms_steps": [round(x, 3) for x in self.gpu]}
         result["kernels"] = _kernel_split(lambda: self.step(ids, False))
         return result
@@ -139,7 +142,8 @@ def measure(layers: int, batch: int, sequence: int, steps: int, warmup: int) -> 
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'layers B T':16s} {'ours GPU ms':>12s} {'sdpa GPU ms':>12s} {'ratio':>6s} {'ours wall':>10s} "
-             f"{'sdpa wall':>10s} {'ours host':>10s} {'sdpa host':>10s}  first loss ours / sdpa"]
+             f"{'sdpa wall':>10s} {'ours host':>10s} {'sdpa host':>10s} {'ours fwd host':>14s} {'sdpa fwd host':>14s}"
+             f"  first loss ours / sdpa"]
     for r in rows:
         ours, theirs = r["cudnn_attn"], r["sdpa"]
         label = f"{r['layers']} {r['batch']} {r['sequence']}"
@@ -148,7 +152,8 @@ def table(rows: list[dict]) -> str:
             continue
         lines.append(f"{label:16s} {ours['gpu_ms']:12.2f} {theirs['gpu_ms']:12.2f} {r['ratio']:6.3f} "
                      f"{ours['wall_ms']:10.2f} {theirs['wall_ms']:10.2f} {ours['host_ms']:10.2f} "
-                     f"{theirs['host_ms']:10.2f}  {ours['first_loss']:.4f} / {theirs['first_loss']:.4f}"
+                     f"{theirs['host_ms']:10.2f} {ours['forward_host_ms']:14.2f} {theirs['forward_host_ms']:14.2f}"
+                     f"  {ours['first_loss']:.4f} / {theirs['first_loss']:.4f}"
                      f"  (ours: {', '.join(r.get('paths', [])) or '-'})")
     for r in rows:
         for implementation in ("cudnn_attn", "sdpa"):
@@ -164,7 +169,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench_out", help="directory for bench_torch.json")
     parser.add_argument("--quick", action="store_true", help="the first two rows only")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per row (median)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per row (median)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     args = parser.parse_args()
     if not torch.cuda.is_available():

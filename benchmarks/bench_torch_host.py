@@ -42,7 +42,9 @@ memory, the key and value dense ``(B, K, T, H)``): ``torch sdpa``, ``ours`` (``c
 small enough for its kernels to take less time than the host spends, so each figure is host time.  Its stages:
 ``ours: forward`` and ``ours: backward``, ``AttentionFunction``'s forward (on the caller's thread) and backward
 (on autograd's device thread) timed in place, and ``ours: autograd``, the rest of the call (``torch.autograd.grad``,
-the node, the handoff between the threads).
+the node, the handoff between the threads).  ``torch sdpa: forward call`` and ``ours: forward call`` time the
+forward alone, recorded by autograd and its graph dropped with the output (what a training step's forward, which
+a small model's GPU waits on, pays per call), alternating by rounds; ``forward / torch sdpa`` their ratio.
 
 Writes ``bench_torch_host.json`` and ``bench_torch_host.png`` into OUT_DIR and prints the table last.
 """
@@ -124,16 +126,25 @@ def measure_training(calls: int, rounds: int) -> dict:
                                   True, False, 0, 0.0, 0, "BTNH", True)
         return torch.autograd.grad(out.transpose(1, 2), (q, k, v), grad)
 
+    def theirs_forward(i):    # the forward alone, recorded by autograd (its graph is freed with the output)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def ours_forward(i):
+        return ct.sdpa(q, k, v, causal=True, layout="BNTH")[0]
+
     before = {key for key, _ in ops.calls.items()}
     for i in range(3):
         theirs(i), ours(i), operator(i)
     paths = sorted(f"{key[0]} {type(known).__name__}" for key, known in ops.calls.items() if key not in before)
     (sdpa_us, ours_us, operator_us), (ratio, operator_ratio) = _alternating((theirs, ours, operator), calls, rounds)
+    (sdpa_forward_us, ours_forward_us), (forward_ratio,) = _alternating((theirs_forward, ours_forward), calls, rounds)
     with _stage_timers() as spent:
         whole = _timed(ours, calls, 1)
     forward_us, backward_us = (spent[part] / calls / 1e3 for part in ("forward", "backward"))
     return {"torch sdpa": sdpa_us, "ours": ours_us, "ours: operator": operator_us, "ours / torch sdpa": ratio,
             "operator / torch sdpa": operator_ratio,
+            "torch sdpa: forward call": sdpa_forward_us, "ours: forward call": ours_forward_us,
+            "forward / torch sdpa": forward_ratio,
             "ours: forward": forward_us, "ours: backward": backward_us,
             "ours: autograd": whole - forward_us - backward_us,
             "paths": paths,
@@ -355,7 +366,8 @@ def table(rows: list[dict], calls: int, rounds: int) -> str:
 
 
 TRAINING_COLUMNS = ("torch sdpa", "ours", "ours: operator", "ours / torch sdpa", "operator / torch sdpa",
-                    "ours: forward", "ours: backward", "ours: autograd")
+                    "ours: forward", "ours: backward", "ours: autograd", "torch sdpa: forward call",
+                    "ours: forward call", "forward / torch sdpa")
 
 
 def training_table(row: dict, calls: int, rounds: int) -> str:
@@ -369,7 +381,7 @@ def training_table(row: dict, calls: int, rounds: int) -> str:
              "ours: AttentionFunction, no dispatcher; ours: operator: the same call through the custom operators; "
              "ours: forward / backward: AttentionFunction's forward (the caller's thread) and backward (autograd's "
              "device thread) timed in place; ours: autograd: the rest of ours' call (torch.autograd.grad, the "
-             "node, the threads' handoff)"]
+             "node, the threads' handoff); forward call: the forward alone, recorded by autograd"]
     return "\n".join(lines)
 
 
