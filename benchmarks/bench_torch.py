@@ -20,6 +20,13 @@ the GPU or the host falls on both; the ratio is the median of each step's ours /
 faster).  The two implementations start from the same
 parameters; the first step's losses are printed side by side (they differ only by the two attention kernels' rounding).
 
+*Back to back* (``chained``): after the paired steps, blocks of 10 steps issued without reading anything between
+them (a training loop that does not read its loss every step), the blocks of the two alternating (6 blocks, each
+pair in the other order than the last); GPU ms per step is the median of each implementation's blocks, the ratio
+the median of the paired blocks' ours / sdpa.  Here the host runs ahead of the GPU, so a difference in host time
+hides and the kernels decide; in the paired steps (each step synchronised, as a loop that reads its loss every step
+is) a small model's GPU waits on the host in the forward.
+
 After the timed steps one more step of each runs under ``torch.profiler``: the GPU time of its attention kernels
 and of all the others (where a difference between the two implementations lies).
 
@@ -40,6 +47,7 @@ import traceback
 import torch
 
 ROWS = ((4, 8, 1024), (4, 4, 4096), (2, 1, 16384))
+CHAINED_BLOCKS, CHAINED_STEPS = 6, 10
 
 
 def _model(layers: int, sequence: int):
@@ -80,6 +88,19 @@ class _Trainer:
             self.wall.append((time.perf_counter() - began) * 1e3)
             self.host.append((issued - began) * 1e3)
             self.forward.append((forward - began) * 1e3)
+
+    def chained(self, ids: torch.Tensor, steps: int) -> float:
+        """GPU ms per step of ``steps`` steps issued back to back, nothing read between them (a training loop that
+        does not read its loss every step): the host runs ahead, so its time hides behind the GPU's."""
+        self.start.record()
+        for _ in range(steps):
+            loss = self.model(ids, labels=ids).loss
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.end.record()
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / steps
 
     def result(self, ids: torch.Tensor) -> dict:
         result = {"gpu_ms": statistics.median(self.gpu), "wall_ms": statistics.median(self.wall),
@@ -124,10 +145,16 @@ def measure(layers: int, batch: int, sequence: int, steps: int, warmup: int) -> 
         for step in range(warmup + steps):         # alternating, each step in the other order: a drift of the
             for trainer in trainers if step % 2 else trainers[::-1]:       # GPU or host falls on both alike
                 trainer.step(ids, step >= warmup)
+        chained = {trainer.implementation: [] for trainer in trainers}
+        for block in range(CHAINED_BLOCKS):               # alternating blocks, each in the other order
+            for trainer in trainers if block % 2 else trainers[::-1]:
+                chained[trainer.implementation].append(trainer.chained(ids, CHAINED_STEPS))
         for trainer in trainers:
             row[trainer.implementation] = trainer.result(ids)
+            row[trainer.implementation]["chained_ms"] = statistics.median(chained[trainer.implementation])
         ours, theirs = trainers
         row["ratio"] = statistics.median(a / b for a, b in zip(ours.gpu, theirs.gpu))
+        row["chained_ratio"] = statistics.median(a / b for a, b in zip(chained[name], chained["sdpa"]))
         row["paths"] = sorted({f"{key[0]} {type(known).__name__}" for key, known in ops.calls.items()
                                if key not in before})
     except Exception as error:                        # a row that fails is reported, the others still run
@@ -143,7 +170,7 @@ def measure(layers: int, batch: int, sequence: int, steps: int, warmup: int) -> 
 def table(rows: list[dict]) -> str:
     lines = [f"{'layers B T':16s} {'ours GPU ms':>12s} {'sdpa GPU ms':>12s} {'ratio':>6s} {'ours wall':>10s} "
              f"{'sdpa wall':>10s} {'ours host':>10s} {'sdpa host':>10s} {'ours fwd host':>14s} {'sdpa fwd host':>14s}"
-             f"  first loss ours / sdpa"]
+             f" {'back to back':>13s}  first loss ours / sdpa"]
     for r in rows:
         ours, theirs = r["cudnn_attn"], r["sdpa"]
         label = f"{r['layers']} {r['batch']} {r['sequence']}"
@@ -153,6 +180,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{label:16s} {ours['gpu_ms']:12.2f} {theirs['gpu_ms']:12.2f} {r['ratio']:6.3f} "
                      f"{ours['wall_ms']:10.2f} {theirs['wall_ms']:10.2f} {ours['host_ms']:10.2f} "
                      f"{theirs['host_ms']:10.2f} {ours['forward_host_ms']:14.2f} {theirs['forward_host_ms']:14.2f}"
+                     f" {r['chained_ratio']:13.3f}"
                      f"  {ours['first_loss']:.4f} / {theirs['first_loss']:.4f}"
                      f"  (ours: {', '.join(r.get('paths', [])) or '-'})")
     for r in rows:
