@@ -180,6 +180,29 @@ def test_launch_into_follows_its_plan_when_the_cache_rebuilds_it(gpu):
         np.testing.assert_array_equal(out, 2 * operands.query)
 
 
+def test_the_sequence_a_front_launches_by_itself_is_its_plans_and_is_made_again_after_an_eviction(gpu):
+    """``sequence()`` (what the torch front's launcher calls at each launch): the same sequence while the plan
+    lives, and after the graph cache drops the plan a new one, whose launches run the rebuilt plan."""
+    import gc
+
+    config, operands, _ = _call(seed=3)
+    call = prepared.PreparedCall(config, FWD, 0)
+    pointers = [x.ctypes.data for x in call.direct_order(("query", "key", "value"))(
+        (operands.query, operands.key, operands.value))]
+    outputs = [array(np.full(config.o_shape, np.nan), np.float16) for _ in range(2)]
+    first_sequence = call.sequence(False)
+    assert call.sequence(False) is first_sequence
+    first_sequence(pointers + [outputs[0].ctypes.data], STREAM, None, True, ())
+    first = gpu.plans.pop((config, FWD))
+    assert len(first.launcher.calls) == 1
+    del first, first_sequence
+    gc.collect()
+    call.sequence(False)(pointers + [outputs[1].ctypes.data], STREAM, None, True, ())
+    assert len(gpu.plans[(config, FWD)].launcher.calls) == 1
+    for out in outputs:
+        np.testing.assert_array_equal(out, 2 * operands.query)
+
+
 def test_the_plan_choice_is_checked_when_the_call_is_prepared(gpu):
     config, _, _ = _call()
     with pytest.raises(ValueError, match="autotune: must be True, False or None"):

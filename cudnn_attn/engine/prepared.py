@@ -228,19 +228,21 @@ class PreparedCall:
         replays (:meth:`~cudnn_attn.engine.plan.CallPlan.sequence`); ``workspace`` the address of at least
         :attr:`workspace_size` bytes ordered on ``stream`` (``None``: the device context's).  For a front whose
         framework allocates its own results and workspace (torch's caching allocator: :mod:`cudnn_attn.torch.ops`)."""
-        held = self._sequences[replay]
-        run = held() if held is not None else None
-        if run is None:     # through CallPlan.launch this call took 11.7 us of host time, the sequence alone 8.6 (H200)
-            run = self.own_sequence(replay)
-        run(pointers, stream, workspace, True, (seed, 0) if self.dropout else ())
+        # Through CallPlan.launch this call took 11.7 us of host time, the sequence alone 8.6 (H200).
+        self.sequence(replay)(pointers, stream, workspace, True, (seed, 0) if self.dropout else ())
 
-    def own_sequence(self, replay: bool = True) -> Callable[..., None]:
+    def sequence(self, replay: bool = True) -> Callable[..., None]:
         """The launch sequence :meth:`launch_into` runs: ``run(pointers, stream, workspace, True, scalars)`` (the
         plan's own sequence, :meth:`~cudnn_attn.engine.plan.CallPlan.own_sequence`; ``scalars`` ``(seed, 0)`` for a
-        dropout call, else ``()``).  It lives as long as the plan, which this call holds weakly: a caller keeps it by
-        a weak reference (``weakref.ref``) and asks again when that is dead."""
-        run = self.plan().own_sequence(replay=replay)
-        self._sequences[replay] = weakref.ref(run)
+        dropout call, else ``()``).  It lives as long as the plan, which this call holds weakly, and so does this
+        call's reference to it: while the plan lives every call returns the same sequence, and after an eviction the
+        next call makes the plan and its sequence again.  A front that launches by itself (the torch front's
+        launcher) asks for it at each launch rather than holding it."""
+        held = self._sequences[replay]
+        run = held() if held is not None else None
+        if run is None:
+            run = self.plan().own_sequence(replay=replay)
+            self._sequences[replay] = weakref.ref(run)
         return run
 
     @property

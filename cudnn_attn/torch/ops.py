@@ -49,7 +49,6 @@ The fake implementations validate the same way on stand-ins of the shapes (NumPy
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import cupy
@@ -253,11 +252,10 @@ class _Direct(NamedTuple):
         allocate = _allocation(query, tuple(shape), tuple(strides), dtype, device)
         # With one device visible it is the current one: its query (cudaGetDevice) is 0.3 us of a call.
         only_device = torch.cuda.device_count() == 1
-        held = weakref.ref(call.own_sequence(replay=False))     # the engine's sequence, held as launch_into does
+        sequence = call.sequence             # the engine's launch sequence, made again after an eviction
 
         def launcher(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      keep: torch.Tensor | None) -> Optional[torch.Tensor]:
-            nonlocal held
             if strided and (query.data_ptr() & 15 or key.data_ptr() & 15 or value.data_ptr() & 15) \
                     or not (only_device or _current_device() == index):
                 return None
@@ -266,11 +264,8 @@ class _Direct(NamedTuple):
             pointers = [*map(_data_ptr, order(tensors)), output.data_ptr()]
             # The workspace tensor lives until the launch is enqueued (launch's comment).
             workspace = torch.empty(size, dtype=torch.uint8, device=device) if size else None
-            run = held()
-            if run is None:                     # the plan was evicted: the call makes it and its sequence again
-                run = call.own_sequence(replay=False)
-                held = weakref.ref(run)
-            run(pointers, _current_stream_of(index), 0 if workspace is None else workspace.data_ptr(), True, ())
+            sequence(False)(pointers, _current_stream_of(index), 0 if workspace is None else workspace.data_ptr(),
+                            True, ())
             return output
 
         return launcher
