@@ -13,9 +13,8 @@ events recorded on torch's current stream around the step (host gaps between ker
 ``--steps`` steps after ``--warmup``; *wall ms* the host clock of the step with a synchronize at its end; *host ms*
 the host clock until the step is issued (its last event recorded): where it is near the GPU ms, the GPU waited on
 the host; *forward host ms* the host clock until the forward is issued (the loss returned), the part of the step in
-which a small model's GPU waits on the host.  *ours:* the kinds of attention call the step made and how they ran (``_Direct``: the direct launch;
-``_General``: the CuPy front's path).  Both
-models live side by side and step alternately (each step in the other order than the last), so that a drift of
+which a small model's GPU waits on the host.  *ours:* the kinds of attention call the step made and how they ran
+(``_Direct``: the direct launch; ``_General``: the CuPy front's path).  Both models live side by side and step alternately (each step in the other order than the last), so that a drift of
 the GPU or the host falls on both; the ratio is the median of each step's ours / sdpa GPU ms (below 1: ours
 faster).  The two implementations start from the same
 parameters; the first step's losses are printed side by side (they differ only by the two attention kernels' rounding).
@@ -71,14 +70,20 @@ class _Trainer:
         self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.gpu, self.wall, self.host, self.forward, self.losses = [], [], [], [], []
 
-    def step(self, ids: torch.Tensor, timed: bool) -> None:
-        began = time.perf_counter()
-        self.start.record()
+    def _issue(self, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """One training step issued (forward, backward, AdamW, ``zero_grad``): its loss and the host clock when
+        the forward was issued."""
         loss = self.model(ids, labels=ids).loss
         forward = time.perf_counter()
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return loss, forward
+
+    def step(self, ids: torch.Tensor, timed: bool) -> None:
+        began = time.perf_counter()
+        self.start.record()
+        loss, forward = self._issue(ids)
         self.end.record()
         issued = time.perf_counter()
         self.end.synchronize()
@@ -94,10 +99,7 @@ class _Trainer:
         does not read its loss every step): the host runs ahead, so its time hides behind the GPU's."""
         self.start.record()
         for _ in range(steps):
-            loss = self.model(ids, labels=ids).loss
-            loss.backward()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self._issue(ids)
         self.end.record()
         self.end.synchronize()
         return self.start.elapsed_time(self.end) / steps

@@ -114,23 +114,22 @@ def measure_training(calls: int, rounds: int) -> dict:
     grad = normal(TRAIN_B, TRAIN_T, N, H).transpose(1, 2)         # o_proj's gradient, through the transpose
     scale = H ** -0.5
 
-    def theirs(i):
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return torch.autograd.grad(out, (q, k, v), grad)
-
-    def ours(i):
-        return torch.autograd.grad(ct.sdpa(q, k, v, causal=True, layout="BNTH")[0], (q, k, v), grad)
-
-    def operator(i):          # what sdpa() ran before AttentionFunction: its running layout, BTNH, by the operator
-        out, _ = ops.attention_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, scale,
-                                  True, False, 0, 0.0, 0, "BTNH", True)
-        return torch.autograd.grad(out.transpose(1, 2), (q, k, v), grad)
-
     def theirs_forward(i):    # the forward alone, recorded by autograd (its graph is freed with the output)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     def ours_forward(i):
         return ct.sdpa(q, k, v, causal=True, layout="BNTH")[0]
+
+    def theirs(i):
+        return torch.autograd.grad(theirs_forward(i), (q, k, v), grad)
+
+    def ours(i):
+        return torch.autograd.grad(ours_forward(i), (q, k, v), grad)
+
+    def operator(i):          # what sdpa() ran before AttentionFunction: its running layout, BTNH, by the operator
+        out, _ = ops.attention_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, scale,
+                                  True, False, 0, 0.0, 0, "BTNH", True)
+        return torch.autograd.grad(out.transpose(1, 2), (q, k, v), grad)
 
     before = {key for key, _ in ops.calls.items()}
     for i in range(3):
