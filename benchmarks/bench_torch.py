@@ -14,10 +14,11 @@ events recorded on torch's current stream around the step (host gaps between ker
 the host clock until the step is issued (its last event recorded): where it is near the GPU ms, the GPU waited on
 the host; *forward host ms* the host clock until the forward is issued (the loss returned), the part of the step in
 which a small model's GPU waits on the host.  *ours:* the kinds of attention call the step made and how they ran
-(``_Direct``: the direct launch; ``_General``: the CuPy front's path).  Both models live side by side and step alternately (each step in the other order than the last), so that a drift of
-the GPU or the host falls on both; the ratio is the median of each step's ours / sdpa GPU ms (below 1: ours
-faster).  The two implementations start from the same
-parameters; the first step's losses are printed side by side (they differ only by the two attention kernels' rounding).
+(``_Direct``: the direct launch; ``_General``: the CuPy front's path).  Both models live side by side and step
+alternately (each step in the other order than the last), so that a drift of the GPU or the host falls on both; the
+ratio is the median of each step's ours / sdpa GPU ms (below 1: ours faster).  The two implementations start from
+the same parameters; the first step's losses are printed side by side (they differ only by the two attention
+kernels' rounding).
 
 *Back to back* (``chained``): after the paired steps, blocks of 10 steps issued without reading anything between
 them (a training loop that does not read its loss every step), the blocks of the two alternating (6 blocks, each
