@@ -97,6 +97,23 @@ def test_torch_still_has_its_tensor_guard():
     assert matches(torch.zeros(2, 3), torch.zeros(2, 3).t()) and not matches(x, x)
 
 
+def test_torch_still_has_the_autograd_functions_c_entry():
+    """``eager.apply_function`` is torch's C entry of ``AttentionFunction`` (what ``torch.autograd.Function.apply``
+    calls after its Python checks; its gain is in its doc), and gives the public ``apply``'s results and node."""
+    torch = pytest.importorskip("torch")
+    from cudnn_attn.torch import api, eager
+
+    assert eager.apply_function is not eager.AttentionFunction.apply
+    assert type(eager.apply_function).__name__ == "builtin_function_or_method"
+    assert eager.apply_function.__self__ is eager.AttentionFunction
+    q = torch.randn(1, 4, 2, 16, dtype=torch.float16, requires_grad=True)
+    decision = api._decide((q, q, q, None, None, None), None, False, False, 0, 0.0, 0, "BTNH", None)
+    public = eager.AttentionFunction.apply(q, q, q, None, None, None, 0, None, decision)
+    entry = eager.apply_function(q, q, q, None, None, None, 0, None, decision)
+    assert type(entry[0].grad_fn) is type(public[0].grad_fn)
+    assert torch.equal(entry[0], public[0]) and torch.equal(entry[1], public[1])
+
+
 def test_the_eager_primitive_is_jax_jit():
     """An attention primitive bound outside a trace runs through the public ``jax.jit`` (one per parameters), not
     ``jax._src.dispatch.apply_primitive``: measured on the CI runner, 133.9-136.4 us per eager call against

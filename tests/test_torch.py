@@ -409,6 +409,69 @@ def test_a_call_reads_no_fast_entry_that_its_tensors_do_not_match(rng, monkeypat
     assert not taken and torch.equal(got, want)
 
 
+def test_a_repeated_recorded_call_is_found_by_its_fast_entry(rng, monkeypatch):
+    """A call that autograd records leaves a fast entry (``api._Fast.recorded``, its decision) under its fast key: a
+    repeated call is found by it without a signature and runs ``AttentionFunction`` through torch's C entry
+    (``eager.apply_function``), with the first call's values and gradients, bit for bit, on new tensors.  Tensors
+    its guard does not match (``requires_grad`` off, a dead functorch wrapper), a dispatch mode and a ``torch.func``
+    transform do not take it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cudnn_attn.torch import api
+
+    q, k, v = _qkv(rng, torch.float16, T=6, S=8)
+    grad = _random(rng, (2, 6, 4, 16), torch.float16)
+    want, _ = ct.sdpa(q, k, v, causal=True)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    decision = api._decided(api._signature((q, k, v, None, None, None), None, True, False, 0, 0.0, "BTNH", None))
+    assert decision is not None and decision.autograd and decision.fast is not None, decision
+    assert decision.fast.recorded == decision._replace(fast=None) and decision.fast.launch is None, decision.fast
+    assert any(entry is decision.fast for entry in api._fast.values())
+
+    def no_signature(*arguments):
+        raise AssertionError("a repeated recorded call made its signature")
+
+    monkeypatch.setattr(api, "_signature", no_signature)
+    fresh = tuple(x.detach().clone().requires_grad_() for x in (q, k, v))
+    got, _ = ct.sdpa(*fresh, causal=True)
+    assert type(got.grad_fn).__name__ == "AttentionFunctionBackward", got.grad_fn
+    assert torch.equal(got, want)
+    for name, a, b in zip("qkv", torch.autograd.grad(got, fresh, grad), want_grads):
+        assert torch.equal(a, b), name
+    with pytest.raises(AssertionError, match="signature"):         # requires_grad off: the guard fails
+        ct.sdpa(*(x.detach() for x in (q, k, v)), causal=True)
+    leaked = []
+    torch.func.grad(lambda x: (leaked.append(x), x.float().sum())[1])(q)
+    with pytest.raises(AssertionError, match="signature"):         # a dead functorch wrapper: the guard fails
+        ct.sdpa(leaked[0], k, v, causal=True)
+    monkeypatch.undo()
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Names() as mode:
+        out, _ = ct.sdpa(q, k, v, causal=True)
+        out.backward(grad)
+    assert any(name.startswith("cudnn_attn.attention_backward") for name in mode.names), mode.names
+    assert torch.equal(out, want)
+
+    class Seen(Exception):
+        pass
+
+    def operator(*arguments):
+        raise Seen
+
+    monkeypatch.setattr(api, "attention_op", operator)
+    with pytest.raises(Seen):                                     # a transform: the call goes to the operator
+        torch.func.grad(lambda x: ct.sdpa(x, k, v, causal=True)[0].float().sum())(q.detach())
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static_shapes", "dynamic_shapes"])
 def test_compiled_forward_and_backward_match_eager(rng, dynamic):
     """With dynamic shapes the fake implementation sees symbolic sizes (it then only computes the shapes)."""

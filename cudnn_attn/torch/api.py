@@ -30,7 +30,7 @@ from cudnn_attn.core.validation import check_seed, checked, default_scale, flag,
 
 from cudnn_attn.engine.call import FWD
 
-from .eager import AttentionFunction, DirectLaunches
+from .eager import AttentionFunction, DirectLaunches, apply_function as _apply_function
 from .ops import (NAMES, _Direct, _readable, _shared_empty_lse, attention_op, attention_unrecorded, call_key, calls,
                   config_of)
 
@@ -120,11 +120,12 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     What a call decides - its checked static arguments, the layout it runs in, and for a forward that nothing of
     torch records its direct launch - is remembered by the call's signature (:func:`_signature`), so a repeated
     eager call checks only its seed and the state of torch that no signature holds (dispatch modes, transforms).
-    A repeated inference forward with a direct launch is found before its signature is made: by a key of the
-    scalar arguments and the key's shape, then by the guard of its tensors (:class:`_Fast`)."""
+    A repeated inference forward with a direct launch, and a repeated call that autograd records, are found before
+    their signature is made: by a key of the scalar arguments and the key's shape, then by the guard of their
+    tensors (:class:`_Fast`)."""
     if type(key) is _Tensor and q_lengths is None and kv_lengths is None and type(seed) is int \
             and not _is_compiling():
-        # What a known inference forward is found by, with the guard of its tensors (:class:`_Fast`).
+        # What a known call is found by, with the guard of its tensors (:class:`_Fast`).
         fast_key = (key.shape, keep is None, scale, causal, bottom_right, window, dropout_rate, layout, training,
                     type(scale), type(causal), type(bottom_right), type(window), type(dropout_rate), type(layout),
                     type(training), _grad_enabled())
@@ -134,6 +135,9 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
             fast = fast_key = None
         if fast is not None and 0 <= seed < _SEED_END and _untraced() \
                 and (fast.matches(query, key, value) if keep is None else fast.matches(query, key, value, keep)):
+            if fast.recorded is not None:
+                # A repeated call that autograd records: its node (the signature's decision), by torch's C entry.
+                return _apply_function(query, key, value, None, None, keep, seed, None, fast.recorded)
             output = fast.launch(query, key, value, keep)
             if output is not None:
                 return output, fast.empty_lse
@@ -154,6 +158,8 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
             return direct.launch((query, key, value), 0, keep, decision.transposed)[0], decision.empty_lse
         if decision.autograd:
             # A repeated call that autograd records and nothing else of torch sees (its signature fixes both).
+            if fast_key is not None and decision.fast is not None:
+                _remember_fast(fast_key, decision.fast)
             return AttentionFunction.apply(query, key, value, q_lengths, kv_lengths, keep, seed, None, decision)
     new = decision is None
     if new:
@@ -166,6 +172,12 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
         output, logsumexp = AttentionFunction.apply(query, key, value, q_lengths, kv_lengths, keep, seed, seed_offset,
                                                     decision)
         if new and signature is not None:
+            if fast_key is not None and decision.autograd:
+                matches = _tensor_guard((query, key, value) if keep is None else (query, key, value, keep),
+                                        public=False)
+                if matches is not None:
+                    decision = decision._replace(fast=_Fast(matches, None, None, decision))
+                    _remember_fast(fast_key, decision.fast)
             _remember(signature, decision)
         return output, logsumexp
     static = decision.static + (seed,)
@@ -220,7 +232,7 @@ class _Decision(NamedTuple):
     launches: Any = None               # a DirectLaunches, made once per signature
     autograd: bool = False             # autograd records the call, of plain CUDA or CPU tensors (dispatch_free
                                        # but for the state no signature holds: _untraced)
-    fast: Any = None                   # the direct launch's _Fast entry (None without a direct launch)
+    fast: Any = None                   # the _Fast entry: the direct launch's, or a recorded call's (None: neither)
 
     @property
     def as_given(self) -> bool:
@@ -234,17 +246,22 @@ _DECISIONS_MAX = 1024
 
 
 class _Fast(NamedTuple):
-    """A known inference forward's direct launch as :func:`sdpa` finds it before any signature: by the key's shape,
-    which optional tensors are given, the scalar arguments, their types and whether grad is enabled (the fast key,
-    one tuple made in :func:`sdpa`), and then by ``matches``, the guard of the query's, key's, value's (and
-    keep-mask's) type, shape, strides, dtype, device and ``requires_grad`` (:func:`_tensor_guard`).  Together they
-    fix everything the call's signature does (:func:`_signature`), so a match is a call of a remembered decision
-    whose direct launch ran.  ``launch`` is :meth:`~cudnn_attn.torch.ops._Direct.launcher`; ``empty_lse`` the
-    logsumexp returned with its output."""
+    """A known call as :func:`sdpa` finds it before any signature: by the key's shape, which optional tensors are
+    given, the scalar arguments, their types and whether grad is enabled (the fast key, one tuple made in
+    :func:`sdpa`), and then by ``matches``, the guard of the query's, key's, value's (and keep-mask's) type, shape,
+    strides, dtype, device and ``requires_grad`` (:func:`_tensor_guard`).  Together they fix everything the call's
+    signature does (:func:`_signature`), so a match is a call of a remembered decision.
+
+    An inference forward whose direct launch ran: ``launch`` is :meth:`~cudnn_attn.torch.ops._Direct.launcher`,
+    ``empty_lse`` the logsumexp returned with its output.  A call that autograd records: ``recorded`` is its
+    decision, which :class:`~cudnn_attn.torch.eager.AttentionFunction` reads (``launch`` and ``empty_lse`` are
+    ``None``); its entry exists only with torch's own tensor guard, which also compares dispatch keys, so a
+    functorch wrapper never matches a plain tensor's entry (:data:`~cudnn_attn.torch.eager.apply_function`)."""
 
     matches: Callable[..., bool]
-    launch: Callable[..., Any]
-    empty_lse: torch.Tensor
+    launch: Callable[..., Any] | None
+    empty_lse: torch.Tensor | None
+    recorded: Any = None
 
 
 _fast: dict[tuple, _Fast] = {}
@@ -259,14 +276,14 @@ def _remember_fast(key: tuple, fast: _Fast) -> None:
         _fast[key] = fast
 
 
-def _tensor_guard(tensors: tuple) -> Callable[..., bool]:
+def _tensor_guard(tensors: tuple, public: bool = True) -> Callable[..., bool] | None:
     """``matches(*like)``: whether tensors ``like`` have the type, shape, strides, dtype, device and
     ``requires_grad`` of ``tensors``, in order.  torch's own tensor guard (``torch._C._dynamo.guards.TensorGuards``,
     private; it also compares the tensors' dispatch keys under the thread's dispatch state, so it matches a subset
     of what the public reads would) checks three tensors in 0.49 us against 1.50 us for the public reads
     (``shape``, ``stride()``, ``dtype``, ``get_device()``, ``requires_grad`` of each; CPU host, ``timeit``); where
     torch lacks it or its constructor changed, the public reads (``device``, not ``get_device()``, which is -1 for
-    a CPU and a meta tensor alike)."""
+    a CPU and a meta tensor alike), or ``None`` with ``public=False``."""
     if _TensorGuards is not None:
         try:
             guard = _TensorGuards(*tensors, dynamic_dims_sizes=[list(x.shape) for x in tensors],
@@ -276,6 +293,8 @@ def _tensor_guard(tensors: tuple) -> Callable[..., bool]:
                 return guard.check
         except (TypeError, RuntimeError, SystemError):
             pass
+    if not public:
+        return None
     wanted = tuple(map(_described_fully, tensors))
     return lambda *like: tuple(map(_described_fully, like)) == wanted
 
