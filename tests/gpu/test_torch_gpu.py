@@ -360,8 +360,9 @@ def test_an_eager_training_call_gives_the_operators_values_and_gradients(rng, mo
     view of BTNH query memory with a dense BNTH key and value, which runs in BTNH) and the general path (lengths, a
     keep-mask, a device dropout seed); both against the math SDPA where the mask is deterministic.  A repeated call of
     a direct launch runs it from its signature's ``DirectLaunches`` without the implementations, its results and
-    gradients allocated in the caller's layout."""
-    from cudnn_attn.torch import eager, ops
+    gradients allocated in the caller's layout.  A repeated call without lengths or a device seed is found by its fast
+    entry (``api._Fast.recorded``), without its signature."""
+    from cudnn_attn.torch import api, eager, ops
 
     B, T, N, K, H = 2, 128 + 8 * EAGER_CASES.index(case), 8, 2, 64           # a signature per case
     q, k, v = _qkv(rng, torch.bfloat16, B=B, T=T, S=T, N=N, K=K, H=H)
@@ -387,12 +388,17 @@ def test_an_eager_training_call_gives_the_operators_values_and_gradients(rng, mo
     def refuse(*args, **kwargs):
         raise AssertionError("a repeated direct launch ran the operator's implementation")
 
+    def no_signature(*args):
+        raise AssertionError("a repeated recorded call made its signature instead of finding its fast entry")
+
     results = []
     for run in ("first", "repeated", "operator"):
         _poison_pool()
         if run == "repeated" and case in EAGER_DIRECT:
             monkeypatch.setattr(eager, "_forward", refuse)
             monkeypatch.setattr(eager, "_backward_implementation", refuse)
+        if run == "repeated" and case not in ("lengths", "device-seed dropout"):     # found by its fast entry
+            monkeypatch.setattr(api, "_signature", no_signature)
         if run != "operator":
             out, _ = ct.sdpa(q, k, v, causal=causal_, q_lengths=lengths, kv_lengths=lengths, keep=mask,
                              dropout_rate=rate, seed=seed, layout=layout)
