@@ -17,6 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 import cudnn_attn.torch as ct
 from cudnn_attn import AuxRequest, causal, keep, padding, window
 
@@ -62,6 +64,20 @@ def _check_grads(out, ref, inputs, rng, dtype):
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         assert g.shape == w.shape and g.dtype == dtype, name
         assert _error(g, w) <= TOLERANCE[dtype], f"{name}: relative error {_error(g, w):.2e}"
+
+
+def _names_mode():
+    """A dispatch mode that records the name of every operator it sees (``mode.names``)."""
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    return Names()
 
 
 # -- registration and fake implementations -----------------------------------------------------------------
@@ -190,30 +206,19 @@ def test_torch_jit_trace_records_the_operator(rng):
 
 
 def test_dispatch_modes_and_function_transforms_see_the_operator(rng):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from cudnn_attn.torch import api
 
-    class Names(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     q, k, v = _qkv(rng, torch.float16, requires_grad=False)
-    with Names() as mode:
+    with _names_mode() as mode:
         ct.sdpa(q, k, v)
     assert any(name.startswith("cudnn_attn.attention") for name in mode.names), mode.names
-    with Names() as mode:                                       # a call autograd records, and its backward
+    with _names_mode() as mode:                                       # a call autograd records, and its backward
         out, _ = ct.sdpa(*(x.detach().requires_grad_() for x in (q, k, v)))
         out.sum().backward()
     assert any(name.startswith("cudnn_attn.attention_backward") for name in mode.names), mode.names
     assert api.dispatch_free(q, k, v) and not api.dispatch_free(q.to("meta"), k, v)
     assert api.unrecorded(q, k, v)
-    with Names():
+    with _names_mode():
         assert not api.unrecorded(q, k, v)
     seen = []
     torch.func.vmap(lambda x: (seen.append(api.unrecorded(x)), x)[1])(q)
@@ -265,8 +270,6 @@ def test_the_direct_launchs_keep_mask_fold_is_validations_fold_in_one_operation(
     """``ops._folded`` (the keep-mask's bias on the direct launch) equals validation's fold of the same mask, bit
     for bit, dense in ``config.bias``'s shape, whatever the mask's strides; a dense mask of the bias's shape is
     folded by one torch operation (``aten.add``, no copy to the device: a CUDA graph holds it)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from cudnn_attn.core.validation import validate_call
     from cudnn_attn.torch import ops
 
@@ -415,8 +418,6 @@ def test_a_repeated_recorded_call_is_found_by_its_fast_entry(rng, monkeypatch):
     (``eager.apply_function``), with the first call's values and gradients, bit for bit, on new tensors.  Tensors
     its guard does not match (``requires_grad`` off, a dead functorch wrapper), a dispatch mode and a ``torch.func``
     transform do not take it."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from cudnn_attn.torch import api
 
     q, k, v = _qkv(rng, torch.float16, T=6, S=8)
@@ -446,16 +447,7 @@ def test_a_repeated_recorded_call_is_found_by_its_fast_entry(rng, monkeypatch):
         ct.sdpa(leaked[0], k, v, causal=True)
     monkeypatch.undo()
 
-    class Names(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Names() as mode:
+    with _names_mode() as mode:
         out, _ = ct.sdpa(q, k, v, causal=True)
         out.backward(grad)
     assert any(name.startswith("cudnn_attn.attention_backward") for name in mode.names), mode.names
@@ -638,8 +630,6 @@ def test_a_llama_training_step_makes_no_copy_that_sdpas_does_not():
     value with their strides - the output and the query's gradient come back dense where the projections read them,
     and the logsumexp gets no zero-filled gradient."""
     import collections
-
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     class Counted(TorchDispatchMode):
         def __init__(self):
