@@ -456,11 +456,13 @@ def test_a_repeated_recorded_call_is_found_by_its_fast_entry(rng, monkeypatch):
     class Seen(Exception):
         pass
 
-    def operator(*arguments):
-        raise Seen
+    class Transformed:
+        @staticmethod
+        def apply(*arguments):
+            raise Seen
 
-    monkeypatch.setattr(api, "attention_op", operator)
-    with pytest.raises(Seen):                                     # a transform: the call goes to the operator
+    monkeypatch.setattr(api, "TransformedAttention", Transformed)
+    with pytest.raises(Seen):                         # a transform: the call goes to the transforms' function
         torch.func.grad(lambda x: ct.sdpa(x, k, v, causal=True)[0].float().sum())(q.detach())
 
 

@@ -33,6 +33,7 @@ from cudnn_attn.engine.call import FWD
 from .eager import AttentionFunction, DirectLaunches, apply_function as _apply_function
 from .ops import (NAMES, _Direct, _readable, _shared_empty_lse, attention_op, attention_unrecorded, call_key, calls,
                   config_of)
+from .transforms import TransformedAttention
 
 __all__ = ["attention", "dispatch_free", "sdpa", "unrecorded"]
 
@@ -185,11 +186,16 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     if not decision.as_given:
         q, k, v = (x.contiguous() if copy else x for x, copy in zip((q, k, v), decision.copies))
     # A recorded call without the dispatcher returned above: a dispatch-free one here is one autograd does not record.
-    operator = attention_unrecorded if free else attention_op
-    output, logsumexp = operator(q, k, v, q_lengths, kv_lengths, keep, *static, decision.running,
-                                 decision.training, seed_offset)
+    if not free and _transforms_active() and not _is_compiling():
+        # A torch.func transform refuses the operator's own autograd (cudnn_attn.torch.transforms says why).
+        output, logsumexp = TransformedAttention.apply(q, k, v, q_lengths, kv_lengths, keep, seed_offset,
+                                                       (*static, decision.running), decision.training)
+    else:
+        operator = attention_unrecorded if free else attention_op
+        output, logsumexp = operator(q, k, v, q_lengths, kv_lengths, keep, *static, decision.running,
+                                     decision.training, seed_offset)
     if signature is not None:
-        if operator is attention_unrecorded and not decision.training and q.is_cuda and decision.as_given \
+        if free and not decision.training and q.is_cuda and decision.as_given \
                 and decision.direct is None:
             known = calls.get(call_key(FWD, (q, k, v, q_lengths, kv_lengths, keep), static + (decision.running,),
                                        decision.training))

@@ -438,6 +438,34 @@ def test_torch_compile_fullgraph_forward_and_backward(rng, dtype_name):
         assert_close(name, _host(g), _host(r), dtype_name)
 
 
+
+def test_torch_func_grad_and_per_sample_gradients(rng):
+    """``torch.func.grad`` on cuDNN gives ``torch.autograd``'s gradients bit for bit, and the math SDPA's within the
+    tier's bound; ``vmap(grad(f))`` over 3 samples gives each sample's own (:mod:`cudnn_attn.torch.transforms`:
+    one call of the folded batch, so another cuDNN graph than a sample's alone: within the tier's bound)."""
+    samples = _random(rng, (3, 2, 128, 16, 64), torch.bfloat16)
+    k, v = (_random(rng, (2, 128, 4, 64), torch.bfloat16) for _ in range(2))
+    weights = _random(rng, (2, 128, 16, 64), torch.float32)
+
+    def loss(q, k, v):
+        return (ct.sdpa(q, k, v, causal=True)[0].float() * weights).sum()
+
+    _poison_pool()
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(samples[0], k, v)
+    leaves = tuple(x.detach().clone().requires_grad_() for x in (samples[0], k, v))
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    ref = torch.autograd.grad((_math_sdpa(*leaves, is_causal=True) * weights).sum(), leaves)
+    for name, g, w, r in zip(("dq", "dk", "dv"), got, want, ref):
+        assert torch.equal(g, w), name
+        assert_close(name, _host(g), _host(r), "bfloat16")
+    _poison_pool()
+    per_sample = torch.vmap(torch.func.grad(loss), in_dims=(0, None, None))(samples, k, v)
+    for i in range(3):
+        leaf = samples[i].clone().requires_grad_()
+        one, = torch.autograd.grad(loss(leaf, k, v), leaf)
+        assert_close(f"sample {i}'s dq", _host(per_sample[i]), _host(one), "bfloat16")   # batch 6 against 2
+
+
 def test_dropout_reproducible_by_seed_and_differentiable(rng):
     q, k, v = _qkv(rng, torch.bfloat16)
     first = ct.attention(q, k, v, mask=causal(), dropout_rate=0.25, seed=11).output
