@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import cudnn_attn.torch as ct
 from cudnn_attn import AuxRequest, causal, keep, padding, window
+from torch_modes import names_mode
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 OPS = ("attention", "attention_backward")
@@ -64,20 +65,6 @@ def _check_grads(out, ref, inputs, rng, dtype):
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         assert g.shape == w.shape and g.dtype == dtype, name
         assert _error(g, w) <= TOLERANCE[dtype], f"{name}: relative error {_error(g, w):.2e}"
-
-
-def _names_mode():
-    """A dispatch mode that records the name of every operator it sees (``mode.names``)."""
-    class Names(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    return Names()
 
 
 # -- registration and fake implementations -----------------------------------------------------------------
@@ -209,16 +196,16 @@ def test_dispatch_modes_and_function_transforms_see_the_operator(rng):
     from cudnn_attn.torch import api
 
     q, k, v = _qkv(rng, torch.float16, requires_grad=False)
-    with _names_mode() as mode:
+    with names_mode() as mode:
         ct.sdpa(q, k, v)
     assert any(name.startswith("cudnn_attn.attention") for name in mode.names), mode.names
-    with _names_mode() as mode:                                       # a call autograd records, and its backward
+    with names_mode() as mode:                                       # a call autograd records, and its backward
         out, _ = ct.sdpa(*(x.detach().requires_grad_() for x in (q, k, v)))
         out.sum().backward()
     assert any(name.startswith("cudnn_attn.attention_backward") for name in mode.names), mode.names
     assert api.dispatch_free(q, k, v) and not api.dispatch_free(q.to("meta"), k, v)
     assert api.unrecorded(q, k, v)
-    with _names_mode():
+    with names_mode():
         assert not api.unrecorded(q, k, v)
     seen = []
     torch.func.vmap(lambda x: (seen.append(api.unrecorded(x)), x)[1])(q)
@@ -447,7 +434,7 @@ def test_a_repeated_recorded_call_is_found_by_its_fast_entry(rng, monkeypatch):
         ct.sdpa(leaked[0], k, v, causal=True)
     monkeypatch.undo()
 
-    with _names_mode() as mode:
+    with names_mode() as mode:
         out, _ = ct.sdpa(q, k, v, causal=True)
         out.backward(grad)
     assert any(name.startswith("cudnn_attn.attention_backward") for name in mode.names), mode.names

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 import cudnn_attn.torch as ct
 from cudnn_attn.torch import transforms
+from torch_modes import names_mode
 
 DTYPE = torch.bfloat16
 TOLERANCE = 1e-2        # bfloat16 against torch's math SDPA in float32, relative (the torch front's tests' rule)
@@ -121,3 +122,15 @@ def test_what_transforms_cannot_do_is_refused(rng):
     seeds = torch.tensor([[1, 0], [2, 0]], dtype=torch.int64)
     with pytest.raises(ValueError, match="seed: a device seed mapped by vmap"):
         torch.vmap(lambda x, s: ct.sdpa(x, k, v, dropout_rate=0.1, seed=s)[0])(q.expand(2, *q.shape), seeds)
+
+
+def test_a_dispatch_mode_under_a_transform_still_sees_the_operator(rng):
+    """The transforms' functions call the implementations, which a dispatch mode would not see (a FLOP counter
+    would count nothing): with a mode active the call stays the operator's, which torch then refuses under
+    ``grad`` as it refuses any custom operator's autograd there."""
+    q, k, v = _random(rng, (1, 4, 2, 8)), _random(rng, (1, 4, 2, 8)), _random(rng, (1, 4, 2, 8))
+    with names_mode() as mode:
+        torch.vmap(lambda x: ct.sdpa(x, k, v)[0])(q.expand(2, *q.shape))
+    assert any(name.startswith("cudnn_attn.attention") for name in mode.names), mode.names
+    with names_mode(), pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(_loss)(q, k, v)

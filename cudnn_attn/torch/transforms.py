@@ -4,7 +4,7 @@
 torch refuses a custom operator's autograd under these transforms: the ``autograd.Function`` that
 ``torch.library.register_autograd`` makes has no ``setup_context``, which transforms require (torch 2.11 and 2.13;
 pytorch/pytorch#168393).  :func:`cudnn_attn.torch.api.sdpa` therefore runs an eager call under a transform as
-:class:`TransformedAttention`: the operators' implementations, residuals and gradients (bit for bit the operators'),
+:class:`TransformedAttention` (unless a dispatch mode is active, which must see the operator): the operators' implementations, residuals and gradients (bit for bit the operators'),
 with ``setup_context`` apart from the forward.  Its backward is :class:`TransformedAttentionBackward`, so that a
 transform above the gradient (``vmap``) sees a function it can batch.  Both batch a ``vmap`` by folding the mapped
 dimension into the batch: one call of ``V * B`` sequences, not ``V`` calls (torch's fallback for the operators).
