@@ -186,15 +186,13 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal:
     if not decision.as_given:
         q, k, v = (x.contiguous() if copy else x for x, copy in zip((q, k, v), decision.copies))
     # A recorded call without the dispatcher returned above: a dispatch-free one here is one autograd does not record.
+    operator = attention_unrecorded if free else attention_op
     if not free and _transforms_active() and not _is_compiling() and not _in_dispatch_mode():
         # A torch.func transform refuses the operator's own autograd (cudnn_attn.torch.transforms says why); a
         # dispatch mode (FlopCounterMode, make_fx) must still see the operator.
-        output, logsumexp = TransformedAttention.apply(q, k, v, q_lengths, kv_lengths, keep, seed_offset,
-                                                       (*static, decision.running), decision.training)
-    else:
-        operator = attention_unrecorded if free else attention_op
-        output, logsumexp = operator(q, k, v, q_lengths, kv_lengths, keep, *static, decision.running,
-                                     decision.training, seed_offset)
+        operator = TransformedAttention.apply
+    output, logsumexp = operator(q, k, v, q_lengths, kv_lengths, keep, *static, decision.running,
+                                 decision.training, seed_offset)
     if signature is not None:
         if free and not decision.training and q.is_cuda and decision.as_given \
                 and decision.direct is None:

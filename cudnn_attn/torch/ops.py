@@ -688,14 +688,16 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.set_materialize_grads(False)          # no zero-filled gradient of the logsumexp, a kernel per call
 
 
-def _backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any) -> tuple:
-    """The forward's 15 gradients: ``(dq, dk, dv)`` from the backward operator, ``None`` for the other inputs."""
+def _backward(ctx: Any, grad_output: torch.Tensor, grad_logsumexp: Any,
+              backward: Callable[..., tuple] | None = None) -> tuple:
+    """The forward's 15 gradients: ``(dq, dk, dv)`` from ``backward`` (the backward operator's arguments; default
+    the backward operator), ``None`` for the other inputs."""
     _check_trained(ctx.training)
     if grad_output is None:                   # the output was not used
         return (None,) * 15
     query, key, value, out, logsumexp, q_lengths, kv_lengths, keep, seed_offset = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(query, key, value, out, grad_output, logsumexp, q_lengths, kv_lengths, keep,
-                                       *ctx.static, seed_offset)
+    dq, dk, dv = (backward or attention_backward_op)(query, key, value, out, grad_output, logsumexp, q_lengths,
+                                                     kv_lengths, keep, *ctx.static, seed_offset)
     return (dq, dk, dv) + (None,) * 12
 
 

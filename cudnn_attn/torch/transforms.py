@@ -4,8 +4,9 @@
 torch refuses a custom operator's autograd under these transforms: the ``autograd.Function`` that
 ``torch.library.register_autograd`` makes has no ``setup_context``, which transforms require (torch 2.11 and 2.13;
 pytorch/pytorch#168393).  :func:`cudnn_attn.torch.api.sdpa` therefore runs an eager call under a transform as
-:class:`TransformedAttention` (unless a dispatch mode is active, which must see the operator): the operators' implementations, residuals and gradients (bit for bit the operators'),
-with ``setup_context`` apart from the forward.  Its backward is :class:`TransformedAttentionBackward`, so that a
+:class:`TransformedAttention` (unless a dispatch mode is active, which must see the operator): the operators'
+implementations, residuals and gradients (bit for bit the operators'), with ``setup_context`` apart from the
+forward.  Its backward is :class:`TransformedAttentionBackward`, so that a
 transform above the gradient (``vmap``) sees a function it can batch.  Both batch a ``vmap`` by folding the mapped
 dimension into the batch: one call of ``V * B`` sequences, not ``V`` calls (torch's fallback for the operators).
 
@@ -19,64 +20,45 @@ from typing import Any
 
 import torch
 
-from .ops import _backward_implementation, _check_trained, _forward, _seed
+from .ops import _backward, _backward_implementation, _forward, _seed, _setup_context
 
 __all__ = ["TransformedAttention", "TransformedAttentionBackward"]
 
 
 class TransformedAttention(torch.autograd.Function):
-    """``apply(query, key, value, q_lengths, kv_lengths, keep, seed_offset, static, training)`` -> ``(output,
-    logsumexp)``: :func:`~cudnn_attn.torch.ops.attention_op` of those tensors, ``static`` its ``(scale, causal,
-    bottom_right, window, dropout_rate, seed, layout)``."""
+    """``apply`` takes :func:`~cudnn_attn.torch.ops.attention_op`'s 15 arguments and returns its ``(output,
+    logsumexp)``, with the operator's residuals (``setup_context``) and gradient."""
+
+    setup_context = staticmethod(_setup_context)
 
     @staticmethod
-    def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_lengths: Any, kv_lengths: Any,
-                keep: Any, seed_offset: Any, static: tuple, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        running = static[:5] + (_seed(static[5], seed_offset), static[6])
-        return _forward(query, key, value, q_lengths, kv_lengths, keep, running, training)
+    def forward(query, key, value, q_lengths, kv_lengths, keep, scale, causal, bottom_right, window, dropout_rate,
+                seed, layout, training, seed_offset) -> tuple[torch.Tensor, torch.Tensor]:
+        static = (scale, causal, bottom_right, window, dropout_rate, _seed(seed, seed_offset), layout)
+        return _forward(query, key, value, q_lengths, kv_lengths, keep, static, training)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        query, key, value, q_lengths, kv_lengths, keep, seed_offset, static, training = inputs
-        ctx.save_for_backward(query, key, value, *output, q_lengths, kv_lengths, keep, seed_offset)
-        ctx.static, ctx.training = static, training
-        ctx.mark_non_differentiable(output[1])
-        ctx.set_materialize_grads(False)          # no zero-filled gradient of the logsumexp
+    def backward(ctx: Any, grad_output: Any, grad_logsumexp: Any) -> tuple:
+        return _backward(ctx, grad_output, grad_logsumexp, TransformedAttentionBackward.apply)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Any, _: Any) -> tuple:
-        _check_trained(ctx.training)
-        if grad_output is None:                   # the output was not used
-            return (None,) * 9
-        query, key, value, output, logsumexp, q_lengths, kv_lengths, keep, seed_offset = ctx.saved_tensors
-        grads = TransformedAttentionBackward.apply(query, key, value, output, grad_output, logsumexp, q_lengths,
-                                                   kv_lengths, keep, seed_offset, ctx.static)
-        return (*grads, None, None, None, None, None, None)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple, query, key, value, q_lengths, kv_lengths, keep, seed_offset, static,
-             training) -> tuple:
-        size, batch = _sizes(info, in_dims, (query, key, value))
-        q, k, v, q_lengths, kv_lengths = (_folded(x, d, size) for x, d in
-                                          zip((query, key, value, q_lengths, kv_lengths), in_dims))
-        keep = _folded_keep(keep, in_dims[5], size, batch)
-        output, logsumexp = TransformedAttention.apply(q, k, v, q_lengths, kv_lengths, keep,
-                                                       _unmapped_seed(seed_offset, in_dims[6]), static, training)
+    def vmap(info: Any, in_dims: tuple, *arguments: Any) -> tuple:
+        size, batch = info.batch_size, _batch(arguments[0], in_dims[0])
+        folded = [_folded(x, d, size) for x, d in zip(arguments[:5], in_dims)]
+        keep = _folded_keep(arguments[5], in_dims[5], size, batch)
+        seed_offset = _unmapped_seed(arguments[14], in_dims[14])
+        output, logsumexp = TransformedAttention.apply(*folded, keep, *arguments[6:14], seed_offset)
         output = output.unflatten(0, (size, batch))
-        if not training:                          # the empty logsumexp: one for every sample
+        if not arguments[13]:                     # not training: the empty logsumexp, one for every sample
             return (output, logsumexp), (0, None)
         return (output, logsumexp.unflatten(0, (size, batch))), (0, 0)
 
 
 class TransformedAttentionBackward(torch.autograd.Function):
-    """``apply(query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep, seed_offset,
-    static)`` -> ``(dq, dk, dv)``: :func:`~cudnn_attn.torch.ops.attention_backward_op` of those tensors."""
+    """``apply`` takes :func:`~cudnn_attn.torch.ops.attention_backward_op`'s 17 arguments and returns its ``(dq,
+    dk, dv)``."""
 
-    @staticmethod
-    def forward(query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths, keep, seed_offset,
-                static) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _backward_implementation(query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths,
-                                        keep, *static, seed_offset)
+    forward = staticmethod(_backward_implementation)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -87,21 +69,19 @@ class TransformedAttentionBackward(torch.autograd.Function):
         raise RuntimeError("cudnn_attn::attention is not twice differentiable: its backward has no gradient")
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, query, key, value, output, grad_output, logsumexp, q_lengths, kv_lengths,
-             keep, seed_offset, static) -> tuple:
-        size, batch = _sizes(info, in_dims, (query, key, value, output, grad_output))
-        folded = [_folded(x, d, size) for x, d in zip((query, key, value, output, grad_output, logsumexp,
-                                                       q_lengths, kv_lengths), in_dims)]
-        keep = _folded_keep(keep, in_dims[8], size, batch)
-        grads = TransformedAttentionBackward.apply(*folded, keep, _unmapped_seed(seed_offset, in_dims[9]), static)
+    def vmap(info: Any, in_dims: tuple, *arguments: Any) -> tuple:
+        size, batch = info.batch_size, _batch(arguments[0], in_dims[0])
+        folded = [_folded(x, d, size) for x, d in zip(arguments[:8], in_dims)]
+        keep = _folded_keep(arguments[8], in_dims[8], size, batch)
+        seed_offset = _unmapped_seed(arguments[16], in_dims[16])
+        grads = TransformedAttentionBackward.apply(*folded, keep, *arguments[9:16], seed_offset)
         return tuple(g.unflatten(0, (size, batch)) for g in grads), (0, 0, 0)
 
 
-def _sizes(info: Any, in_dims: tuple, tensors: tuple) -> tuple[int, int]:
-    """The mapped size and the calls' batch (the first dimension of the query's layout, which every layout of the
-    torch front has)."""
-    query, dim = tensors[0], in_dims[0]
-    return info.batch_size, query.shape[1 if dim is not None else 0]
+def _batch(query: torch.Tensor, dim: Any) -> int:
+    """The calls' batch: the query's first dimension in every layout of the torch front (its second where mapped at
+    0, as :func:`_folded` moves it)."""
+    return query.shape[0] if dim is None else query.movedim(dim, 0).shape[1]
 
 
 def _folded(x: Any, dim: Any, size: int) -> Any:
