@@ -16,9 +16,10 @@ the host; *forward host ms* the host clock until the forward is issued (the loss
 which a small model's GPU waits on the host.  *ours:* the kinds of attention call the step made and how they ran
 (``_Direct``: the direct launch; ``_General``: the CuPy front's path).  Both models live side by side and step
 alternately (each step in the other order than the last), so that a drift of the GPU or the host falls on both; the
-ratio is the median of each step's ours / sdpa GPU ms (below 1: ours faster).  The two implementations start from
-the same parameters; the first step's losses are printed side by side (they differ only by the two attention
-kernels' rounding).
+ratio is the median of each step's ours / sdpa GPU ms (below 1: ours faster), with a 95 % interval of that median
+(a seeded bootstrap of the paired steps: an interval that excludes 1 is a difference, not noise).  The two
+implementations start from the same parameters; the first step's losses are printed side by side (they differ only
+by the two attention kernels' rounding).
 
 *Back to back* (``chained``): after the paired steps, blocks of 10 steps issued without reading anything between
 them (a training loop that does not read its loss every step), the blocks of the two alternating (6 blocks, each
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import statistics
 import sys
@@ -156,7 +158,8 @@ def measure(layers: int, batch: int, sequence: int, steps: int, warmup: int) -> 
             row[trainer.implementation] = trainer.result(ids)
             row[trainer.implementation]["chained_ms"] = statistics.median(chained[trainer.implementation])
         ours, theirs = trainers
-        row["ratio"] = statistics.median(a / b for a, b in zip(ours.gpu, theirs.gpu))
+        ratios = [a / b for a, b in zip(ours.gpu, theirs.gpu)]
+        row["ratio"], row["ratio_interval"] = statistics.median(ratios), median_interval(ratios)
         row["chained_ratio"] = statistics.median(a / b for a, b in zip(chained[name], chained["sdpa"]))
         row["paths"] = sorted({f"{key[0]} {type(known).__name__}" for key, known in ops.calls.items()
                                if key not in before})
@@ -170,10 +173,19 @@ def measure(layers: int, batch: int, sequence: int, steps: int, warmup: int) -> 
     return row
 
 
+def median_interval(values: list[float], resamples: int = 4000, level: float = 0.95) -> list[float]:
+    """The percentile bootstrap interval of the median of ``values`` at ``level`` (seeded, so a report's interval
+    is recomputed exactly from its ``gpu_ms_steps``)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = int(resamples * (1 - level) / 2)
+    return [medians[tail], medians[resamples - 1 - tail]]
+
+
 def table(rows: list[dict]) -> str:
-    lines = [f"{'layers B T':16s} {'ours GPU ms':>12s} {'sdpa GPU ms':>12s} {'ratio':>6s} {'ours wall':>10s} "
-             f"{'sdpa wall':>10s} {'ours host':>10s} {'sdpa host':>10s} {'ours fwd host':>14s} {'sdpa fwd host':>14s}"
-             f" {'back to back':>13s}  first loss ours / sdpa"]
+    lines = [f"{'layers B T':16s} {'ours GPU ms':>12s} {'sdpa GPU ms':>12s} {'ratio':>6s} {'95% interval':>13s} "
+             f"{'ours wall':>10s} {'sdpa wall':>10s} {'ours host':>10s} {'sdpa host':>10s} {'ours fwd host':>14s} "
+             f"{'sdpa fwd host':>14s} {'back to back':>13s}  first loss ours / sdpa"]
     for r in rows:
         ours, theirs = r["cudnn_attn"], r["sdpa"]
         label = f"{r['layers']} {r['batch']} {r['sequence']}"
@@ -181,6 +193,7 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{label:16s} FAILED: {ours.get('error') or theirs.get('error')}")
             continue
         lines.append(f"{label:16s} {ours['gpu_ms']:12.2f} {theirs['gpu_ms']:12.2f} {r['ratio']:6.3f} "
+                     f"{'%.3f-%.3f' % tuple(r.get('ratio_interval', (0, 0))):>13s} "
                      f"{ours['wall_ms']:10.2f} {theirs['wall_ms']:10.2f} {ours['host_ms']:10.2f} "
                      f"{theirs['host_ms']:10.2f} {ours['forward_host_ms']:14.2f} {theirs['forward_host_ms']:14.2f}"
                      f" {r['chained_ratio']:13.3f}"
