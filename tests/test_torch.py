@@ -199,7 +199,7 @@ def test_dispatch_modes_and_function_transforms_see_the_operator(rng):
     with names_mode() as mode:
         ct.sdpa(q, k, v)
     assert any(name.startswith("cudnn_attn.attention") for name in mode.names), mode.names
-    with names_mode() as mode:                                       # a call autograd records, and its backward
+    with names_mode() as mode:                                        # a call autograd records, and its backward
         out, _ = ct.sdpa(*(x.detach().requires_grad_() for x in (q, k, v)))
         out.sum().backward()
     assert any(name.startswith("cudnn_attn.attention_backward") for name in mode.names), mode.names
