@@ -193,7 +193,7 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{label:16s} FAILED: {ours.get('error') or theirs.get('error')}")
             continue
         lines.append(f"{label:16s} {ours['gpu_ms']:12.2f} {theirs['gpu_ms']:12.2f} {r['ratio']:6.3f} "
-                     f"{'%.3f-%.3f' % tuple(r.get('ratio_interval', (0, 0))):>13s} "
+                     f"{'%.3f-%.3f' % tuple(r['ratio_interval']):>13s} "
                      f"{ours['wall_ms']:10.2f} {theirs['wall_ms']:10.2f} {ours['host_ms']:10.2f} "
                      f"{theirs['host_ms']:10.2f} {ours['forward_host_ms']:14.2f} {theirs['forward_host_ms']:14.2f}"
                      f" {r['chained_ratio']:13.3f}"

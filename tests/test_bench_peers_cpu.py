@@ -1,6 +1,7 @@
-"""The CPU-runnable parts of the peer, small-shape, decode, generate and decomposition benchmarks (they run on the GPU machine):
-their ``--dry-run`` reports (JSON written, the table printed last), the jitted chain of ``bench_peers`` on the
-JAX bridge's CPU target against ``jax.nn``'s XLA attention, and ``bench_small``'s count of HLO ops per call."""
+"""The CPU-runnable parts of the peer, small-shape, decode, generate, decomposition and torch benchmarks (they run on
+the GPU machine): their ``--dry-run`` reports (JSON written, the table printed last), the jitted chain of
+``bench_peers`` on the JAX bridge's CPU target against ``jax.nn``'s XLA attention, ``bench_small``'s count of HLO ops
+per call, and ``bench_torch``'s interval of its paired ratio."""
 
 from __future__ import annotations
 
@@ -163,3 +164,18 @@ def test_run_all_bundles_every_file_into_one_archive(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["bundle.tar.gz", "summary.txt"]
     with tarfile.open(tmp_path / "bundle.tar.gz") as archive:
         assert sorted(archive.getnames()) == ["ab/new1.json", "gpu_tests.xml", "tests.log"]
+
+
+def test_bench_torch_median_interval_brackets_the_median_and_is_reproducible():
+    """``bench_torch.median_interval``: seeded (a report's interval is recomputed exactly from its steps), it holds
+    the median, and paired ratios that sit above 1 give an interval that excludes 1."""
+    pytest.importorskip("torch")
+    bench = _bench("bench_torch")
+    rng = np.random.default_rng(17)
+    ratios = list(1.006 + 0.004 * rng.standard_normal(30))
+    low, high = bench.median_interval(ratios)
+    assert low <= float(np.median(ratios)) <= high and 1.0 < low < high
+    assert bench.median_interval(ratios) == [low, high]
+    noise = list(1.0 + 0.01 * rng.standard_normal(30))
+    low, high = bench.median_interval(noise)
+    assert low < 1.0 < high, (low, high)
